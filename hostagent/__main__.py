@@ -1,0 +1,5 @@
+"""`python -m hostagent` runs the CLI."""
+
+from hostagent.cli import main
+
+raise SystemExit(main())
