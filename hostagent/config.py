@@ -1,0 +1,341 @@
+"""Configuration: one TOML file plus HOSTAGENT_<SECTION>__<KEY> environment overrides, validated into frozen settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hostagent.domain.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/hostagent/hostagent.toml")
+ENV_PREFIX = "HOSTAGENT_"
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """[agent]: identity, state and the HTTP listener."""
+
+    host_id: str = field(default_factory=socket.gethostname)
+    state_dir: str = "/var/lib/hostagent"
+    listen: str = "127.0.0.1"
+    port: int = 8470
+    tls_cert: str = ""
+    tls_key: str = ""
+    allow_plain_http: bool = False  # plain HTTP off loopback needs this
+    log_format: str = "auto"  # auto | json | text
+    log_level: str = "INFO"
+    max_body_bytes: int = 1_048_576
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    """[host]: where the kernel's interfaces are and what counts as a GPU."""
+
+    sysfs_root: str = "/sys"
+    dev_root: str = ""  # default: /dev, or <sysfs_root>/../dev for a fake tree
+    proc_root: str = ""  # default: /proc, or <sysfs_root>/../proc for a fake tree
+    pci_ids_path: str = "/usr/share/misc/pci.ids"
+    gpu_vendors: tuple[str, ...] = ("10de", "1002")
+    group_allow_list: tuple[str, ...] = ()  # "vendor:device" hex pairs allowed to share a GPU's group
+    step_timeout_s: float = 10.0
+    rom_bar_off: bool = False
+    driver_vfio: bool = True
+    pinned: tuple[str, ...] = ()  # PCI addresses an operator keeps on vfio-pci outside any lease
+    nvlink_hints: str = ""  # path of a file naming NVLink peers
+
+
+@dataclass(frozen=True)
+class LibvirtSettings:
+    """[libvirt]: the hypervisor connection."""
+
+    uri: str = "qemu:///system"
+    detach_timeout_s: float = 30.0
+    detach_retries: int = 3
+    guest_bus: int = 0  # guest PCI bus where hostdevs go (0 on i440fx; a root port bus on q35)
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """[store]: the usage store."""
+
+    url: str = ""  # default: sqlite:///<state_dir>/usage.sqlite3
+    auto_upgrade: bool = True
+    spool_path: str = ""  # default: <state_dir>/spool.sqlite3
+    queue_max: int = 20_000
+    flush_interval_s: float = 1.0
+    flush_batch: int = 1000
+    raw_retention_days: int = 30
+    minute_retention_days: int = 90
+
+
+@dataclass(frozen=True)
+class LeaseSettings:
+    """[leases]: lifetimes, queueing, quotas."""
+
+    default_duration_s: int = 8 * 3600
+    max_duration_s: int = 7 * 24 * 3600
+    queue_max: int = 1000
+    keep_on_domain_stop: bool = False  # keep leases (and vfio binding) when the VM shuts down; a guest reboot never ends them
+    preempt_min_priority: int = 0  # 0: never preempt; else priorities >= this may preempt lower ones
+    max_gpus_per_vm: int = 0  # 0: no quota
+    max_gpu_hours_per_day_per_vm: float = 0.0  # 0: no quota
+    projects: dict[str, dict[str, Any]] = field(default_factory=dict)  # project -> {domains=[..], max_gpus=N}
+    numa_policy: str = "preferred"  # required | preferred | any, for multi-GPU requests
+
+
+@dataclass(frozen=True)
+class ReclaimSettings:
+    """[reclaim]: the two-strike idle detector."""
+
+    enabled: bool = True
+    check_interval_s: float = 3600.0
+    grace_s: float = 1200.0
+    idle_util_pct: float = 5.0
+    memory_counts_busy: bool = True
+    min_lease_age_s: float = 600.0
+    no_heartbeat: str = "host-signal"  # host-signal | never-idle
+    notice_window_s: float = 60.0
+    per_priority: dict[str, dict[str, float]] = field(default_factory=dict)  # "10" -> {check_interval_s=..}
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    """[placement]: the learned scorer."""
+
+    outcome: str = "work_rate"  # work_rate | utilization | completion
+    min_records: int = 30
+    explore_epsilon: float = 0.05
+    explore_max_priority: int = 5  # no exploration for requests above this priority
+    retrain_interval_s: float = 6 * 3600.0
+    model_dir: str = ""  # default: <state_dir>/models
+
+
+@dataclass(frozen=True)
+class AuthSettings:
+    """[auth]: the operator credential (its SHA-256; tokens for VMs live in the store)."""
+
+    operator_token_sha256: str = ""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting, validated and frozen at start."""
+
+    agent: AgentSettings = field(default_factory=AgentSettings)
+    host: HostSettings = field(default_factory=HostSettings)
+    libvirt: LibvirtSettings = field(default_factory=LibvirtSettings)
+    store: StoreSettings = field(default_factory=StoreSettings)
+    leases: LeaseSettings = field(default_factory=LeaseSettings)
+    reclaim: ReclaimSettings = field(default_factory=ReclaimSettings)
+    placement: PlacementSettings = field(default_factory=PlacementSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
+
+    # Derived paths: one place decides the defaults that depend on other keys.
+    @property
+    def state_dir(self) -> Path:
+        """The agent's state directory."""
+        return Path(self.agent.state_dir)
+
+    @property
+    def dev_root(self) -> Path:
+        """/dev, or the fake tree's dev beside its sysfs root."""
+        if self.host.dev_root:
+            return Path(self.host.dev_root)
+        return Path("/dev") if self.host.sysfs_root == "/sys" else Path(self.host.sysfs_root).parent / "dev"
+
+    @property
+    def proc_root(self) -> Path:
+        """/proc, or the fake tree's proc beside its sysfs root."""
+        if self.host.proc_root:
+            return Path(self.host.proc_root)
+        return Path("/proc") if self.host.sysfs_root == "/sys" else Path(self.host.sysfs_root).parent / "proc"
+
+    @property
+    def store_url(self) -> str:
+        """SQLAlchemy URL of the usage store."""
+        return self.store.url or f"sqlite:///{self.state_dir / 'usage.sqlite3'}"
+
+    @property
+    def spool_path(self) -> Path:
+        """Local spool used while MySQL is unreachable."""
+        return Path(self.store.spool_path) if self.store.spool_path else self.state_dir / "spool.sqlite3"
+
+    @property
+    def model_dir(self) -> Path:
+        """Where placement models are kept."""
+        return Path(self.placement.model_dir) if self.placement.model_dir else self.state_dir / "models"
+
+    def replace(self, **sections: dict[str, Any]) -> Settings:
+        """A copy with some keys changed, validated like a file: `replace(agent={"port": 0})`."""
+        raw = settings_to_dict(self)
+        for name, values in sections.items():
+            raw.setdefault(name, {}).update(values)
+        return settings_from_dict(raw)
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "agent.log_format": ("auto", "json", "text"),
+    "agent.log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "leases.numa_policy": ("required", "preferred", "any"),
+    "reclaim.no_heartbeat": ("host-signal", "never-idle"),
+    "placement.outcome": ("work_rate", "utilization", "completion"),
+}
+_POSITIVE = {
+    "agent.max_body_bytes", "host.step_timeout_s", "libvirt.detach_timeout_s", "store.queue_max",
+    "store.flush_interval_s", "store.flush_batch", "leases.default_duration_s", "leases.max_duration_s",
+    "reclaim.check_interval_s", "reclaim.grace_s", "placement.retrain_interval_s",
+}
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check one value against its type hint; raise ConfigError naming the key."""
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}", field=key)
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}", field=key)
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}", field=key)
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}", field=key)
+    if origin is tuple:
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(f"{key}: expected a list of strings, got {value!r}", field=key)
+    if origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(f"{key}: expected a table, got {value!r}", field=key)
+    raise ConfigError(f"{key}: unsupported setting type", field=key)  # pragma: no cover
+
+
+def settings_from_dict(raw: dict[str, Any]) -> Settings:
+    """Validate a parsed TOML document into Settings; unknown sections or keys are errors."""
+    if not isinstance(raw, dict):
+        raise ConfigError("configuration must be a TOML table")
+    sections: dict[str, Any] = {}
+    section_types = {f.name: f.type for f in dataclasses.fields(Settings)}
+    hints_by_section = typing.get_type_hints(Settings)
+    for name, values in raw.items():
+        if name not in section_types:
+            raise ConfigError(
+                f"unknown section [{name}]; known sections: {', '.join(sorted(section_types))}", field=name
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}] must be a table", field=name)
+        cls = hints_by_section[name]
+        hints = typing.get_type_hints(cls)
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            full = f"{name}.{key}"
+            if key not in hints:
+                raise ConfigError(
+                    f"unknown key {full}; keys of [{name}]: {', '.join(sorted(hints))}", field=full
+                )
+            v = _coerce(full, value, hints[key])
+            if full in _CHOICES and v not in _CHOICES[full]:
+                raise ConfigError(f"{full}: must be one of {', '.join(_CHOICES[full])}, got {v!r}", field=full)
+            if full in _POSITIVE and v <= 0:
+                raise ConfigError(f"{full}: must be greater than 0, got {v!r}", field=full)
+            kwargs[key] = v
+        sections[name] = cls(**kwargs)
+    settings = Settings(**sections)
+    _check_cross(settings)
+    return settings
+
+
+def _check_cross(s: Settings) -> None:
+    """Rules that involve more than one key."""
+    if not (0 <= s.agent.port <= 65535):
+        raise ConfigError(f"agent.port: must be 0..65535, got {s.agent.port}", field="agent.port")
+    if bool(s.agent.tls_cert) != bool(s.agent.tls_key):
+        raise ConfigError("agent.tls_cert and agent.tls_key must be set together", field="agent.tls_cert")
+    for v in s.host.gpu_vendors:
+        if len(v) != 4 or any(c not in "0123456789abcdefABCDEF" for c in v):
+            raise ConfigError(f"host.gpu_vendors: {v!r} is not a 4-digit hex PCI vendor id", field="host.gpu_vendors")
+    for pair in s.host.group_allow_list:
+        parts = pair.split(":")
+        if len(parts) != 2 or not all(len(p) == 4 for p in parts):
+            raise ConfigError(
+                f"host.group_allow_list: {pair!r} is not vendor:device hex (e.g. 10de:22ba)", field="host.group_allow_list"
+            )
+    if not 0 <= s.reclaim.idle_util_pct <= 100:
+        raise ConfigError("reclaim.idle_util_pct: must be 0..100", field="reclaim.idle_util_pct")
+    if not 0 <= s.placement.explore_epsilon <= 0.5:
+        raise ConfigError("placement.explore_epsilon: must be 0..0.5", field="placement.explore_epsilon")
+    if s.leases.default_duration_s > s.leases.max_duration_s:
+        raise ConfigError(
+            "leases.default_duration_s must not exceed leases.max_duration_s", field="leases.default_duration_s"
+        )
+
+
+def settings_to_dict(s: Settings) -> dict[str, Any]:
+    """Settings as a TOML-shaped dict (for `hostagent config show`)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(s):
+        sec = getattr(s, f.name)
+        out[f.name] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(sec).items()}
+    return out
+
+
+def _env_overrides(environ: typing.Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """HOSTAGENT_AGENT__PORT=9000 -> {"agent": {"port": 9000}}; values parse as TOML, else as strings."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        section, _, key = name[len(ENV_PREFIX):].lower().partition("__")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, *, environ: typing.Mapping[str, str] | None = None,
+                  overrides: dict[str, dict[str, Any]] | None = None) -> Settings:
+    """Read the TOML file (a missing default file means defaults), apply env and explicit overrides, validate."""
+    environ = os.environ if environ is None else environ
+    explicit = path is not None or "HOSTAGENT_CONFIG" in environ
+    p = Path(path) if path is not None else Path(environ.get("HOSTAGENT_CONFIG", DEFAULT_CONFIG_PATH))
+    raw: dict[str, Any] = {}
+    if p.exists():
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
+        except OSError as exc:
+            raise ConfigError(f"{p}: cannot read: {exc.strerror}") from exc
+    elif explicit:
+        raise ConfigError(f"{p}: configuration file not found (pass --config FILE, or create it)", field="config")
+    for layer in (_env_overrides(environ), overrides or {}):
+        for section, values in layer.items():
+            if not isinstance(raw.get(section, {}), dict):
+                continue
+            raw.setdefault(section, {}).update(values)
+    try:
+        return settings_from_dict(raw)
+    except ConfigError as exc:
+        where = str(p) if p.exists() else "configuration"
+        raise ConfigError(f"{where}: {exc.message}", field=exc.field) from exc
+
+
+def dumps_json(s: Settings) -> str:
+    """Settings as JSON."""
+    return json.dumps(settings_to_dict(s), indent=2, sort_keys=True)

@@ -1,0 +1,434 @@
+"""Leases as data: the request, the lease, its state machine, and arbitration (priority, deferral, partial grants)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hostagent.domain.errors import Conflict, InvalidInput, InvalidTransition
+
+
+class LeaseState(str, enum.Enum):
+    """Where a lease is in its life."""
+
+    REQUESTED = "REQUESTED"
+    QUEUED = "QUEUED"
+    BINDING = "BINDING"
+    ATTACHING = "ATTACHING"
+    ACTIVE = "ACTIVE"
+    RELEASING = "RELEASING"
+    DETACHING = "DETACHING"
+    DETACH_PENDING = "DETACH_PENDING"
+    REBINDING = "REBINDING"
+    RELEASED = "RELEASED"
+    EXPIRED = "EXPIRED"
+    FAILED = "FAILED"
+
+    @property
+    def terminal(self) -> bool:
+        """No further transitions."""
+        return self in TERMINAL
+
+    @property
+    def holds_devices(self) -> bool:
+        """The lease's devices are (or may be) on vfio-pci and owned by it."""
+        return self in HOLDING
+
+
+S = LeaseState
+TRANSITIONS: Mapping[LeaseState, frozenset[LeaseState]] = {
+    S.REQUESTED: frozenset({S.QUEUED, S.BINDING, S.FAILED}),
+    S.QUEUED: frozenset({S.BINDING, S.EXPIRED, S.RELEASED, S.FAILED}),
+    S.BINDING: frozenset({S.ATTACHING, S.FAILED}),
+    S.ATTACHING: frozenset({S.ACTIVE, S.FAILED}),
+    S.ACTIVE: frozenset({S.RELEASING}),
+    S.RELEASING: frozenset({S.DETACHING}),
+    S.DETACHING: frozenset({S.REBINDING, S.DETACH_PENDING}),
+    S.DETACH_PENDING: frozenset({S.DETACHING, S.REBINDING}),
+    S.REBINDING: frozenset({S.RELEASED, S.EXPIRED}),
+    S.RELEASED: frozenset(),
+    S.EXPIRED: frozenset(),
+    S.FAILED: frozenset(),
+}
+TERMINAL = frozenset(s for s, nxt in TRANSITIONS.items() if not nxt)
+HOLDING = frozenset({S.BINDING, S.ATTACHING, S.ACTIVE, S.RELEASING, S.DETACHING, S.DETACH_PENDING, S.REBINDING})
+
+
+def check_transition(current: LeaseState, target: LeaseState) -> None:
+    """Raise InvalidTransition unless the table allows current -> target."""
+    if target not in TRANSITIONS[current]:
+        allowed = ", ".join(sorted(s.value for s in TRANSITIONS[current])) or "none (terminal)"
+        raise InvalidTransition(
+            f"lease cannot go from {current.value} to {target.value}; allowed: {allowed}",
+            field="state",
+            current=current.value,
+            target=target.value,
+        )
+
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "fp64", "tf32")
+NUMA_POLICIES = ("required", "preferred", "any")
+MAX_GPUS_PER_REQUEST = 64
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRequest:
+    """What a VM asks for."""
+
+    gpus: int = 1
+    task_type: str = "unspecified"
+    data_scale: float | None = None
+    precision: str | None = None
+    min_memory_gib: float = 0.0
+    duration_s: int | None = None
+    priority: int = 0
+    accept_partial: bool = False
+    accept_deferred: bool = False
+    not_after: float | None = None  # unix seconds
+    idempotency_key: str | None = None
+    vendor: str | None = None
+    model: str | None = None
+    numa_policy: str | None = None
+    project: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+_REQUEST_FIELDS = frozenset(LeaseRequest.__slots__)
+
+
+def _num(body: Mapping[str, Any], key: str, *, integer: bool, lo: float, hi: float) -> Any:
+    value = body[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise InvalidInput(f"{key} must be {'an integer' if integer else 'a number'}", field=key)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidInput(f"{key} must be finite", field=key)
+    if not lo <= value <= hi:
+        raise InvalidInput(f"{key} must be between {lo:g} and {hi:g}, got {value}", field=key)
+    return value
+
+
+def _text(body: Mapping[str, Any], key: str, max_len: int = 64) -> str:
+    value = body[key]
+    if not isinstance(value, str) or not value or len(value) > max_len or not value.isprintable():
+        raise InvalidInput(f"{key} must be a printable string of 1..{max_len} characters", field=key)
+    return value
+
+
+def _flag(body: Mapping[str, Any], key: str) -> bool:
+    value = body[key]
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{key} must be true or false", field=key)
+    return value
+
+
+def parse_lease_request(body: Any, *, now: float, max_duration_s: int) -> LeaseRequest:
+    """Validate a POST /v1/leases body into a LeaseRequest; unknown fields are rejected."""
+    if not isinstance(body, dict):
+        raise InvalidInput("request body must be a JSON object")
+    unknown = sorted(set(body) - _REQUEST_FIELDS)
+    if unknown:
+        raise InvalidInput(f"unknown field {unknown[0]!r}", field=unknown[0])
+    kw: dict[str, Any] = {}
+    if "gpus" in body:
+        kw["gpus"] = _num(body, "gpus", integer=True, lo=1, hi=MAX_GPUS_PER_REQUEST)
+    if "task_type" in body:
+        kw["task_type"] = _text(body, "task_type")
+    if "data_scale" in body and body["data_scale"] is not None:
+        kw["data_scale"] = float(_num(body, "data_scale", integer=False, lo=0, hi=1e18))
+    if "precision" in body and body["precision"] is not None:
+        p = body["precision"]
+        if p not in PRECISIONS:
+            raise InvalidInput(f"precision must be one of {', '.join(PRECISIONS)}", field="precision")
+        kw["precision"] = p
+    if "min_memory_gib" in body:
+        kw["min_memory_gib"] = float(_num(body, "min_memory_gib", integer=False, lo=0, hi=4096))
+    if "duration_s" in body and body["duration_s"] is not None:
+        kw["duration_s"] = _num(body, "duration_s", integer=True, lo=1, hi=max_duration_s)
+    if "priority" in body:
+        kw["priority"] = _num(body, "priority", integer=True, lo=-1000, hi=1000)
+    for flag in ("accept_partial", "accept_deferred"):
+        if flag in body:
+            kw[flag] = _flag(body, flag)
+    if "not_after" in body and body["not_after"] is not None:
+        na = float(_num(body, "not_after", integer=False, lo=0, hi=1e11))
+        if na <= now:
+            raise InvalidInput("not_after is already in the past", field="not_after")
+        kw["not_after"] = na
+    if "idempotency_key" in body and body["idempotency_key"] is not None:
+        kw["idempotency_key"] = _text(body, "idempotency_key", 128)
+    for key in ("vendor", "model", "project"):
+        if key in body and body[key] is not None:
+            kw[key] = _text(body, key, 128)
+    if "numa_policy" in body and body["numa_policy"] is not None:
+        if body["numa_policy"] not in NUMA_POLICIES:
+            raise InvalidInput(f"numa_policy must be one of {', '.join(NUMA_POLICIES)}", field="numa_policy")
+        kw["numa_policy"] = body["numa_policy"]
+    return LeaseRequest(**kw)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseDevice:
+    """One GPU held by a lease: its functions, their original host drivers and guest addresses."""
+
+    gpu_id: str
+    functions: tuple[str, ...]  # PCI addresses as text
+    original_drivers: tuple[str | None, ...]
+    iommu_group: int
+    guest_addresses: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "gpu_id": self.gpu_id,
+            "functions": list(self.functions),
+            "original_drivers": list(self.original_drivers),
+            "iommu_group": self.iommu_group,
+            "guest_addresses": list(self.guest_addresses),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LeaseDevice:
+        """Inverse of to_dict."""
+        return cls(
+            gpu_id=d["gpu_id"],
+            functions=tuple(d["functions"]),
+            original_drivers=tuple(d["original_drivers"]),
+            iommu_group=int(d["iommu_group"]),
+            guest_addresses=tuple(d.get("guest_addresses", ())),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A lease and everything needed to finish or undo it after a crash."""
+
+    id: str
+    domain_uuid: str
+    domain_name: str
+    request: LeaseRequest
+    state: LeaseState
+    created_at: float
+    devices: tuple[LeaseDevice, ...] = ()
+    granted_gpus: int = 0
+    granted_at: float | None = None
+    expires_at: float | None = None
+    ended_at: float | None = None
+    end_reason: str | None = None
+    reasons: tuple[str, ...] = ()
+    distance: int | None = None
+    queued_at: float | None = None
+    reclaim_paused: bool = False
+    strike_at: float | None = None  # time of strike one, None when clear
+    recheck_at: float | None = None
+    notice: str | None = None  # "warning" | "reclaim" | None
+    notice_deadline: float | None = None
+    error: str | None = None
+    detach_attempts: int = 0
+
+    def transition(self, target: LeaseState, **changes: Any) -> Lease:
+        """A copy in the target state; raises InvalidTransition if the table forbids it."""
+        check_transition(self.state, target)
+        return replace(self, state=target, **changes)
+
+    def with_changes(self, **changes: Any) -> Lease:
+        """A copy with non-state fields changed."""
+        if "state" in changes:
+            raise InvalidTransition("use transition() to change state", field="state")
+        return replace(self, **changes)
+
+    @property
+    def gpu_ids(self) -> tuple[str, ...]:
+        """GPUs held."""
+        return tuple(d.gpu_id for d in self.devices)
+
+    @property
+    def expected_end(self) -> float | None:
+        """When this lease is expected to free its GPUs (for ETAs)."""
+        return self.expires_at
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form for the journal."""
+        return {
+            "id": self.id,
+            "domain_uuid": self.domain_uuid,
+            "domain_name": self.domain_name,
+            "request": self.request.to_dict(),
+            "state": self.state.value,
+            "created_at": self.created_at,
+            "devices": [d.to_dict() for d in self.devices],
+            "granted_gpus": self.granted_gpus,
+            "granted_at": self.granted_at,
+            "expires_at": self.expires_at,
+            "ended_at": self.ended_at,
+            "end_reason": self.end_reason,
+            "reasons": list(self.reasons),
+            "distance": self.distance,
+            "queued_at": self.queued_at,
+            "reclaim_paused": self.reclaim_paused,
+            "strike_at": self.strike_at,
+            "recheck_at": self.recheck_at,
+            "notice": self.notice,
+            "notice_deadline": self.notice_deadline,
+            "error": self.error,
+            "detach_attempts": self.detach_attempts,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Lease:
+        """Inverse of to_dict."""
+        return cls(
+            id=d["id"],
+            domain_uuid=d["domain_uuid"],
+            domain_name=d["domain_name"],
+            request=LeaseRequest(**d["request"]),
+            state=LeaseState(d["state"]),
+            created_at=d["created_at"],
+            devices=tuple(LeaseDevice.from_dict(x) for x in d.get("devices", ())),
+            granted_gpus=d.get("granted_gpus", 0),
+            granted_at=d.get("granted_at"),
+            expires_at=d.get("expires_at"),
+            ended_at=d.get("ended_at"),
+            end_reason=d.get("end_reason"),
+            reasons=tuple(d.get("reasons", ())),
+            distance=d.get("distance"),
+            queued_at=d.get("queued_at"),
+            reclaim_paused=d.get("reclaim_paused", False),
+            strike_at=d.get("strike_at"),
+            recheck_at=d.get("recheck_at"),
+            notice=d.get("notice"),
+            notice_deadline=d.get("notice_deadline"),
+            error=d.get("error"),
+            detach_attempts=d.get("detach_attempts", 0),
+        )
+
+
+# ---- arbitration -------------------------------------------------------------------------------------------
+
+
+class Verdict(str, enum.Enum):
+    """What arbitration decided for a request."""
+
+    GRANT = "grant"
+    PARTIAL = "partial"
+    DEFER = "defer"
+    REFUSE = "refuse"
+
+
+@dataclass(frozen=True, slots=True)
+class Arbitration:
+    """Arbitration's answer: how many GPUs now, or queue, or refuse, and why."""
+
+    verdict: Verdict
+    count: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """A queued request, as arbitration sees it."""
+
+    lease_id: str
+    priority: int
+    queued_at: float
+    gpus: int
+
+
+def queue_order(waiting: Iterable[Waiting]) -> list[Waiting]:
+    """Serve order: higher priority first, then older."""
+    return sorted(waiting, key=lambda w: (-w.priority, w.queued_at, w.lease_id))
+
+
+def arbitrate(request: LeaseRequest, free: int, feasible_total: int, waiting: Sequence[Waiting]) -> Arbitration:
+    """Decide grant / partial / defer / refuse. Never preempts; a request never jumps a queued one of >= priority."""
+    if feasible_total < request.gpus and not request.accept_partial:
+        return Arbitration(
+            Verdict.REFUSE, 0,
+            f"this host has only {feasible_total} GPU(s) matching the request, {request.gpus} asked",
+        )
+    ahead = [w for w in waiting if w.priority >= request.priority]
+    if ahead:
+        if request.accept_deferred:
+            return Arbitration(Verdict.DEFER, 0, f"{len(ahead)} request(s) of equal or higher priority are waiting")
+        return Arbitration(
+            Verdict.REFUSE, 0,
+            f"{len(ahead)} request(s) of equal or higher priority are waiting; set accept_deferred to queue",
+        )
+    if free >= request.gpus:
+        return Arbitration(Verdict.GRANT, request.gpus, f"{free} matching GPU(s) free")
+    if request.accept_partial and free > 0:
+        return Arbitration(Verdict.PARTIAL, free, f"only {free} of {request.gpus} GPU(s) free; partial grant accepted")
+    if request.accept_deferred:
+        return Arbitration(Verdict.DEFER, 0, f"only {free} of {request.gpus} GPU(s) free; queued")
+    return Arbitration(
+        Verdict.REFUSE, 0,
+        f"only {free} of {request.gpus} matching GPU(s) free; set accept_deferred to queue or accept_partial",
+    )
+
+
+def estimate_eta(now: float, free: int, busy_until: Sequence[float], ahead: Sequence[int], need: int) -> float | None:
+    """When `need` GPUs should be free for a request behind `ahead` (their GPU counts), from active leases' ends.
+
+    Devices free in order of their expected end; each request ahead takes what it needs first. None when the
+    active leases cannot free enough (unknown ends).
+    """
+    ends = sorted(max(now, t) for t in busy_until)
+    pool = [now] * free + ends
+    pool.sort()
+    cursor = 0
+    t = now
+    for n in list(ahead) + [need]:
+        if cursor + n > len(pool):
+            return None
+        t = max(t, pool[cursor + n - 1])
+        cursor += n
+    return t
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """Per-VM / per-project limits (0 means none)."""
+
+    max_gpus: int = 0
+    max_gpu_hours_per_day: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaUse:
+    """What a VM or project holds now and used in the last day."""
+
+    gpus_held: int = 0
+    gpu_hours_today: float = 0.0
+
+
+def check_quota(who: str, quota: Quota, use: QuotaUse, request: LeaseRequest) -> None:
+    """Raise Conflict when the request would exceed a quota."""
+    if quota.max_gpus and use.gpus_held + request.gpus > quota.max_gpus and not (
+        request.accept_partial and use.gpus_held < quota.max_gpus
+    ):
+        raise Conflict(
+            f"quota: {who} may hold at most {quota.max_gpus} GPU(s) and holds {use.gpus_held}", field="gpus",
+        )
+    if quota.max_gpu_hours_per_day and use.gpu_hours_today >= quota.max_gpu_hours_per_day:
+        raise Conflict(
+            f"quota: {who} used {use.gpu_hours_today:.1f} of {quota.max_gpu_hours_per_day:g} GPU-hours today",
+            field="gpus",
+        )
+
+
+def new_lease(lease_id: str, domain_uuid: str, domain_name: str, request: LeaseRequest, now: float) -> Lease:
+    """A fresh lease in REQUESTED."""
+    return Lease(id=lease_id, domain_uuid=domain_uuid, domain_name=domain_name, request=request,
+                 state=LeaseState.REQUESTED, created_at=now)
+
+
+__all__ = [
+    "Arbitration", "Lease", "LeaseDevice", "LeaseRequest", "LeaseState", "Quota", "QuotaUse", "TRANSITIONS",
+    "Verdict", "Waiting", "arbitrate", "check_quota", "check_transition", "estimate_eta", "new_lease",
+    "parse_lease_request", "queue_order",
+]

@@ -1,0 +1,302 @@
+"""The composition root: settings -> adapters -> services -> web app, with one lifecycle per resource."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from hostagent.config import Settings
+from hostagent.domain.errors import HostAgentError
+from hostagent.domain.inventory import Gpu
+from hostagent.domain.lease import Lease, LeaseState, Quota
+from hostagent.host.adapter import SysfsHost
+from hostagent.host.discovery import Inventory, discover
+from hostagent.host.sysfs import open_sysfs
+from hostagent.services.leases import LeaseManager, LeasePolicy, lease_view
+from hostagent.services.reconcile import Reconciler, Repair
+from hostagent.store.journal import Journal, read_boot_id
+from hostagent.web.auth import Identity, TokenBook
+
+log = logging.getLogger("hostagent.runtime")
+
+
+def open_hypervisor(settings: Settings) -> Any:
+    """libvirt for a real URI; the simulated hypervisor for `sim:///path/state.json`."""
+    uri = settings.libvirt.uri
+    if uri.startswith("sim://"):
+        from hostagent.virt.sim import SimulatedHypervisor
+
+        path = uri[len("sim://"):] or None
+        return SimulatedHypervisor.load(Path(path)) if path else SimulatedHypervisor()
+    from hostagent.virt.libvirt_adapter import LibvirtHypervisor
+
+    return LibvirtHypervisor(uri)
+
+
+def discover_host(settings: Settings) -> Inventory:
+    """Read the host's PCI inventory (read-only)."""
+    sysfs = open_sysfs(settings.host.sysfs_root)
+    allow = frozenset(tuple(int(x, 16) for x in pair.split(":")) for pair in settings.host.group_allow_list)
+    return discover(sysfs, vendors=tuple(v.lower() for v in settings.host.gpu_vendors),
+                    pci_ids_path=settings.host.pci_ids_path, allow_list=allow)  # type: ignore[arg-type]
+
+
+def lease_policy(settings: Settings) -> LeasePolicy:
+    """LeasePolicy from settings."""
+    lz = settings.leases
+    projects = tuple(
+        (name, Quota(int(p.get("max_gpus", 0)), float(p.get("max_gpu_hours_per_day", 0))),
+         tuple(str(d) for d in p.get("domains", ())))
+        for name, p in lz.projects.items()
+    )
+    return LeasePolicy(
+        default_duration_s=lz.default_duration_s, max_duration_s=lz.max_duration_s, queue_max=lz.queue_max,
+        keep_on_domain_stop=lz.keep_on_domain_stop, detach_timeout_s=settings.libvirt.detach_timeout_s,
+        detach_retries=settings.libvirt.detach_retries, guest_bus=settings.libvirt.guest_bus,
+        rom_bar_off=settings.host.rom_bar_off, driver_vfio=settings.host.driver_vfio,
+        vm_quota=Quota(lz.max_gpus_per_vm, lz.max_gpu_hours_per_day_per_vm), project_quotas=projects,
+        pinned=frozenset(settings.host.pinned),
+    )
+
+
+@dataclass
+class Runtime:
+    """Everything a running agent holds. Built by `build_runtime`, started by the web app's cleanup context."""
+
+    settings: Settings
+    inventory: Inventory
+    host: SysfsHost
+    hypervisor: Any
+    journal: Journal
+    manager: LeaseManager
+    tokens: TokenBook
+    store: Any = None
+    ingestor: Any = None
+    reaper: Any = None
+    clock: Callable[[], float] = time.time
+    repairs: list[Repair] = field(default_factory=list)
+    started: bool = False
+    hypervisor_ok: bool = False
+    recent_samples: dict[str, collections.deque[dict[str, Any]]] = field(default_factory=dict)
+    last_heartbeat: dict[str, float] = field(default_factory=dict)
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a blocking call in a worker thread."""
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    # -- views ---------------------------------------------------------------------------------------------------
+    def gpu_view(self, gpu_id: str) -> dict[str, Any]:
+        """The API's JSON for a GPU."""
+        g: Gpu = self.manager.gpus[gpu_id]
+        lease = self.manager.lease_of(gpu_id)
+        return {
+            "id": g.id,
+            "address": str(g.address),
+            "vendor": g.vendor,
+            "vendor_id": f"{g.primary.vendor_id:04x}",
+            "device_id": f"{g.primary.device_id:04x}",
+            "model": g.model,
+            "memory_bytes": g.memory_bytes,
+            "memory_source": g.memory_source,
+            "numa_node": g.numa_node,
+            "iommu_group": g.iommu_group,
+            "viable": g.viable,
+            "unviable_reason": g.unviable_reason,
+            "link": {"speed": g.primary.link_speed, "width": g.primary.link_width,
+                     "max_speed": g.primary.max_link_speed, "max_width": g.primary.max_link_width},
+            "functions": [
+                {"address": str(f.address), "class": f.class_hex, "driver": f.driver, "name": f.name}
+                for f in g.functions
+            ],
+            "state": self.manager.gpu_state(gpu_id).value,
+            "quarantine_reason": self.manager.quarantined.get(gpu_id),
+            "attention": self.manager.attention.get(gpu_id),
+            "lease": None if lease is None else {"id": lease.id, "domain": lease.domain_name, "state": lease.state.value},
+        }
+
+    async def gpu_detail(self, gpu_id: str, identity: Identity | None) -> dict[str, Any]:
+        """GPU view plus history summary (operators also get recent events)."""
+        body = self.gpu_view(gpu_id)
+        # Live drivers, re-read: the inventory is a snapshot from start.
+        drivers = await self.run(self.host.current_drivers, self.manager.gpus[gpu_id])
+        for f in body["functions"]:
+            f["driver"] = drivers.get(f["address"], f["driver"])
+        leases = [x for x in await self.run(self.journal.leases, limit=5000) if gpu_id in x.gpu_ids]
+        body["history"] = {
+            "leases": len(leases),
+            "last_lease_at": leases[0].created_at if leases else None,
+            "reclaims": sum(1 for x in leases if (x.end_reason or "").startswith("reclaim")),
+        }
+        if identity is not None and identity.is_operator:
+            events = await self.run(self.journal.events, gpu_id=gpu_id, limit=50)
+            body["events"] = [e.to_dict() for e in events]
+        elif body["lease"] and (identity is None or identity.domain_uuid != self._lease_domain(body["lease"]["id"])):
+            body["lease"] = {"state": body["lease"]["state"]}  # another VM's lease: no names
+        return body
+
+    def _lease_domain(self, lease_id: str) -> str | None:
+        lease = self.manager.leases.get(lease_id)
+        return lease.domain_uuid if lease else None
+
+    async def lease_usage(self, lease_id: str) -> dict[str, Any]:
+        """Usage so far: from the store when present, else the in-memory window."""
+        if self.store is not None:
+            with contextlib.suppress(HostAgentError):
+                return await self.run(self.store.lease_usage_summary, lease_id)
+        window = list(self.recent_samples.get(lease_id, ()))
+        if not window:
+            return {"samples": 0}
+        return {"samples": len(window),
+                "mean_util_pct": sum(s["util_pct"] for s in window) / len(window),
+                "max_mem_used_bytes": max(s["mem_used_bytes"] for s in window),
+                "last_ts": max(s["ts"] for s in window)}
+
+    async def accept_samples(self, lease: Lease, samples: list[dict[str, Any]]) -> int:
+        """Queue samples for the store (raises Overloaded when full) and keep a window for the reaper."""
+        if self.ingestor is not None and samples:
+            rows = [dict(s, lease_id=lease.id, host_id=self.settings.agent.host_id, source="guest") for s in samples]
+            self.ingestor.submit(rows)
+        window = self.recent_samples.setdefault(lease.id, collections.deque(maxlen=4096))
+        window.extend(samples)
+        self.last_heartbeat[lease.id] = self.clock()
+        return len(samples)
+
+    def readiness(self) -> dict[str, dict[str, Any]]:
+        """Checks behind /readyz."""
+        checks: dict[str, dict[str, Any]] = {
+            "reconciled": {"ok": self.started, "repairs": len(self.repairs)},
+            "hypervisor": {"ok": self.hypervisor_ok},
+        }
+        if self.store is not None:
+            degraded = bool(getattr(self.store, "degraded", False))
+            checks["store"] = {"ok": not degraded, "required": False,
+                               "spool_depth": getattr(self.store, "spool_depth", 0)}
+        return checks
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Reconcile, subscribe to events, start background jobs."""
+        boot = read_boot_id(self.settings.proc_root)
+        previous = await self.run(self.journal.swap_boot_id, boot)
+        if previous is not None and previous != boot:
+            await self.run(self.journal.event, "boot", actor="agent", detail=f"host rebooted ({previous} -> {boot})")
+        try:
+            await self.hypervisor.list_domains()
+            self.hypervisor_ok = True
+        except HostAgentError as exc:
+            log.error("hypervisor unreachable at start: %s", exc.message)
+        self.hypervisor.subscribe(self._on_domain_event)
+        self.repairs = await Reconciler(self.manager).run()
+        if self.store is not None:
+            await self.run(self._register_in_store)
+        loop_tasks = [self.manager.run_queue(), self._periodic(5.0, self.manager.expire_due),
+                      self._periodic(max(5.0, self.settings.libvirt.detach_timeout_s), self.manager.retry_pending)]
+        self.tasks = [asyncio.create_task(c) for c in loop_tasks]
+        self.manager._wake_queue.set()
+        if self.reaper is not None:
+            await self.reaper.start()
+        self.started = True
+
+    def _register_in_store(self) -> None:
+        self.store.upsert_host(self.settings.agent.host_id)
+        self.store.upsert_gpus([self.gpu_view(g) for g in self.manager.gpus])
+
+    async def stop(self) -> None:
+        """Stop jobs, drain samples, close connections."""
+        self.started = False
+        if self.reaper is not None:
+            await self.reaper.stop()
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.ingestor is not None:
+            await self.ingestor.close()
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                await self.run(self.store.close)
+        with contextlib.suppress(Exception):
+            await self.hypervisor.close()
+        self.journal.close()
+
+    async def _periodic(self, every_s: float, fn: Callable[[], Any]) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await fn()
+            except Exception:
+                log.exception("periodic job %s failed", getattr(fn, "__name__", fn))
+
+    def _on_domain_event(self, event: Any) -> None:
+        kind = getattr(event, "kind", None)
+        if kind == "reconnected":
+            self.hypervisor_ok = True
+            asyncio.ensure_future(self._after_reconnect())
+            return
+        if kind == "disconnected":
+            self.hypervisor_ok = False
+            return
+        asyncio.ensure_future(self.manager.on_domain_event(kind, event.uuid, getattr(event, "detail", None)))
+
+    async def _after_reconnect(self) -> None:
+        """libvirtd came back: re-read every lease's domain state (stops we missed while away end leases)."""
+        for lease in list(self.manager.leases.values()):
+            if lease.state is not LeaseState.ACTIVE:
+                continue
+            try:
+                dom = await self.hypervisor.get_domain(lease.domain_uuid)
+                state = dom.state
+            except HostAgentError:
+                state = "undefined"
+            if state != "running":
+                await self.manager.on_domain_event("undefined" if state == "undefined" else "stopped",
+                                                   lease.domain_uuid, "missed while disconnected")
+
+
+def build_runtime(settings: Settings) -> Runtime:
+    """Construct (but do not start) everything from settings."""
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    inventory = discover_host(settings)
+    sysfs = open_sysfs(settings.host.sysfs_root)
+    host = SysfsHost(sysfs, dev_root=settings.dev_root, proc_root=settings.proc_root,
+                     step_timeout_s=settings.host.step_timeout_s, inventory=inventory)
+    hypervisor = open_hypervisor(settings)
+    journal = Journal(settings.state_dir / "journal.sqlite3")
+    manager = LeaseManager(gpus=inventory.gpus, host=host, hypervisor=hypervisor, journal=journal,
+                           policy=lease_policy(settings))
+    tokens = TokenBook(settings.auth.operator_token_sha256, journal.lookup_token)
+    return Runtime(settings=settings, inventory=inventory, host=host, hypervisor=hypervisor, journal=journal,
+                   manager=manager, tokens=tokens)
+
+
+def make_app(runtime: Runtime) -> web.Application:
+    """The aiohttp application with the runtime's lifecycle attached."""
+    from hostagent.web.app import add_api_routes, auth_middleware, error_middleware
+    from hostagent.web.keys import RUNTIME
+
+    app = web.Application(middlewares=[error_middleware, auth_middleware],
+                          client_max_size=runtime.settings.agent.max_body_bytes)
+    app[RUNTIME] = runtime
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        await runtime.start()
+        yield
+        await runtime.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    add_api_routes(app)
+    return app
+
+
+__all__ = ["Runtime", "build_runtime", "lease_view", "make_app"]

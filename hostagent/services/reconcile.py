@@ -1,0 +1,242 @@
+"""Startup reconciliation: the journal says what was intended, sysfs and libvirt say what is true; repair.
+
+Each repair is journaled as a `repair` event and returned, so operators see what the agent did after a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from hostagent.domain.errors import HostAgentError, NotFound
+from hostagent.domain.hostdev import hostdevs_for_gpu
+from hostagent.domain.lease import Lease, LeaseDevice, LeaseState
+from hostagent.domain.pci import PciAddress
+from hostagent.services.leases import LeaseManager
+
+log = logging.getLogger("hostagent.reconcile")
+S = LeaseState
+VFIO = "vfio-pci"
+ANY_HOST_DRIVER = "*"  # give-back target for an orphan: whatever host driver the kernel probes
+
+
+@dataclass(frozen=True, slots=True)
+class Repair:
+    """One thing reconciliation found and did."""
+
+    subject: str  # lease id or gpu id
+    found: str
+    action: str
+
+    def to_dict(self) -> dict[str, str]:
+        """JSON form."""
+        return {"subject": self.subject, "found": self.found, "action": self.action}
+
+
+class Reconciler:
+    """Brings journal, sysfs and libvirt back into agreement after a start or a reconnect."""
+
+    ACTOR = "reconcile"
+
+    def __init__(self, manager: LeaseManager) -> None:
+        self.m = manager
+        self.repairs: list[Repair] = []
+
+    async def _note(self, subject: str, found: str, action: str, *, lease_id: str | None = None,
+                    gpu_id: str | None = None) -> None:
+        r = Repair(subject, found, action)
+        self.repairs.append(r)
+        log.warning("repair %s: %s -> %s", subject, found, action, extra={"lease_id": lease_id, "gpu_id": gpu_id})
+        await self.m._run(self.m.journal.event, "repair", actor=self.ACTOR, lease_id=lease_id, gpu_id=gpu_id,
+                          detail=f"found {found}; {action}")
+
+    async def run(self) -> list[Repair]:
+        """Reconcile every live lease, then orphans. Returns the repairs made."""
+        await self.m.load()
+        for lease in sorted(self.m.leases.values(), key=lambda x: x.created_at):
+            try:
+                await self._lease(lease)
+            except HostAgentError as exc:
+                await self._note(lease.id, f"{lease.state.value} lease could not be repaired: {exc.message}",
+                                 "left for retry", lease_id=lease.id)
+        await self._orphans()
+        return list(self.repairs)
+
+    async def _drivers(self, dev: LeaseDevice) -> dict[str, str | None]:
+        gpu = self.m.gpus.get(dev.gpu_id)
+        if gpu is None:
+            return {}
+        return await self.m._run(self.m.host.current_drivers, gpu)
+
+    async def _on_vfio(self, lease: Lease) -> list[LeaseDevice]:
+        out = []
+        for dev in lease.devices:
+            drivers = await self._drivers(dev)
+            if any(drivers.get(a) == VFIO for a in dev.functions):
+                out.append(dev)
+        return out
+
+    async def _attached(self, lease: Lease) -> set[str] | None:
+        """PCI sources of this lease attached to its domain; None when the domain no longer exists."""
+        try:
+            hds = await self.m.hv.attached_hostdevs(lease.domain_uuid)
+        except NotFound:
+            return None
+        mine = {a for d in lease.devices for a in d.functions}
+        return {str(h.source) for h in hds if str(h.source) in mine}
+
+    async def _give_back_devices(self, lease: Lease, devices: list[LeaseDevice]) -> list[str]:
+        notes = []
+        for dev in devices:
+            gpu = self.m.gpus[dev.gpu_id]
+            res = await self.m._run(self.m.host.give_back, gpu, dict(zip(dev.functions, dev.original_drivers)), None)
+            if res.ok:
+                notes.append(f"gave {dev.gpu_id} back to its host driver")
+            else:
+                notes.append(f"{dev.gpu_id} would not return: {res.error}; quarantined")
+                await self.m._quarantine(dev.gpu_id, f"did not return to host during reconcile: {res.error}", self.ACTOR)
+        return notes
+
+    async def _fail(self, lease: Lease, found: str) -> None:
+        """A half-done grant: undo what is on vfio-pci (after detaching anything attached) and mark FAILED."""
+        attached = await self._attached(lease)
+        if attached:
+            confirmed = await self.m._detach(lease)
+            if not confirmed:
+                # Still attached and unacknowledged: the lease must hold the device until the guest lets go.
+                lease = await self.m._move(lease, S.ACTIVE, self.ACTOR, "reconcile: attach had completed")
+                lease = await self.m._move(lease, S.RELEASING, self.ACTOR, "reconcile: undo half-done grant")
+                lease = await self.m._move(lease, S.DETACHING, self.ACTOR, "detaching")
+                await self.m._finish_release(lease, self.ACTOR, S.RELEASED)
+                await self._note(lease.id, found, "detach not acknowledged: lease kept DETACH_PENDING", lease_id=lease.id)
+                return
+        notes = await self._give_back_devices(lease, await self._on_vfio(lease))
+        await self.m._move(lease, S.FAILED, self.ACTOR, "; ".join(notes) or "nothing was bound",
+                           error="agent stopped mid-grant", ended_at=self.m.clock(), end_reason="failed")
+        await self._note(lease.id, found, "rolled back to FAILED: " + ("; ".join(notes) or "nothing to undo"),
+                         lease_id=lease.id)
+
+    async def _lease(self, lease: Lease) -> None:
+        st = lease.state
+        if st is S.QUEUED:
+            return
+        if st is S.REQUESTED:
+            await self.m._move(lease, S.FAILED, self.ACTOR, "agent stopped before placement",
+                               error="agent restarted", ended_at=self.m.clock(), end_reason="failed")
+            await self._note(lease.id, "REQUESTED lease (never placed)", "marked FAILED", lease_id=lease.id)
+            return
+        if st is S.BINDING:
+            await self._fail(lease, "lease stopped in BINDING")
+            return
+        if st is S.ATTACHING:
+            attached = await self._attached(lease)
+            want = {a for d in lease.devices for a in d.functions}
+            on_vfio = await self._on_vfio(lease)
+            if attached is not None and attached == want and len(on_vfio) == len(lease.devices) and all(
+                d.guest_addresses for d in lease.devices
+            ):
+                await self.m._move(lease, S.ACTIVE, self.ACTOR, "reconcile: attach had completed",
+                                   granted_at=self.m.clock())
+                await self._note(lease.id, "ATTACHING lease fully attached", "finished to ACTIVE", lease_id=lease.id)
+            else:
+                await self._fail(lease, "lease stopped in ATTACHING")
+            return
+        if st is S.ACTIVE:
+            await self._active(lease)
+            return
+        if st in (S.RELEASING, S.DETACHING, S.DETACH_PENDING):
+            if st is S.RELEASING:
+                lease = await self.m._move(lease, S.DETACHING, self.ACTOR, "reconcile: continue release")
+            done = await self.m._finish_release(lease, self.ACTOR, S.RELEASED)
+            await self._note(lease.id, f"lease stopped in {st.value}", f"continued release: now {done.state.value}",
+                             lease_id=lease.id)
+            return
+        if st is S.REBINDING:
+            done = await self.m._give_back_all(lease, self.ACTOR, S.RELEASED)
+            await self._note(lease.id, "lease stopped in REBINDING", f"gave devices back: now {done.state.value}",
+                             lease_id=lease.id)
+
+    async def _active(self, lease: Lease) -> None:
+        """An ACTIVE lease: its domain must exist, its devices must be on vfio-pci and attached."""
+        try:
+            dom = await self.m.hv.get_domain(lease.domain_uuid)
+        except NotFound:
+            lease = await self.m._move(lease, S.RELEASING, self.ACTOR, "domain no longer exists",
+                                       end_reason="domain undefined")
+            lease = await self.m._move(lease, S.DETACHING, self.ACTOR, "nothing to detach")
+            done = await self.m._finish_release(lease, self.ACTOR, S.RELEASED)
+            await self._note(lease.id, "ACTIVE lease whose domain is gone", f"released: {done.state.value}",
+                             lease_id=lease.id)
+            return
+        if dom.state != "running" and not self.m.policy.keep_on_domain_stop:
+            await self.m.release(lease.id, actor=self.ACTOR, reason=f"domain {dom.state} while the agent was away")
+            await self._note(lease.id, f"ACTIVE lease whose domain is {dom.state}", "released", lease_id=lease.id)
+            return
+        # Re-bind devices that lost vfio-pci (host reboot), then re-attach what is missing.
+        for dev in lease.devices:
+            drivers = await self._drivers(dev)
+            if not all(drivers.get(a) == VFIO for a in dev.functions):
+                gpu = self.m.gpus[dev.gpu_id]
+                res = await self.m._run(self.m.host.bind, gpu, None)
+                await self._note(lease.id, f"{dev.gpu_id} not on vfio-pci", "re-bound" if res.ok else
+                                 f"re-bind failed: {res.error}", lease_id=lease.id, gpu_id=dev.gpu_id)
+        attached = await self._attached(lease) or set()
+        missing = [d for d in lease.devices if not set(d.functions) <= attached]
+        if missing:
+            hds = []
+            for d in missing:
+                first = PciAddress.parse(d.guest_addresses[0]) if d.guest_addresses else None
+                hds.extend(hostdevs_for_gpu([PciAddress.parse(a) for a in d.functions],
+                                            first.bus if first else self.m.policy.guest_bus,
+                                            first.slot if first else 1,
+                                            rom_bar_off=self.m.policy.rom_bar_off,
+                                            driver_vfio=self.m.policy.driver_vfio))
+            try:
+                await self.m.hv.attach_hostdevs(lease.domain_uuid, hds)
+                action = "re-attached"
+            except HostAgentError as exc:
+                action = f"re-attach failed: {exc.message}"
+            await self._note(lease.id, f"{len(missing)} device(s) of an ACTIVE lease not attached", action,
+                             lease_id=lease.id)
+
+    async def _orphans(self) -> None:
+        """GPUs on vfio-pci that no live lease owns: give back unless pinned or attached to some domain."""
+        owned = {gid for x in self.m.leases.values() if x.state.holds_devices for gid in x.gpu_ids}
+        attached_anywhere: dict[str, str] = {}
+        try:
+            for dom in await self.m.hv.list_domains():
+                try:
+                    for h in await self.m.hv.attached_hostdevs(dom.uuid):
+                        attached_anywhere[str(h.source)] = dom.name
+                except NotFound:
+                    continue
+        except HostAgentError as exc:
+            log.warning("cannot list domains for the orphan scan: %s", exc.message)
+            return
+        for gpu in self.m.gpus.values():
+            if gpu.id in owned or not gpu.viable:
+                continue
+            drivers = await self.m._run(self.m.host.current_drivers, gpu)
+            on_vfio = [a for a, d in drivers.items() if d == VFIO]
+            if not on_vfio:
+                continue
+            if any(a in self.m.policy.pinned for a in drivers):
+                continue
+            where = {attached_anywhere[a] for a in drivers if a in attached_anywhere}
+            if where:
+                self.m.attention[gpu.id] = f"attached to {', '.join(sorted(where))} without a lease"
+                await self._note(gpu.id, f"on vfio-pci and attached to {', '.join(sorted(where))} without a lease",
+                                 "left bound (a guest may use it); needs an operator", gpu_id=gpu.id)
+                continue
+            res = await self.m._run(self.m.host.give_back, gpu, {a: ANY_HOST_DRIVER for a in drivers}, None)
+            await self._note(gpu.id, f"on vfio-pci without a lease ({', '.join(on_vfio)})",
+                             "gave back to the host driver" if res.ok else f"give-back failed: {res.error}; quarantined",
+                             gpu_id=gpu.id)
+            if not res.ok:
+                await self.m._quarantine(gpu.id, f"orphan would not return to host: {res.error}", self.ACTOR)
+
+
+def summarize(repairs: list[Repair]) -> dict[str, Any]:
+    """Counts for logs and /readyz."""
+    return {"repairs": len(repairs), "items": [r.to_dict() for r in repairs]}

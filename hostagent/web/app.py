@@ -1,0 +1,333 @@
+"""The aiohttp application: JSON API under /v1, health, metrics. Errors become HTTP in exactly one middleware."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from hostagent.domain.errors import Conflict, HostAgentError, InvalidInput, NotFound, Unauthorized
+from hostagent.domain.lease import LeaseState, parse_lease_request
+from hostagent.services.leases import lease_view
+from hostagent.web.auth import Identity, bearer, require
+from hostagent.web.keys import RUNTIME
+
+log = logging.getLogger("hostagent.web")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+IDENTITY = "hostagent.identity"
+MAX_SAMPLES_PER_HEARTBEAT = 1000
+SAMPLE_FUTURE_SKEW_S = 300.0
+SAMPLE_MAX_AGE_S = 7 * 24 * 3600.0
+
+
+def error_body(code: str, message: str, field: str | None = None) -> dict[str, Any]:
+    """The one error model of the API."""
+    err: dict[str, Any] = {"code": code, "message": message}
+    if field:
+        err["field"] = field
+    return {"error": err}
+
+
+_HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+               405: "method_not_allowed", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type",
+               429: "too_many_requests"}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn domain errors and aiohttp's HTTP exceptions into the error model; hide internals on 500."""
+    try:
+        return await handler(request)
+    except HostAgentError as exc:
+        headers = {"Retry-After": str(int(exc.details.get("retry_after", 1)))} if exc.retryable else None
+        return web.json_response({"error": exc.to_dict()}, status=exc.http_status, headers=headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = _HTTP_CODES.get(exc.status, "http_error")
+        message = exc.reason
+        if exc.status == 404:
+            message = f"no such endpoint: {request.method} {request.path}"
+        elif exc.status == 405:
+            message = f"method {request.method} is not allowed on {request.path}"
+        elif exc.status == 413:
+            message = "request body is too large"
+        return web.json_response(error_body(code, message), status=exc.status,
+                                 headers={k: v for k, v in exc.headers.items() if k == "Allow"})
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.json_response(error_body("internal", "internal error; see the agent's log"), status=500)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Resolve the caller's identity (None for anonymous); handlers decide what they need."""
+    rt = request.app[RUNTIME]
+    identity: Identity | None = None
+    token = bearer(request)
+    if token is None:
+        token = request.get("session_token")
+    if token is not None:
+        identity = rt.tokens.resolve(token)
+        if identity is None:
+            raise Unauthorized("unknown or revoked token", field="Authorization")
+    request[IDENTITY] = identity
+    return await handler(request)
+
+
+async def read_json(request: web.Request) -> Any:
+    """The body as JSON; clear 415 / 400 errors for wrong content types and malformed JSON."""
+    if request.content_type != "application/json":
+        raise web.HTTPUnsupportedMediaType(reason="Content-Type must be application/json")
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"malformed JSON: {exc}") from exc
+
+
+def ident(request: web.Request, *, operator: bool = False) -> Identity:
+    """The caller, requiring a credential."""
+    return require(request.get(IDENTITY), operator=operator)
+
+
+# ---- health ----------------------------------------------------------------------------------------------------
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: the process answers."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: reconciled, hypervisor connected; store degradation is reported but still ready."""
+    rt = request.app[RUNTIME]
+    checks = rt.readiness()
+    ready = all(c["ok"] for c in checks.values() if c.get("required", True))
+    return web.json_response({"ready": ready, "degraded": any(not c["ok"] for c in checks.values()),
+                              "checks": checks}, status=200 if ready else 503)
+
+
+# ---- GPUs ------------------------------------------------------------------------------------------------------
+
+
+async def list_gpus(request: web.Request) -> web.Response:
+    """Every GPU on this host with its state (anyone on the API may read inventory)."""
+    rt = request.app[RUNTIME]
+    return web.json_response({"gpus": [rt.gpu_view(g) for g in sorted(rt.manager.gpus)]})
+
+
+async def get_gpu(request: web.Request) -> web.Response:
+    """One GPU with its lease and history summary."""
+    rt = request.app[RUNTIME]
+    gpu_id = request.match_info["gpu_id"]
+    if gpu_id not in rt.manager.gpus:
+        raise NotFound(f"no GPU {gpu_id!r}; list them with GET /v1/gpus", field="gpu_id")
+    identity = request.get(IDENTITY)
+    return web.json_response(await rt.gpu_detail(gpu_id, identity))
+
+
+async def clear_quarantine(request: web.Request) -> web.Response:
+    """Operator: put a quarantined GPU back into service."""
+    who = ident(request, operator=True)
+    rt = request.app[RUNTIME]
+    gpu_id = request.match_info["gpu_id"]
+    await rt.manager.clear_quarantine(gpu_id, actor=who.subject)
+    return web.json_response(rt.gpu_view(gpu_id))
+
+
+# ---- leases ----------------------------------------------------------------------------------------------------
+
+
+async def create_lease(request: web.Request) -> web.Response:
+    """POST /v1/leases: 201 granted, 202 queued, 4xx/409 refused."""
+    who = ident(request)
+    rt = request.app[RUNTIME]
+    body = await read_json(request)
+    domain_uuid = who.domain_uuid
+    if who.is_operator:
+        if not isinstance(body, dict) or "domain" not in body:
+            raise InvalidInput("an operator must name the VM with 'domain' (name or UUID)", field="domain")
+        body = dict(body)
+        domain_uuid = str(body.pop("domain"))
+    req = parse_lease_request(body, now=time.time(), max_duration_s=rt.settings.leases.max_duration_s)
+    assert domain_uuid is not None
+    lease = await rt.manager.request(domain_uuid, req, actor=who.subject)
+    status = 202 if lease.state is LeaseState.QUEUED else 201
+    if lease.state is LeaseState.FAILED:
+        return web.json_response(
+            {"error": {"code": "lease_failed", "message": lease.error or "lease failed and was rolled back"},
+             "lease": lease_view(lease, rt.manager)}, status=500 if lease.error else 409,
+        )
+    return web.json_response(lease_view(lease, rt.manager), status=status,
+                             headers={"Location": f"/v1/leases/{lease.id}"})
+
+
+async def list_leases(request: web.Request) -> web.Response:
+    """Newest first; `state=` and `since=` filters; guests see their own."""
+    who = ident(request)
+    rt = request.app[RUNTIME]
+    states = None
+    if "state" in request.query:
+        try:
+            states = [LeaseState(s.strip().upper()) for s in request.query["state"].split(",") if s.strip()]
+        except ValueError:
+            raise InvalidInput(f"state must be one of {', '.join(s.value for s in LeaseState)}", field="state") from None
+    since = None
+    if "since" in request.query:
+        try:
+            since = float(request.query["since"])
+        except ValueError:
+            raise InvalidInput("since must be unix seconds", field="since") from None
+        if not math.isfinite(since):
+            raise InvalidInput("since must be finite unix seconds", field="since")
+    limit = 200
+    if "limit" in request.query:
+        try:
+            limit = int(request.query["limit"])
+        except ValueError:
+            raise InvalidInput("limit must be an integer 1..10000", field="limit") from None
+        if not 1 <= limit <= 10000:
+            raise InvalidInput("limit must be an integer 1..10000", field="limit")
+    leases = await rt.run(rt.journal.leases, states=states, domain_uuid=who.scope, since=since, limit=limit)
+    return web.json_response({"leases": [lease_view(rt.manager.leases.get(x.id, x), rt.manager) for x in leases]})
+
+
+async def get_lease(request: web.Request) -> web.Response:
+    """State, devices, usage so far, warnings."""
+    who = ident(request)
+    rt = request.app[RUNTIME]
+    lease = rt.manager.get(request.match_info["lease_id"], domain_uuid=who.scope)
+    body = lease_view(lease, rt.manager)
+    body["usage"] = await rt.lease_usage(lease.id)
+    return web.json_response(body)
+
+
+async def delete_lease(request: web.Request) -> web.Response:
+    """Release: 200 when the GPUs are back on the host, 202 while the detach is pending."""
+    who = ident(request)
+    rt = request.app[RUNTIME]
+    lease = await rt.manager.release(request.match_info["lease_id"], actor=who.subject, reason="released by "
+                                     + ("operator" if who.is_operator else "guest"), domain_uuid=who.scope)
+    return web.json_response(lease_view(lease, rt.manager), status=202 if lease.state is LeaseState.DETACH_PENDING else 200)
+
+
+async def renew_lease(request: web.Request) -> web.Response:
+    """Extend the TTL."""
+    who = ident(request)
+    rt = request.app[RUNTIME]
+    body = await read_json(request)
+    if not isinstance(body, dict) or set(body) - {"duration_s"}:
+        bad = sorted(set(body) - {"duration_s"})[0] if isinstance(body, dict) else None
+        raise InvalidInput(f"unknown field {bad!r}" if bad else "body must be a JSON object", field=bad)
+    lease = await rt.manager.renew(request.match_info["lease_id"], duration_s=body.get("duration_s"),
+                                   actor=who.subject, domain_uuid=who.scope)
+    return web.json_response(lease_view(lease, rt.manager))
+
+
+def parse_samples(body: Any, gpu_ids: set[str], now: float) -> list[dict[str, Any]]:
+    """Validate a heartbeat body completely before anything is written."""
+    if not isinstance(body, dict):
+        raise InvalidInput("body must be a JSON object")
+    unknown = sorted(set(body) - {"samples"})
+    if unknown:
+        raise InvalidInput(f"unknown field {unknown[0]!r}", field=unknown[0])
+    samples = body.get("samples", [])
+    if not isinstance(samples, list):
+        raise InvalidInput("samples must be a list", field="samples")
+    if len(samples) > MAX_SAMPLES_PER_HEARTBEAT:
+        raise InvalidInput(f"at most {MAX_SAMPLES_PER_HEARTBEAT} samples per heartbeat", field="samples")
+    out = []
+    for i, s in enumerate(samples):
+        where = f"samples[{i}]"
+        if not isinstance(s, dict):
+            raise InvalidInput(f"{where} must be an object", field=where)
+        extra = sorted(set(s) - {"ts", "gpu", "util_pct", "mem_used_bytes", "work_rate"})
+        if extra:
+            raise InvalidInput(f"{where}: unknown field {extra[0]!r}", field=f"{where}.{extra[0]}")
+        for key in ("ts", "gpu", "util_pct"):
+            if key not in s:
+                raise InvalidInput(f"{where}.{key} is required", field=f"{where}.{key}")
+        ts, gpu, util = s["ts"], s["gpu"], s["util_pct"]
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+            raise InvalidInput(f"{where}.ts must be unix seconds", field=f"{where}.ts")
+        if ts > now + SAMPLE_FUTURE_SKEW_S:
+            raise InvalidInput(f"{where}.ts is {ts - now:.0f} s in the future (skew bound {SAMPLE_FUTURE_SKEW_S:.0f} s)",
+                               field=f"{where}.ts")
+        if ts < now - SAMPLE_MAX_AGE_S:
+            raise InvalidInput(f"{where}.ts is older than {SAMPLE_MAX_AGE_S / 86400:.0f} days", field=f"{where}.ts")
+        if gpu not in gpu_ids:
+            raise InvalidInput(f"{where}.gpu {gpu!r} is not a GPU of this lease", field=f"{where}.gpu")
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 <= util <= 100:
+            raise InvalidInput(f"{where}.util_pct must be 0..100", field=f"{where}.util_pct")
+        mem = s.get("mem_used_bytes", 0)
+        if isinstance(mem, bool) or not isinstance(mem, int) or not 0 <= mem <= 2**50:
+            raise InvalidInput(f"{where}.mem_used_bytes must be a non-negative integer", field=f"{where}.mem_used_bytes")
+        rate = s.get("work_rate")
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                                 or not math.isfinite(rate) or rate < 0):
+            raise InvalidInput(f"{where}.work_rate must be a non-negative number", field=f"{where}.work_rate")
+        out.append({"ts": float(ts), "gpu_id": gpu, "util_pct": float(util), "mem_used_bytes": mem,
+                    "work_rate": None if rate is None else float(rate)})
+    return out
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    """Usage samples from the guest; the reply carries any warning or reclaim notice."""
+    who = ident(request)
+    rt = request.app[RUNTIME]
+    lease = rt.manager.get(request.match_info["lease_id"], domain_uuid=who.scope)
+    body = await read_json(request)
+    if lease.state.terminal:
+        raise Conflict(f"lease {lease.id} has ended ({lease.state.value})", field="lease_id")
+    samples = parse_samples(body, set(lease.gpu_ids), time.time())
+    accepted = await rt.accept_samples(lease, samples)  # Overloaded -> 503 + Retry-After
+    current = rt.manager.leases.get(lease.id, lease)
+    view = lease_view(current, rt.manager)
+    return web.json_response({"accepted": accepted, "state": current.state.value, "warnings": view["warnings"],
+                              "reclaim": view["reclaim"], "expires_at": current.expires_at})
+
+
+# ---- events, topology, openapi ---------------------------------------------------------------------------------
+
+
+async def list_events(request: web.Request) -> web.Response:
+    """Operator: the journal's events (transitions, repairs, strikes, quarantines)."""
+    ident(request, operator=True)
+    rt = request.app[RUNTIME]
+    kinds = request.query.get("kind")
+    events = await rt.run(rt.journal.events, lease_id=request.query.get("lease_id"),
+                          gpu_id=request.query.get("gpu_id"), kinds=kinds.split(",") if kinds else None, limit=500)
+    return web.json_response({"events": [e.to_dict() for e in events]})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI 3 document of this API."""
+    from hostagent.web.openapi import document
+
+    return web.json_response(document())
+
+
+def add_api_routes(app: web.Application) -> None:
+    """Register every JSON API route (the OpenAPI test walks these)."""
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/v1/openapi.json", openapi)
+    app.router.add_get("/v1/gpus", list_gpus)
+    app.router.add_get("/v1/gpus/{gpu_id}", get_gpu)
+    app.router.add_post("/v1/gpus/{gpu_id}/clear-quarantine", clear_quarantine)
+    app.router.add_post("/v1/leases", create_lease)
+    app.router.add_get("/v1/leases", list_leases)
+    app.router.add_get("/v1/leases/{lease_id}", get_lease)
+    app.router.add_delete("/v1/leases/{lease_id}", delete_lease)
+    app.router.add_post("/v1/leases/{lease_id}/heartbeat", heartbeat)
+    app.router.add_post("/v1/leases/{lease_id}/renew", renew_lease)
+    app.router.add_get("/v1/events", list_events)
