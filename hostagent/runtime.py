@@ -22,6 +22,7 @@ from hostagent.host.adapter import SysfsHost
 from hostagent.host.discovery import Inventory, discover
 from hostagent.host.sysfs import open_sysfs
 from hostagent.services.leases import LeaseManager, LeasePolicy, lease_view
+from hostagent.services.reaper import Reaper, reaper_settings
 from hostagent.services.reconcile import Reconciler, Repair
 from hostagent.store.journal import Journal, read_boot_id
 from hostagent.web.auth import Identity, TokenBook
@@ -169,7 +170,17 @@ class Runtime:
         window = self.recent_samples.setdefault(lease.id, collections.deque(maxlen=4096))
         window.extend(samples)
         self.last_heartbeat[lease.id] = self.clock()
+        if self.reaper is not None and lease.strike_at is not None:
+            pol = self.reaper.settings.policy
+            busy = [s for s in samples if s["util_pct"] > pol.idle_util_pct
+                    or (pol.memory_counts_busy and s["mem_used_bytes"] > pol.memory_busy_bytes)]
+            if busy:
+                await self.reaper.activity_seen(lease.id, f"heartbeat with {len(busy)} busy sample(s)")
         return len(samples)
+
+    def samples_since(self, lease_id: str, since: float) -> list[dict[str, Any]]:
+        """Guest samples of a lease newer than `since` (the reaper's window)."""
+        return [s for s in self.recent_samples.get(lease_id, ()) if s["ts"] > since]
 
     def readiness(self) -> dict[str, dict[str, Any]]:
         """Checks behind /readyz."""
@@ -276,8 +287,11 @@ def build_runtime(settings: Settings) -> Runtime:
     manager = LeaseManager(gpus=inventory.gpus, host=host, hypervisor=hypervisor, journal=journal,
                            policy=lease_policy(settings))
     tokens = TokenBook(settings.auth.operator_token_sha256, journal.lookup_token)
-    return Runtime(settings=settings, inventory=inventory, host=host, hypervisor=hypervisor, journal=journal,
-                   manager=manager, tokens=tokens)
+    rt = Runtime(settings=settings, inventory=inventory, host=host, hypervisor=hypervisor, journal=journal,
+                 manager=manager, tokens=tokens)
+    rt.reaper = Reaper(manager, reaper_settings(settings.reclaim), samples_since=rt.samples_since,
+                       read_interrupts=host.vfio_interrupts)
+    return rt
 
 
 def make_app(runtime: Runtime) -> web.Application:

@@ -230,6 +230,8 @@ class Lease:
     notice_deadline: float | None = None
     error: str | None = None
     detach_attempts: int = 0
+    last_check_at: float | None = None  # reaper's last idle check
+    irq_baseline: tuple[tuple[str, int], ...] = ()  # vfio interrupt counts per function at the last check
 
     def transition(self, target: LeaseState, **changes: Any) -> Lease:
         """A copy in the target state; raises InvalidTransition if the table forbids it."""
@@ -277,6 +279,8 @@ class Lease:
             "notice_deadline": self.notice_deadline,
             "error": self.error,
             "detach_attempts": self.detach_attempts,
+            "last_check_at": self.last_check_at,
+            "irq_baseline": [list(x) for x in self.irq_baseline],
         }
 
     @classmethod
@@ -305,6 +309,8 @@ class Lease:
             notice_deadline=d.get("notice_deadline"),
             error=d.get("error"),
             detach_attempts=d.get("detach_attempts", 0),
+            last_check_at=d.get("last_check_at"),
+            irq_baseline=tuple((str(a), int(n)) for a, n in d.get("irq_baseline", ())),
         )
 
 

@@ -299,6 +299,26 @@ async def heartbeat(request: web.Request) -> web.Response:
 # ---- events, topology, openapi ---------------------------------------------------------------------------------
 
 
+async def reclaim_control(request: web.Request) -> web.Response:
+    """Operator: pause or resume idle reclaim on a lease."""
+    who = ident(request, operator=True)
+    rt = request.app[RUNTIME]
+    body = await read_json(request)
+    if not isinstance(body, dict) or set(body) != {"paused"} or not isinstance(body["paused"], bool):
+        raise InvalidInput('body must be {"paused": true|false}', field="paused")
+    lease = await rt.reaper.set_paused(request.match_info["lease_id"], body["paused"], actor=who.subject)
+    return web.json_response(lease_view(lease, rt.manager))
+
+
+async def reaper_status(request: web.Request) -> web.Response:
+    """Operator: every lease's strike state and next check."""
+    ident(request, operator=True)
+    rt = request.app[RUNTIME]
+    s = rt.reaper.settings
+    return web.json_response({"enabled": s.enabled, "check_interval_s": s.check_interval_s, "grace_s": s.grace_s,
+                              "notice_window_s": s.notice_window_s, "leases": rt.reaper.status()})
+
+
 async def list_events(request: web.Request) -> web.Response:
     """Operator: the journal's events (transitions, repairs, strikes, quarantines)."""
     ident(request, operator=True)
@@ -330,4 +350,6 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_delete("/v1/leases/{lease_id}", delete_lease)
     app.router.add_post("/v1/leases/{lease_id}/heartbeat", heartbeat)
     app.router.add_post("/v1/leases/{lease_id}/renew", renew_lease)
+    app.router.add_post("/v1/leases/{lease_id}/reclaim", reclaim_control)
+    app.router.add_get("/v1/reaper", reaper_status)
     app.router.add_get("/v1/events", list_events)

@@ -1,0 +1,232 @@
+"""The OpenAPI 3 document served at /v1/openapi.json. A test walks it against the registered routes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hostagent import __version__
+from hostagent.domain.lease import MAX_GPUS_PER_REQUEST, NUMA_POLICIES, PRECISIONS, LeaseState
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _err(desc: str) -> dict[str, Any]:
+    return {"description": desc, "content": {"application/json": {"schema": _ERROR}}}
+
+
+def _ok(desc: str, ref: str) -> dict[str, Any]:
+    return {"description": desc, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
+
+
+_STD = {"400": _err("invalid input"), "401": _err("missing or bad token"), "403": _err("not allowed"),
+        "404": _err("not found")}
+_LEASE_ID = {"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string", "maxLength": 64}}
+_GPU_ID = {"name": "gpu_id", "in": "path", "required": True, "schema": {"type": "string", "maxLength": 64}}
+_SECURED = [{"bearer": []}]
+
+_NULLABLE_NUM = {"type": "number", "nullable": True}
+_NULLABLE_STR = {"type": "string", "nullable": True}
+
+
+def document() -> dict[str, Any]:
+    """The whole OpenAPI document."""
+    lease_request = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "gpus": {"type": "integer", "minimum": 1, "maximum": MAX_GPUS_PER_REQUEST, "default": 1},
+            "task_type": {"type": "string", "minLength": 1, "maxLength": 64},
+            "data_scale": {"type": "number", "minimum": 0, "nullable": True},
+            "precision": {"type": "string", "enum": list(PRECISIONS), "nullable": True},
+            "min_memory_gib": {"type": "number", "minimum": 0, "maximum": 4096},
+            "duration_s": {"type": "integer", "minimum": 1, "nullable": True},
+            "priority": {"type": "integer", "minimum": -1000, "maximum": 1000},
+            "accept_partial": {"type": "boolean"},
+            "accept_deferred": {"type": "boolean"},
+            "not_after": {"type": "number", "nullable": True, "description": "unix seconds"},
+            "idempotency_key": {"type": "string", "maxLength": 128, "nullable": True},
+            "vendor": {"type": "string", "maxLength": 128, "nullable": True},
+            "model": {"type": "string", "maxLength": 128, "nullable": True},
+            "numa_policy": {"type": "string", "enum": list(NUMA_POLICIES), "nullable": True},
+            "project": {"type": "string", "maxLength": 128, "nullable": True},
+            "domain": {"type": "string", "description": "operators only: the VM (name or UUID) to lease for"},
+        },
+    }
+    lease = {
+        "type": "object",
+        "required": ["id", "state", "domain", "devices", "created_at", "reasons", "warnings"],
+        "properties": {
+            "id": {"type": "string"},
+            "state": {"type": "string", "enum": [s.value for s in LeaseState]},
+            "domain": {"type": "object", "properties": {"uuid": {"type": "string"}, "name": {"type": "string"}}},
+            "request": {"type": "object"},
+            "granted_gpus": {"type": "integer"},
+            "devices": {"type": "array", "items": {"type": "object", "properties": {
+                "gpu_id": {"type": "string"}, "functions": {"type": "array", "items": {"type": "string"}},
+                "guest_addresses": {"type": "array", "items": {"type": "string"}},
+                "iommu_group": {"type": "integer"}}}},
+            "created_at": {"type": "number"},
+            "granted_at": _NULLABLE_NUM,
+            "expires_at": _NULLABLE_NUM,
+            "ended_at": _NULLABLE_NUM,
+            "end_reason": _NULLABLE_STR,
+            "reasons": {"type": "array", "items": {"type": "string"}},
+            "distance": {"type": "integer", "nullable": True},
+            "error": _NULLABLE_STR,
+            "warnings": {"type": "array", "items": {"type": "object"}},
+            "reclaim": {"type": "object"},
+            "queue": {"type": "object", "properties": {"position": {"type": "integer", "nullable": True},
+                                                        "eta": _NULLABLE_NUM}},
+            "usage": {"type": "object"},
+            "placement": {"type": "object"},
+        },
+    }
+    gpu = {
+        "type": "object",
+        "required": ["id", "address", "vendor", "model", "memory_bytes", "numa_node", "iommu_group", "functions",
+                     "state"],
+        "properties": {
+            "id": {"type": "string"},
+            "address": {"type": "string", "pattern": "^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\\.[0-7]$"},
+            "vendor": {"type": "string"},
+            "model": {"type": "string"},
+            "memory_bytes": {"type": "integer", "nullable": True},
+            "numa_node": {"type": "integer", "nullable": True},
+            "iommu_group": {"type": "integer", "nullable": True},
+            "functions": {"type": "array", "items": {"type": "object", "required": ["address", "class", "driver"],
+                                                     "properties": {"address": {"type": "string"},
+                                                                    "class": {"type": "string"},
+                                                                    "driver": _NULLABLE_STR,
+                                                                    "name": {"type": "string"}}}},
+            "state": {"type": "string", "enum": ["free", "leased", "warned", "detach-pending", "quarantined",
+                                                 "unavailable"]},
+        },
+    }
+    sample = {
+        "type": "object", "additionalProperties": False, "required": ["ts", "gpu", "util_pct"],
+        "properties": {
+            "ts": {"type": "number", "description": "unix seconds"},
+            "gpu": {"type": "string"},
+            "util_pct": {"type": "number", "minimum": 0, "maximum": 100},
+            "mem_used_bytes": {"type": "integer", "minimum": 0},
+            "work_rate": {"type": "number", "minimum": 0, "nullable": True},
+        },
+    }
+    paths: dict[str, Any] = {
+        "/healthz": {"get": {"summary": "liveness", "operationId": "healthz",
+                             "responses": {"200": {"description": "alive", "content": {"application/json": {
+                                 "schema": {"type": "object"}}}}}}},
+        "/readyz": {"get": {"summary": "readiness (reconciled, hypervisor, store)", "operationId": "readyz",
+                            "responses": {"200": {"description": "ready", "content": {"application/json": {
+                                "schema": {"type": "object"}}}},
+                                "503": {"description": "not ready", "content": {"application/json": {
+                                    "schema": {"type": "object"}}}}}}},
+        "/v1/openapi.json": {"get": {"summary": "this document", "operationId": "openapi",
+                                     "responses": {"200": {"description": "OpenAPI document", "content": {
+                                         "application/json": {"schema": {"type": "object"}}}}}}},
+        "/v1/gpus": {"get": {"summary": "every GPU with its state", "operationId": "listGpus",
+                             "responses": {"200": {"description": "GPUs", "content": {"application/json": {"schema": {
+                                 "type": "object", "properties": {"gpus": {"type": "array", "items": {
+                                     "$ref": "#/components/schemas/Gpu"}}}}}}}}}},
+        "/v1/gpus/{gpu_id}": {"get": {"summary": "one GPU with its lease and history", "operationId": "getGpu",
+                                      "parameters": [_GPU_ID],
+                                      "responses": {"200": _ok("the GPU", "Gpu"), "404": _err("unknown GPU")}}},
+        "/v1/gpus/{gpu_id}/clear-quarantine": {"post": {
+            "summary": "operator: clear a quarantine", "operationId": "clearQuarantine", "security": _SECURED,
+            "parameters": [_GPU_ID], "responses": {"200": _ok("the GPU", "Gpu"), "409": _err("not quarantined"),
+                                                   **_STD}}},
+        "/v1/leases": {
+            "post": {"summary": "ask for GPUs", "operationId": "createLease", "security": _SECURED,
+                     "requestBody": {"required": True, "content": {"application/json": {
+                         "schema": {"$ref": "#/components/schemas/LeaseRequest"}}}},
+                     "responses": {"201": _ok("granted and attached", "Lease"),
+                                   "202": _ok("queued (see queue.position and queue.eta)", "Lease"),
+                                   "409": _err("refused: no capacity, quota, or queue full"),
+                                   "415": _err("wrong content type"), "500": _err("failed and rolled back"),
+                                   "503": _err("overloaded or hypervisor unavailable"), **_STD}},
+            "get": {"summary": "leases, newest first (a guest sees its own)", "operationId": "listLeases",
+                    "security": _SECURED,
+                    "parameters": [
+                        {"name": "state", "in": "query", "schema": {"type": "string"},
+                         "description": "comma-separated states"},
+                        {"name": "since", "in": "query", "schema": {"type": "number"}},
+                        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
+                                                                    "maximum": 10000}}],
+                    "responses": {"200": {"description": "leases", "content": {"application/json": {"schema": {
+                        "type": "object", "properties": {"leases": {"type": "array", "items": {
+                            "$ref": "#/components/schemas/Lease"}}}}}}}, **_STD}},
+        },
+        "/v1/leases/{lease_id}": {
+            "get": {"summary": "one lease: state, devices, usage, warnings", "operationId": "getLease",
+                    "security": _SECURED, "parameters": [_LEASE_ID],
+                    "responses": {"200": _ok("the lease", "Lease"), **_STD}},
+            "delete": {"summary": "release", "operationId": "releaseLease", "security": _SECURED,
+                       "parameters": [_LEASE_ID],
+                       "responses": {"200": _ok("released: GPUs back on the host", "Lease"),
+                                     "202": _ok("detach not yet acknowledged by the guest", "Lease"),
+                                     "409": _err("being set up; retry"), **_STD}},
+        },
+        "/v1/leases/{lease_id}/heartbeat": {"post": {
+            "summary": "usage samples; the reply carries warnings and reclaim notices", "operationId": "heartbeat",
+            "security": _SECURED, "parameters": [_LEASE_ID],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "additionalProperties": False,
+                "properties": {"samples": {"type": "array", "maxItems": 1000, "items": sample}}}}}},
+            "responses": {"200": {"description": "accepted", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["accepted", "state", "warnings"],
+                "properties": {"accepted": {"type": "integer"}, "state": {"type": "string"},
+                               "warnings": {"type": "array", "items": {"type": "object"}},
+                               "reclaim": {"type": "object"}, "expires_at": _NULLABLE_NUM}}}}},
+                          "409": _err("lease has ended"), "415": _err("wrong content type"),
+                          "503": _err("ingestion queue full (Retry-After)"), **_STD}}},
+        "/v1/leases/{lease_id}/renew": {"post": {
+            "summary": "extend the TTL", "operationId": "renewLease", "security": _SECURED,
+            "parameters": [_LEASE_ID],
+            "requestBody": {"required": False, "content": {"application/json": {"schema": {
+                "type": "object", "additionalProperties": False,
+                "properties": {"duration_s": {"type": "integer", "minimum": 1}}}}}},
+            "responses": {"200": _ok("renewed", "Lease"), "409": _err("not renewable in this state"),
+                          "415": _err("wrong content type"), **_STD}}},
+        "/v1/leases/{lease_id}/reclaim": {"post": {
+            "summary": "operator: pause or resume idle reclaim on a lease", "operationId": "reclaimControl",
+            "security": _SECURED, "parameters": [_LEASE_ID],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "additionalProperties": False, "required": ["paused"],
+                "properties": {"paused": {"type": "boolean"}}}}}},
+            "responses": {"200": _ok("the lease", "Lease"), "409": _err("lease has ended"),
+                          "415": _err("wrong content type"), **_STD}}},
+        "/v1/reaper": {"get": {
+            "summary": "operator: strike state and next check of every lease", "operationId": "reaperStatus",
+            "security": _SECURED,
+            "responses": {"200": {"description": "reaper status", "content": {"application/json": {"schema": {
+                "type": "object"}}}}, **_STD}}},
+        "/v1/events": {"get": {
+            "summary": "operator: journal events", "operationId": "listEvents", "security": _SECURED,
+            "parameters": [{"name": "lease_id", "in": "query", "schema": {"type": "string"}},
+                           {"name": "gpu_id", "in": "query", "schema": {"type": "string"}},
+                           {"name": "kind", "in": "query", "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "events", "content": {"application/json": {"schema": {
+                "type": "object"}}}}, **_STD}}},
+    }
+    from hostagent.web import openapi_ext
+
+    openapi_ext.extend(paths)
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "hostagent API", "version": __version__,
+                 "description": "Lease whole GPUs to KVM/libvirt guests over VFIO passthrough. Every error body is "
+                                "{\"error\": {\"code\", \"message\", \"field\"?}}."},
+        "paths": paths,
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+                    "type": "object", "required": ["code", "message"],
+                    "properties": {"code": {"type": "string"}, "message": {"type": "string"},
+                                   "field": {"type": "string"}}}}},
+                "LeaseRequest": lease_request,
+                "Lease": lease,
+                "Gpu": gpu,
+            },
+        },
+    }

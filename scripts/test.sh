@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The test command: installs everything the suite needs (apt, pip into ./.venv, MariaDB, the QEMU test guest),
+# then runs pytest. Extra arguments go to pytest, e.g. `scripts/test.sh tests/unit -x`.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo"
+bash scripts/deps.sh test
+mkdir -p artifacts
+exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

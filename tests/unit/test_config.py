@@ -1,0 +1,77 @@
+"""Configuration: TOML + env overrides validated into frozen settings; one clear error naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from hostagent.cli import main
+from hostagent.config import Settings, load_settings, settings_from_dict
+from hostagent.domain.errors import ConfigError
+
+
+def test_defaults_when_no_file() -> None:
+    s = settings_from_dict({})
+    assert s.agent.port == 8470 and s.reclaim.grace_s == 1200 and s.reclaim.check_interval_s == 3600
+    assert s.store_url.startswith("sqlite:///") and s.dev_root == Path("/dev")
+
+
+def test_file_env_and_overrides_layer(tmp_path: Path) -> None:
+    f = tmp_path / "h.toml"
+    f.write_text('[agent]\nport = 9000\n[reclaim]\ngrace_s = 30\n[host]\nsysfs_root = "/tmp/x/sys"\n')
+    s = load_settings(f, environ={"HOSTAGENT_RECLAIM__GRACE_S": "45", "HOSTAGENT_AGENT__LISTEN": "::1"})
+    assert s.agent.port == 9000 and s.reclaim.grace_s == 45.0 and s.agent.listen == "::1"
+    assert s.dev_root == Path("/tmp/x/dev") and s.proc_root == Path("/tmp/x/proc")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.agent.port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("text,key", [
+    ("[agent]\nport = 'x'\n", "agent.port"),
+    ("[agent]\nprot = 1\n", "agent.prot"),
+    ("[nope]\n", "nope"),
+    ("[reclaim]\ngrace_s = -1\n", "reclaim.grace_s"),
+    ("[reclaim]\nidle_util_pct = 101\n", "reclaim.idle_util_pct"),
+    ("[host]\ngpu_vendors = ['nvidia']\n", "host.gpu_vendors"),
+    ("[agent]\ntls_cert = '/x'\n", "agent.tls_cert"),
+    ("[leases]\nnuma_policy = 'sometimes'\n", "leases.numa_policy"),
+])
+def test_invalid_file_names_the_key(tmp_path: Path, text: str, key: str) -> None:
+    f = tmp_path / "h.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_settings(f, environ={})
+    assert exc.value.field == key
+    assert str(f) in exc.value.message
+
+
+def test_cli_exits_2_with_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "h.toml"
+    f.write_text("[reclaim]\ngrace = 5\n")
+    assert main(["gpus", "--config", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown key reclaim.grace" in err[0] and "grace_s" in err[0]
+
+
+def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "missing.toml", environ={})
+
+
+def test_not_toml(tmp_path: Path) -> None:
+    f = tmp_path / "h.toml"
+    f.write_text("[agent\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(f, environ={})
+
+
+def test_every_key_is_documented() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    import typing
+
+    for name, cls in typing.get_type_hints(Settings).items():
+        for f in dataclasses.fields(cls):
+            assert re.search(rf"`{name}\.{f.name}`", doc), f"{name}.{f.name} is not documented"
