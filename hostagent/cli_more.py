@@ -42,28 +42,29 @@ def _group_for_address(inv: Any, text: str) -> Any:
 def cmd_vfio(args: argparse.Namespace) -> int:
     """Bind or give back the whole IOMMU group of ADDR, with read-back."""
     from hostagent.cli import emit, settings_for
-    from hostagent.host.adapter import group_host
+    from hostagent.host.binding import VfioBinder
+    from hostagent.host.sysfs import open_sysfs
     from hostagent.runtime import discover_host
 
     settings = settings_for(args)
     inv = discover_host(settings)
     group = _group_for_address(inv, args.address)
-    host = group_host(settings)
+    binder = VfioBinder(open_sysfs(settings.host.sysfs_root), settings.dev_root, settings.host.step_timeout_s)
     if args.vfio_command == "bind":
         if not group.viable and not args.force:
             raise InvalidInput(f"IOMMU group {group.number} is not viable: {group.reason}", field="address")
-        plan = host.plan_bind_group(group)
+        plan = binder.plan_bind(group)
         if args.dry_run:
             emit(args, {"dry_run": True, "group": group.number, "steps": plan}, lambda d: print("\n".join(d["steps"])))
             return 0
-        res = host.bind_group(group)
+        res = binder.bind_group(group)
     else:
         originals = {str(a): (args.driver or "*") for a in group.addresses}
-        plan = host.plan_give_back_group(group, originals)
+        plan = binder.plan_release(group, originals)
         if args.dry_run:
             emit(args, {"dry_run": True, "group": group.number, "steps": plan}, lambda d: print("\n".join(d["steps"])))
             return 0
-        res = host.give_back_group(group, originals)
+        res = binder.release_group(group, originals)
     data = {"ok": res.ok, "group": group.number, "error": res.error, "drivers": res.drivers,
             "steps": [s.to_dict() for s in res.steps], "needs_attention": res.needs_attention}
 

@@ -50,3 +50,4 @@ def setup_logging(fmt: str = "auto", level: str = "INFO") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)

@@ -251,6 +251,7 @@ class Runtime:
 
     def _on_domain_event(self, event: Any) -> None:
         kind = getattr(event, "kind", None)
+        kind = getattr(kind, "value", kind)  # EventKind is a str enum; keep plain strings past this point
         if kind == "reconnected":
             self.hypervisor_ok = True
             asyncio.ensure_future(self._after_reconnect())
@@ -275,20 +276,20 @@ class Runtime:
                                                    lease.domain_uuid, "missed while disconnected")
 
 
-def build_runtime(settings: Settings) -> Runtime:
-    """Construct (but do not start) everything from settings."""
+def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable[[], float] = time.time) -> Runtime:
+    """Construct (but do not start) everything from settings; tests may inject the hypervisor and a clock."""
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     inventory = discover_host(settings)
     sysfs = open_sysfs(settings.host.sysfs_root)
     host = SysfsHost(sysfs, dev_root=settings.dev_root, proc_root=settings.proc_root,
                      step_timeout_s=settings.host.step_timeout_s, inventory=inventory)
-    hypervisor = open_hypervisor(settings)
-    journal = Journal(settings.state_dir / "journal.sqlite3")
+    hypervisor = hypervisor if hypervisor is not None else open_hypervisor(settings)
+    journal = Journal(settings.state_dir / "journal.sqlite3", clock=clock)
     manager = LeaseManager(gpus=inventory.gpus, host=host, hypervisor=hypervisor, journal=journal,
-                           policy=lease_policy(settings))
+                           policy=lease_policy(settings), clock=clock)
     tokens = TokenBook(settings.auth.operator_token_sha256, journal.lookup_token)
     rt = Runtime(settings=settings, inventory=inventory, host=host, hypervisor=hypervisor, journal=journal,
-                 manager=manager, tokens=tokens)
+                 manager=manager, tokens=tokens, clock=clock)
     rt.reaper = Reaper(manager, reaper_settings(settings.reclaim), samples_since=rt.samples_since,
                        read_interrupts=host.vfio_interrupts)
     return rt
@@ -296,10 +297,11 @@ def build_runtime(settings: Settings) -> Runtime:
 
 def make_app(runtime: Runtime) -> web.Application:
     """The aiohttp application with the runtime's lifecycle attached."""
+    from hostagent.web import metrics
     from hostagent.web.app import add_api_routes, auth_middleware, error_middleware
     from hostagent.web.keys import RUNTIME
 
-    app = web.Application(middlewares=[error_middleware, auth_middleware],
+    app = web.Application(middlewares=[metrics.metrics_middleware, error_middleware, auth_middleware],
                           client_max_size=runtime.settings.agent.max_body_bytes)
     app[RUNTIME] = runtime
 
@@ -310,6 +312,7 @@ def make_app(runtime: Runtime) -> web.Application:
 
     app.cleanup_ctx.append(lifecycle)
     add_api_routes(app)
+    metrics.install(app, runtime)
     return app
 
 

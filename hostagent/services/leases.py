@@ -528,7 +528,15 @@ class LeaseManager:
 
     # -- domain events -------------------------------------------------------------------------------------------
     async def on_domain_event(self, kind: str, domain_uuid: str, detail: str | None = None) -> None:
-        """React to a domain stopping, crashing or being undefined."""
+        """React to a domain stopping, crashing or being undefined, and to late DEVICE_REMOVED events."""
+        if kind == "device_removed":
+            for lease in [x for x in self.leases.values() if x.domain_uuid == domain_uuid
+                          and x.state is S.DETACH_PENDING]:
+                async with self.lease_lock(lease.id):
+                    current = self.leases.get(lease.id)
+                    if current is not None and current.state is S.DETACH_PENDING:
+                        await self._safe(self._finish_release(current, "libvirt", S.RELEASED))
+            return
         if kind not in ("stopped", "crashed", "undefined"):
             return
         if kind == "stopped" and self.policy.keep_on_domain_stop:

@@ -149,7 +149,8 @@ def document() -> dict[str, Any]:
                     "parameters": [
                         {"name": "state", "in": "query", "schema": {"type": "string"},
                          "description": "comma-separated states"},
-                        {"name": "since", "in": "query", "schema": {"type": "number"}},
+                        {"name": "since", "in": "query", "schema": {"type": "number"},
+                         "description": "unix seconds: leases created or still running since then"},
                         {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
                                                                     "maximum": 10000}}],
                     "responses": {"200": {"description": "leases", "content": {"application/json": {"schema": {

@@ -1,0 +1,151 @@
+"""Prometheus metrics: every series is named hostagent_*. One registry per app (tests run many apps)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import Counter as PCounter
+from prometheus_client.core import GaugeMetricFamily
+
+from hostagent.domain.inventory import GpuState
+from hostagent.domain.lease import Lease, LeaseState
+
+_STEP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    """The agent's metrics; gauges are computed at scrape time from the runtime."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.runtime = runtime
+        self.request_seconds = Histogram(
+            "hostagent_http_request_duration_seconds", "API request latency by endpoint",
+            ["method", "route", "status"], registry=self.registry,
+        )
+        self.step_seconds = Histogram(
+            "hostagent_step_duration_seconds", "bind / attach / detach / give-back durations",
+            ["step"], buckets=_STEP_BUCKETS, registry=self.registry,
+        )
+        self.step_failures = PCounter("hostagent_step_failures_total", "failed host or hypervisor steps", ["step"],
+                                      registry=self.registry)
+        self.lease_transitions = PCounter("hostagent_lease_transitions_total", "lease state transitions",
+                                          ["to_state"], registry=self.registry)
+        self.reclaims = PCounter("hostagent_reclaims_total", "idle reclaims by outcome", ["outcome"],
+                                 registry=self.registry)
+        self.samples = PCounter("hostagent_heartbeat_samples_total", "usage samples accepted", registry=self.registry)
+        self.registry.register(_Gauges(runtime))
+        self._seen_timings = 0
+        self._last_state: dict[str, LeaseState] = {}
+
+    def on_lease(self, lease: Lease | None, detail: str | None) -> None:
+        """Lease listener: count transitions and the step timings recorded since the last call."""
+        if lease is not None and self._last_state.get(lease.id) is not lease.state:
+            self.lease_transitions.labels(lease.state.value).inc()
+            if lease.state.terminal:
+                self._last_state.pop(lease.id, None)
+            else:
+                self._last_state[lease.id] = lease.state
+            if lease.end_reason and lease.end_reason.startswith("reclaimed") and lease.state.terminal:
+                self.reclaims.labels(lease.state.value.lower()).inc()
+            elif lease.state is LeaseState.DETACH_PENDING and lease.end_reason == "reclaimed: idle":
+                self.reclaims.labels("detach_pending").inc()
+        timings = self.runtime.manager.step_timings
+        for kind, seconds in timings[self._seen_timings:]:
+            self.step_seconds.labels(kind).observe(seconds)
+        self._seen_timings = len(timings)
+        if len(timings) > 10_000:  # keep the list bounded; metrics already have them
+            del timings[: len(timings) - 1000]
+            self._seen_timings = len(timings)
+        if lease is not None and lease.state is LeaseState.FAILED:
+            self.step_failures.labels("lease").inc()
+
+    def render(self) -> bytes:
+        """The exposition text."""
+        return generate_latest(self.registry)
+
+
+class _Gauges:
+    """Gauges read from the runtime at scrape time (never stale)."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.rt = runtime
+
+    def describe(self) -> list[Any]:
+        """No static description (values are computed)."""
+        return []
+
+    def collect(self) -> Any:
+        """GPUs by state, leases by state, queue depth, spool depth, model version, readiness."""
+        m = self.rt.manager
+        gpus = GaugeMetricFamily("hostagent_gpus", "GPUs by state", labels=["state"])
+        counts = Counter(m.gpu_state(g).value for g in m.gpus)
+        for st in GpuState:
+            gpus.add_metric([st.value], counts.get(st.value, 0))
+        yield gpus
+        leases = GaugeMetricFamily("hostagent_leases", "live leases by state", labels=["state"])
+        lc = Counter(x.state.value for x in m.leases.values())
+        for st in LeaseState:
+            if not st.terminal:
+                leases.add_metric([st.value], lc.get(st.value, 0))
+        yield leases
+        yield GaugeMetricFamily("hostagent_queue_depth", "requests waiting for GPUs", value=len(m.queue()))
+        store = self.rt.store
+        yield GaugeMetricFamily("hostagent_store_degraded", "1 while the usage store is unreachable (spooling)",
+                                value=1 if store is not None and getattr(store, "degraded", False) else 0)
+        yield GaugeMetricFamily("hostagent_store_spool_depth", "writes waiting in the local spool",
+                                value=getattr(store, "spool_depth", 0) if store is not None else 0)
+        ing = self.rt.ingestor
+        yield GaugeMetricFamily("hostagent_ingest_queue_depth", "heartbeat samples waiting to be written",
+                                value=getattr(ing, "depth", 0) if ing is not None else 0)
+        version = GaugeMetricFamily("hostagent_model_version", "placement model in use (1 for the current)",
+                                    labels=["version", "rule"])
+        version.add_metric([str(getattr(self.rt, "model_version", None) or "none"),
+                            str(getattr(self.rt, "placement_rule", "cold-start"))], 1)
+        yield version
+        yield GaugeMetricFamily("hostagent_ready", "1 when reconciled and the hypervisor is connected",
+                                value=1 if self.rt.started and self.rt.hypervisor_ok else 0)
+        yield GaugeMetricFamily("hostagent_quarantined_gpus", "GPUs excluded from placement",
+                                value=len(m.quarantined))
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Observe latency per route template (never per raw path: ids would explode the label set)."""
+    t0 = time.perf_counter()
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        info = request.match_info.route.resource
+        route = info.canonical if info is not None else "unmatched"
+        metrics: Metrics | None = request.app.get(METRICS)
+        if metrics is not None and not route.startswith("/static"):
+            metrics.request_seconds.labels(request.method, route, str(status)).observe(time.perf_counter() - t0)
+
+
+METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    """GET /metrics in the Prometheus text format."""
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def install(app: web.Application, runtime: Any) -> Metrics:
+    """Create the metrics, hook the lease listener, add /metrics."""
+    metrics = Metrics(runtime)
+    app[METRICS] = metrics
+    runtime.manager.listeners.append(metrics.on_lease)
+    app.router.add_get("/metrics", metrics_handler)
+    return metrics

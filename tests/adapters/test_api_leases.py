@@ -1,0 +1,326 @@
+"""The lease API over the simulated hypervisor + fake kernel, through aiohttp's test client."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hostagent.domain.lease import LeaseState
+from tests.support.agent import AgentRig, Clock, make_rig, start_rig
+
+JSON = {"Content-Type": "application/json"}
+ADDRESS = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+
+
+@pytest.fixture
+async def rig(tmp_path: Path, aiohttp_client: Any) -> AgentRig:
+    return await start_rig(make_rig(tmp_path), aiohttp_client)
+
+
+async def lease(rig: AgentRig, who: str = "vm-a", status: int = 201, **body: Any) -> dict[str, Any]:
+    r = await rig.client.post("/v1/leases", json=body, headers=rig.auth(who))
+    data = await r.json()
+    assert r.status == status, data
+    return data
+
+
+async def wait_state(rig: AgentRig, lease_id: str, who: str, state: str, timeout: float = 5.0) -> dict[str, Any]:
+    """Poll a lease until it reaches `state` (background jobs act on their own schedule)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        body = await (await rig.client.get(f"/v1/leases/{lease_id}", headers=rig.auth(who))).json()
+        if body["state"] == state or time.monotonic() > deadline:
+            return body
+        await asyncio.sleep(0.02)
+
+
+def vfio_functions(rig: AgentRig) -> set[str]:
+    d = rig.tree.sys_root / "bus/pci/drivers/vfio-pci"
+    return {p.name for p in d.iterdir() if p.is_symlink() and ADDRESS.match(p.name)} if d.exists() else set()
+
+
+async def test_health_and_ready(rig: AgentRig) -> None:
+    assert (await (await rig.client.get("/healthz")).json()) == {"status": "ok"}
+    r = await rig.client.get("/readyz")
+    body = await r.json()
+    assert r.status == 200 and body["ready"] is True and body["checks"]["hypervisor"]["ok"]
+
+
+async def test_gpus_list_every_group_function(rig: AgentRig) -> None:
+    body = await (await rig.client.get("/v1/gpus")).json()
+    assert len(body["gpus"]) == 8
+    for g in body["gpus"]:
+        for key in ("id", "address", "vendor", "model", "memory_bytes", "numa_node", "iommu_group", "functions", "state"):
+            assert key in g
+        assert g["state"] == "free" and g["functions"][0]["driver"] == "nvidia"
+    one = await rig.client.get(f"/v1/gpus/{body['gpus'][0]['id']}")
+    assert one.status == 200 and (await one.json())["history"]["leases"] == 0
+    missing = await rig.client.get("/v1/gpus/gpu-nope")
+    assert missing.status == 404 and (await missing.json())["error"]["field"] == "gpu_id"
+
+
+async def test_grant_binds_attaches_and_release_gives_back(rig: AgentRig) -> None:
+    body = await lease(rig, gpus=2, task_type="training", precision="bf16", duration_s=600)
+    assert body["state"] == "ACTIVE" and body["granted_gpus"] == 2
+    funcs = {f for d in body["devices"] for f in d["functions"]}
+    assert funcs <= vfio_functions(rig)
+    assert all(d["guest_addresses"] for d in body["devices"])
+    attached = {str(h.source) for h in await rig.hv.attached_hostdevs(rig.uuids["vm-a"])}
+    assert attached == funcs
+    assert body["expires_at"] == pytest.approx(time.time() + 600, abs=30)
+    gpus = {g["id"]: g for g in (await (await rig.client.get("/v1/gpus")).json())["gpus"]}
+    assert all(gpus[d["gpu_id"]]["state"] == "leased" for d in body["devices"])
+
+    r = await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
+    done = await r.json()
+    assert r.status == 200 and done["state"] == "RELEASED"
+    assert not funcs & vfio_functions(rig)
+    assert all(rig.sysfs_driver(f) == "nvidia" for f in funcs)
+    assert await rig.hv.attached_hostdevs(rig.uuids["vm-a"]) == ()
+
+
+async def test_auth_errors(rig: AgentRig) -> None:
+    r = await rig.client.post("/v1/leases", json={})
+    assert r.status == 401 and (await r.json())["error"]["code"] == "unauthorized"
+    r = await rig.client.post("/v1/leases", json={}, headers={"Authorization": "Bearer nope"})
+    assert r.status == 401
+    r = await rig.client.post("/v1/leases", json={}, headers={"Authorization": "Basic abc"})
+    assert r.status == 401 and (await r.json())["error"]["field"] == "Authorization"
+    r = await rig.client.get("/v1/events", headers=rig.auth("vm-a"))
+    assert r.status == 403
+
+
+async def test_bad_bodies(rig: AgentRig) -> None:
+    h = rig.auth("vm-a")
+    r = await rig.client.post("/v1/leases", data=b"{not json", headers={**h, **JSON})
+    assert r.status == 400 and "malformed JSON" in (await r.json())["error"]["message"]
+    r = await rig.client.post("/v1/leases", data=b"gpus=1", headers={**h, "Content-Type": "text/plain"})
+    assert r.status == 415 and (await r.json())["error"]["code"] == "unsupported_media_type"
+    r = await rig.client.post("/v1/leases", json={"gpus": 1, "colour": "red"}, headers=h)
+    assert r.status == 400 and (await r.json())["error"]["field"] == "colour"
+    r = await rig.client.post("/v1/leases", json={"gpus": 99}, headers=h)
+    assert r.status == 400 and (await r.json())["error"]["field"] == "gpus"
+    r = await rig.client.post("/v1/leases", data=b"[" + b"1," * 600_000 + b"1]", headers={**h, **JSON})
+    assert r.status == 413 and (await r.json())["error"]["code"] == "payload_too_large"
+    assert vfio_functions(rig) == set()  # nothing changed
+
+
+async def test_operator_leases_for_a_named_vm_and_unknown_vm_is_404(rig: AgentRig) -> None:
+    r = await rig.client.post("/v1/leases", json={"gpus": 1}, headers=rig.auth("operator"))
+    assert r.status == 400 and (await r.json())["error"]["field"] == "domain"
+    r = await rig.client.post("/v1/leases", json={"gpus": 1, "domain": "vm-zzz"}, headers=rig.auth("operator"))
+    assert r.status == 404
+    body = await lease(rig, "operator", domain="vm-b", gpus=1)
+    assert body["domain"]["name"] == "vm-b"
+
+
+async def test_guests_see_only_their_own(rig: AgentRig) -> None:
+    mine = await lease(rig, "vm-a")
+    other = await rig.client.get(f"/v1/leases/{mine['id']}", headers=rig.auth("vm-b"))
+    assert other.status == 404
+    r = await rig.client.delete(f"/v1/leases/{mine['id']}", headers=rig.auth("vm-b"))
+    assert r.status == 404
+    assert (await (await rig.client.get("/v1/leases", headers=rig.auth("vm-b"))).json())["leases"] == []
+    ops = (await (await rig.client.get("/v1/leases", headers=rig.auth("operator"))).json())["leases"]
+    assert [x["id"] for x in ops] == [mine["id"]]
+    gpu = (await (await rig.client.get(f"/v1/gpus/{mine['devices'][0]['gpu_id']}", headers=rig.auth("vm-b"))).json())
+    assert "id" not in gpu["lease"] and "domain" not in gpu["lease"]
+
+
+async def test_list_filters(rig: AgentRig) -> None:
+    a = await lease(rig)
+    await rig.client.delete(f"/v1/leases/{a['id']}", headers=rig.auth("vm-a"))
+    b = await lease(rig)
+    h = rig.auth("vm-a")
+    ids = [x["id"] for x in (await (await rig.client.get("/v1/leases", headers=h)).json())["leases"]]
+    assert ids == [b["id"], a["id"]]  # newest first, ended included
+    act = (await (await rig.client.get("/v1/leases?state=ACTIVE", headers=h)).json())["leases"]
+    assert [x["id"] for x in act] == [b["id"]]
+    r = await rig.client.get("/v1/leases?state=SLEEPING", headers=h)
+    assert r.status == 400 and (await r.json())["error"]["field"] == "state"
+    r = await rig.client.get("/v1/leases?since=yesterday", headers=h)
+    assert r.status == 400 and (await r.json())["error"]["field"] == "since"
+    # since= keeps leases that overlap [since, now]: the running one, not the one that ended before
+    later = (await (await rig.client.get(f"/v1/leases?since={time.time() + 3600}", headers=h)).json())["leases"]
+    assert [x["id"] for x in later] == [b["id"]]
+
+
+async def test_heartbeat_validation_writes_nothing_partial(rig: AgentRig) -> None:
+    body = await lease(rig)
+    gpu = body["devices"][0]["gpu_id"]
+    url = f"/v1/leases/{body['id']}/heartbeat"
+    h = rig.auth("vm-a")
+    now = time.time()
+    good = {"ts": now, "gpu": gpu, "util_pct": 50, "mem_used_bytes": 10}
+    for bad, field in [
+        ({**good, "util_pct": 150}, "samples[1].util_pct"),
+        ({**good, "ts": now + 3600}, "samples[1].ts"),
+        ({**good, "gpu": "gpu-other"}, "samples[1].gpu"),
+        ({**good, "mem_used_bytes": -1}, "samples[1].mem_used_bytes"),
+        ({**good, "extra": 1}, "samples[1].extra"),
+    ]:
+        r = await rig.client.post(url, json={"samples": [good, bad]}, headers=h)
+        assert r.status == 400, await r.text()
+        assert (await r.json())["error"]["field"] == field
+    assert body["id"] not in rig.runtime.recent_samples
+    r = await rig.client.post(url, json={"samples": [good]}, headers=h)
+    reply = await r.json()
+    assert r.status == 200 and reply["accepted"] == 1 and reply["state"] == "ACTIVE"
+    detail = await (await rig.client.get(f"/v1/leases/{body['id']}", headers=h)).json()
+    assert detail["usage"]["samples"] >= 1
+    r = await rig.client.post(f"/v1/leases/nope/heartbeat", json={"samples": []}, headers=h)
+    assert r.status == 404
+
+
+async def test_detach_never_acknowledged_stays_on_vfio(rig: AgentRig) -> None:
+    body = await lease(rig)
+    funcs = set(body["devices"][0]["functions"])
+    rig.hv.set_refuse_detach("vm-a")
+    r = await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
+    pending = await r.json()
+    assert r.status == 202 and pending["state"] == "DETACH_PENDING"
+    assert any(w["code"] == "detach_pending" for w in pending["warnings"])
+    assert funcs <= vfio_functions(rig)  # never rebound under a live guest
+    gpu = (await (await rig.client.get(f"/v1/gpus/{body['devices'][0]['gpu_id']}")).json())
+    assert gpu["state"] == "detach-pending"
+    await rig.runtime.manager.retry_pending()
+    assert rig.runtime.manager.leases[body["id"]].state is LeaseState.DETACH_PENDING
+    assert funcs <= vfio_functions(rig)
+    rig.hv.acknowledge_detaches("vm-a")  # the guest finally lets go: DEVICE_REMOVED arrives late
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if body["id"] not in rig.runtime.manager.leases:
+            break
+    done = await (await rig.client.get(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))).json()
+    assert done["state"] == "RELEASED" and not funcs & vfio_functions(rig)
+
+
+async def test_renew(rig: AgentRig) -> None:
+    body = await lease(rig, duration_s=60)
+    r = await rig.client.post(f"/v1/leases/{body['id']}/renew", json={"duration_s": 3600}, headers=rig.auth("vm-a"))
+    renewed = await r.json()
+    assert r.status == 200 and renewed["expires_at"] > body["expires_at"] + 3000
+    r = await rig.client.post(f"/v1/leases/{body['id']}/renew", json={"duration_s": 10**9}, headers=rig.auth("vm-a"))
+    assert r.status == 400 and (await r.json())["error"]["field"] == "duration_s"
+    await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
+    r = await rig.client.post(f"/v1/leases/{body['id']}/renew", json={}, headers=rig.auth("vm-a"))
+    assert r.status == 409
+
+
+async def test_expiry_releases(tmp_path: Path, aiohttp_client: Any) -> None:
+    clock = Clock(time.time())
+    rig = await start_rig(make_rig(tmp_path, clock=clock), aiohttp_client)
+    body = await lease(rig, duration_s=60)
+    await rig.runtime.manager.expire_due()
+    assert rig.runtime.manager.leases[body["id"]].state is LeaseState.ACTIVE
+    clock.advance(61)
+    await rig.runtime.manager.expire_due()
+    done = await (await rig.client.get(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))).json()
+    assert done["state"] == "EXPIRED" and vfio_functions(rig) == set()
+
+
+async def test_full_host_refuses_defers_partials_and_serves_queue_by_priority(rig: AgentRig) -> None:
+    big = await lease(rig, "vm-a", gpus=7)
+    refused = await lease(rig, "vm-b", status=409, gpus=2)
+    assert "accept_deferred" in refused["error"]["message"]
+    partial = await lease(rig, "vm-b", gpus=2, accept_partial=True)
+    assert partial["granted_gpus"] == 1
+    low = await lease(rig, "vm-c", status=202, gpus=1, accept_deferred=True, priority=1)
+    high = await lease(rig, "vm-d", status=202, gpus=1, accept_deferred=True, priority=9)
+    assert high["queue"]["position"] == 1
+    low_now = await (await rig.client.get(f"/v1/leases/{low['id']}", headers=rig.auth("vm-c"))).json()
+    assert low_now["queue"]["position"] == 2 and low_now["queue"]["eta"] is not None
+    await rig.client.delete(f"/v1/leases/{partial['id']}", headers=rig.auth("vm-b"))
+    h = await wait_state(rig, high["id"], "vm-d", "ACTIVE")
+    lw = await (await rig.client.get(f"/v1/leases/{low['id']}", headers=rig.auth("vm-c"))).json()
+    assert h["state"] == "ACTIVE" and lw["state"] == "QUEUED"
+    await rig.client.delete(f"/v1/leases/{big['id']}", headers=rig.auth("vm-a"))
+    lw = await wait_state(rig, low["id"], "vm-c", "ACTIVE")
+    assert lw["state"] == "ACTIVE"
+
+
+async def test_queued_request_is_cancelled_by_release_and_expires_after_not_after(rig: AgentRig) -> None:
+    await lease(rig, "vm-a", gpus=8)
+    q1 = await lease(rig, "vm-b", status=202, accept_deferred=True)
+    r = await rig.client.delete(f"/v1/leases/{q1['id']}", headers=rig.auth("vm-b"))
+    assert (await r.json())["state"] == "RELEASED"
+    q2 = await lease(rig, "vm-c", status=202, accept_deferred=True, not_after=time.time() + 0.5)
+    await asyncio.sleep(0.6)
+    await rig.runtime.manager.expire_due()
+    assert (await (await rig.client.get(f"/v1/leases/{q2['id']}", headers=rig.auth("vm-c"))).json())["state"] == "EXPIRED"
+
+
+async def test_idempotency_key(rig: AgentRig) -> None:
+    a = await lease(rig, gpus=1, idempotency_key="job-42")
+    b = await lease(rig, gpus=1, idempotency_key="job-42")
+    assert a["id"] == b["id"]
+    c = await lease(rig, status=409, gpus=2, idempotency_key="job-42")
+    assert c["error"]["field"] == "idempotency_key"
+
+
+async def test_domain_stop_ends_its_leases(rig: AgentRig) -> None:
+    body = await lease(rig, "vm-a")
+    rig.hv.shutdown("vm-a")
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if body["id"] not in rig.runtime.manager.leases:
+            break
+    done = await (await rig.client.get(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))).json()
+    assert done["state"] == "RELEASED" and "domain stopped" in done["end_reason"]
+    assert vfio_functions(rig) == set()
+
+
+async def test_quarantine_clear_is_operator_only(rig: AgentRig) -> None:
+    gid = (await (await rig.client.get("/v1/gpus")).json())["gpus"][0]["id"]
+    r = await rig.client.post(f"/v1/gpus/{gid}/clear-quarantine", json={}, headers=rig.auth("vm-a"))
+    assert r.status == 403
+    r = await rig.client.post(f"/v1/gpus/{gid}/clear-quarantine", json={}, headers=rig.auth("operator"))
+    assert r.status == 409
+    await rig.runtime.manager._quarantine(gid, "test", "test")
+    gpu = await (await rig.client.get(f"/v1/gpus/{gid}")).json()
+    assert gpu["state"] == "quarantined"
+    r = await rig.client.post(f"/v1/gpus/{gid}/clear-quarantine", json={}, headers=rig.auth("operator"))
+    assert r.status == 200 and (await r.json())["state"] == "free"
+
+
+async def test_events_record_every_transition(rig: AgentRig) -> None:
+    body = await lease(rig)
+    await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
+    events = (await (await rig.client.get(f"/v1/events?lease_id={body['id']}", headers=rig.auth("operator"))).json())
+    states = [e["to_state"] for e in events["events"] if e["kind"] == "transition"]
+    assert states == ["REQUESTED", "BINDING", "ATTACHING", "ACTIVE", "RELEASING", "DETACHING", "REBINDING", "RELEASED"]
+
+
+async def test_metrics_exposed(rig: AgentRig) -> None:
+    await lease(rig)
+    text = await (await rig.client.get("/metrics")).text()
+    assert 'hostagent_gpus{state="leased"} 1.0' in text
+    assert 'hostagent_leases{state="ACTIVE"} 1.0' in text
+    assert "hostagent_http_request_duration_seconds_bucket" in text
+    assert 'hostagent_step_duration_seconds_count{step="bind"}' in text
+
+
+async def test_200_clients_race_for_8_gpus(tmp_path: Path, aiohttp_client: Any) -> None:
+    vms = tuple(f"vm-{i:03d}" for i in range(200))
+    rig = await start_rig(make_rig(tmp_path, vms=vms), aiohttp_client)
+
+    async def one(i: int) -> tuple[int, dict[str, Any]]:
+        r = await rig.client.post("/v1/leases", json={"gpus": 1, "accept_deferred": i % 2 == 0},
+                                  headers=rig.auth(vms[i]))
+        return r.status, await r.json()
+
+    results = await asyncio.gather(*(one(i) for i in range(200)))
+    granted = [b for s, b in results if s == 201]
+    queued = [(i, b) for i, (s, b) in enumerate(results) if s == 202]
+    refused = [(i, b) for i, (s, b) in enumerate(results) if s == 409]
+    assert len(granted) == 8
+    assert len({d["gpu_id"] for b in granted for d in b["devices"]}) == 8  # never the same GPU twice
+    assert len(granted) + len(queued) + len(refused) == 200
+    assert all(i % 2 == 0 for i, _ in queued) and all(i % 2 == 1 for i, _ in refused)
+    assert all(b["state"] == "QUEUED" for _, b in queued)
+    assert len(vfio_functions(rig)) == 8

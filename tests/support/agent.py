@@ -1,0 +1,98 @@
+"""An in-process agent over a fake sysfs tree (fake kernel) and the simulated hypervisor, for API tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hostagent.config import Settings, settings_from_dict
+from hostagent.host.fakesysfs import FakeHost, build_tree
+from hostagent.runtime import Runtime, build_runtime, make_app
+from hostagent.virt.sim import SimulatedHypervisor
+from hostagent.web.auth import hash_token, new_token
+
+VMS = ("vm-a", "vm-b", "vm-c", "vm-d")
+
+
+@dataclass
+class Clock:
+    """A controllable clock for services (the event loop keeps real time)."""
+
+    now: float = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class AgentRig:
+    """Everything a test needs to drive the agent."""
+
+    settings: Settings
+    tree: FakeHost
+    hv: SimulatedHypervisor
+    runtime: Runtime
+    operator: str
+    tokens: dict[str, str]  # vm name -> token
+    uuids: dict[str, str]  # vm name -> uuid
+    client: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def auth(self, who: str) -> dict[str, str]:
+        """Authorization header for 'operator' or a VM name."""
+        token = self.operator if who == "operator" else self.tokens[who]
+        return {"Authorization": f"Bearer {token}"}
+
+    def sysfs_driver(self, address: str) -> str | None:
+        """The driver of a function in the fake tree, read back from the filesystem."""
+        link = self.tree.sys_root / "bus/pci/devices" / address / "driver"
+        return link.resolve().name if link.is_symlink() else None
+
+
+def rig_settings(tmp: Path, tree: FakeHost, hv_path: Path, operator: str, **sections: dict[str, Any]) -> Settings:
+    """Settings for an agent over a fake tree and a simulated hypervisor file."""
+    raw: dict[str, Any] = {
+        "agent": {"state_dir": str(tmp / "state"), "port": 0, "host_id": "test-host", "log_format": "text"},
+        "host": {"sysfs_root": str(tree.sys_root), "step_timeout_s": 2.0},
+        "libvirt": {"uri": f"sim://{hv_path}", "detach_timeout_s": 0.5},
+        "reclaim": {"enabled": False},
+        "auth": {"operator_token_sha256": hash_token(operator)},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return settings_from_dict(raw)
+
+
+def make_rig(tmp: Path, *, scenario: str = "dgx8", vms: tuple[str, ...] = VMS, clock: Callable[[], float] | None = None,
+             hv_kwargs: dict[str, Any] | None = None, **sections: dict[str, Any]) -> AgentRig:
+    """Build tree, hypervisor, runtime and tokens (not started)."""
+    tree = build_tree(tmp / "host", scenario)
+    hv_path = tmp / "hv.json"
+    hv = SimulatedHypervisor(path=hv_path, **(hv_kwargs or {}))
+    for name in vms:
+        hv.define(name, running=True)
+    hv.save()
+    operator = new_token("op")
+    settings = rig_settings(tmp, tree, hv_path, operator, **sections)
+    kwargs: dict[str, Any] = {"hypervisor": hv}
+    if clock is not None:
+        kwargs["clock"] = clock
+    runtime = build_runtime(settings, **kwargs)
+    tokens, uuids = {}, {}
+    for dom in hv.domains_sync():
+        tok = new_token("vm")
+        runtime.journal.add_token(hash_token(tok), role="guest", domain_uuid=dom.uuid, domain_name=dom.name)
+        tokens[dom.name] = tok
+        uuids[dom.name] = dom.uuid
+    return AgentRig(settings, tree, hv, runtime, operator, tokens, uuids)
+
+
+async def start_rig(rig: AgentRig, aiohttp_client: Any) -> AgentRig:
+    """Serve the rig's app through aiohttp's test client (runs the runtime's lifecycle)."""
+    rig.client = await aiohttp_client(make_app(rig.runtime))
+    return rig
