@@ -105,7 +105,8 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     inv = discover_host(settings_for(args))
     rows = [gpu_row(g) for g in inv.gpus]
 
-    def human(rows: list[dict[str, Any]]) -> None:
+    def human(data: dict[str, Any]) -> None:
+        rows = data["gpus"]
         if not rows:
             print("no GPUs found (vendors: see host.gpu_vendors; sysfs root: %s)" % settings_for(args).host.sysfs_root)
             return
@@ -139,8 +140,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                         probe_libvirt)
     data = [{"name": c.name, "status": c.status, "detail": c.detail, "hint": c.hint} for c in checks]
 
-    def human(rows: list[dict[str, Any]]) -> None:
-        for r in rows:
+    def human(data: dict[str, Any]) -> None:
+        for r in data["checks"]:
             line = f"{r['status']:<4}  {r['name']}: {r['detail']}"
             if r["status"] != "OK" and r["hint"]:
                 line += f"\n      fix: {r['hint']}"

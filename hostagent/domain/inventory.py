@@ -99,12 +99,28 @@ class IommuGroup:
 _GB_IN_NAME = re.compile(r"(\d+(?:\.\d+)?)\s*GB\b", re.IGNORECASE)
 
 
+# Board memory of common models whose pci.ids names carry no size (matched as substrings, most specific first).
+KNOWN_MEMORY_GIB: tuple[tuple[str, float], ...] = (
+    ("RTX 4090", 24), ("RTX 4080", 16), ("RTX 3090", 24), ("RTX 3080", 10), ("RTX 2080 Ti", 11),
+    ("RTX 2080", 8), ("RTX A6000", 48), ("RTX 6000 Ada", 48), ("Quadro RTX 6000", 24), ("RTX 6000", 24),
+    ("RTX 8000", 48), ("Tesla T4", 16), ("[A10]", 24), ("A10G", 24), ("[A16]", 16), ("[A30]", 24),
+    ("[A40]", 48), ("L40S", 48), ("[L40]", 48), ("[L4]", 24), ("Tesla P100", 16), ("Tesla P40", 24),
+    ("V100", 16), ("H100", 80), ("H200", 141), ("RX 6800", 16), ("RX 7900 XTX", 24), ("Instinct MI100", 32),
+    ("Instinct MI210", 64), ("MI250", 128),
+)
+
+
 def memory_from_name(name: str | None) -> int | None:
-    """Memory size printed in a pci.ids model name such as 'GA100 [A100 SXM4 40GB]'."""
+    """Memory size from a pci.ids model name: the 'NNGB' it prints ('GA100 [A100 SXM4 40GB]'), or a known model."""
     if not name:
         return None
     m = _GB_IN_NAME.search(name)
-    return int(float(m.group(1)) * 1024**3) if m else None
+    if m:
+        return int(float(m.group(1)) * 1024**3)
+    for needle, gib in KNOWN_MEMORY_GIB:
+        if needle in name:
+            return int(gib * 1024**3)
+    return None
 
 
 def gpu_id_for(address: PciAddress) -> str:

@@ -279,6 +279,7 @@ class LeaseManager:
                 self._wake_queue.set()
                 return lease
             lease = await self._write(lease, None, actor, "requested")
+            crash_point("after-requested")
             lease = await self._claim(lease, free, verdict.count, actor, verdict.reason)
         return await self._bind_and_attach(lease, actor)
 

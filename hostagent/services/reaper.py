@@ -17,6 +17,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from hostagent.domain.errors import Conflict, HostAgentError
 from hostagent.domain.lease import Lease, LeaseState
 from hostagent.domain.reclaim import Action, Activity, IdlePolicy, Sample, Strikes, interrupt_delta, judge, step
+from hostagent.services.faults import crash_point
 from hostagent.services.leases import LeaseManager
 
 log = logging.getLogger("hostagent.reaper")
@@ -178,6 +179,7 @@ class Reaper:
             if kind:
                 await self.m._run(self.m.journal.event, kind, actor="reaper", lease_id=lease.id,
                                   gpu_id=",".join(lease.gpu_ids), detail=verdict.reason)
+                crash_point(f"reaper:{kind}")
         if action is Action.RECLAIM and self.settings.notice_window_s <= 0:
             await self._reclaim(lease, "no notice window configured")
         return action
@@ -197,6 +199,7 @@ class Reaper:
         log.warning("reclaiming lease %s: %s", lease.id, why, extra={"lease_id": lease.id})
         await self.m._run(self.m.journal.event, "reclaim", actor="reaper", lease_id=lease.id,
                           gpu_id=",".join(lease.gpu_ids), detail=why)
+        crash_point("reaper:reclaim")
         done = await self.m.release(lease.id, actor="reaper", reason="reclaimed: idle")
         outcome = done.state.value
         await self.m._run(self.m.journal.event, "reclaim-outcome", actor="reaper", lease_id=lease.id,

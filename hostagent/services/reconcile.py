@@ -77,6 +77,15 @@ class Reconciler:
                 out.append(dev)
         return out
 
+    async def _disturbed(self, lease: Lease) -> list[LeaseDevice]:
+        """Devices with any function not on its original driver (on vfio-pci, or left with none mid-bind)."""
+        out = []
+        for dev in lease.devices:
+            drivers = await self._drivers(dev)
+            if any(drivers.get(a) != orig for a, orig in zip(dev.functions, dev.original_drivers)):
+                out.append(dev)
+        return out
+
     async def _attached(self, lease: Lease) -> set[str] | None:
         """PCI sources of this lease attached to its domain; None when the domain no longer exists."""
         try:
@@ -111,7 +120,7 @@ class Reconciler:
                 await self.m._finish_release(lease, self.ACTOR, S.RELEASED)
                 await self._note(lease.id, found, "detach not acknowledged: lease kept DETACH_PENDING", lease_id=lease.id)
                 return
-        notes = await self._give_back_devices(lease, await self._on_vfio(lease))
+        notes = await self._give_back_devices(lease, await self._disturbed(lease))
         await self.m._move(lease, S.FAILED, self.ACTOR, "; ".join(notes) or "nothing was bound",
                            error="agent stopped mid-grant", ended_at=self.m.clock(), end_reason="failed")
         await self._note(lease.id, found, "rolled back to FAILED: " + ("; ".join(notes) or "nothing to undo"),

@@ -1,0 +1,69 @@
+"""SysfsHost: the host port the lease service drives (binding, give-back, current drivers, vfio interrupts)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hostagent.domain.inventory import Gpu, IommuGroup
+from hostagent.host.binding import BindResult, Step, VfioBinder
+from hostagent.host.interrupts import read_vfio_interrupts
+from hostagent.host.sysfs import Sysfs
+
+OnStep = Callable[[str, str], None]
+
+
+class SysfsHost:
+    """Implements services.ports.HostPort over a Sysfs (real, or the fake kernel). Blocking: call from a thread."""
+
+    def __init__(self, sysfs: Sysfs, *, dev_root: str | os.PathLike[str] = "/dev",
+                 proc_root: str | os.PathLike[str] = "/proc", step_timeout_s: float = 10.0,
+                 inventory: Any = None, journal: Callable[[Step], None] | None = None) -> None:
+        self.sysfs = sysfs
+        self.proc_root = Path(proc_root)
+        self.inventory = inventory
+        self.binder = VfioBinder(sysfs, dev_root, step_timeout_s, journal=journal)
+
+    def current_drivers(self, gpu: Gpu) -> dict[str, str | None]:
+        """address -> driver bound now, for every function of the GPU's group."""
+        return {str(f.address): self.binder.driver_of(f.address) for f in gpu.functions}
+
+    @staticmethod
+    def _group(gpu: Gpu) -> IommuGroup | None:
+        return gpu.group
+
+    def bind(self, gpu: Gpu, on_step: OnStep | None = None) -> BindResult:
+        """Move every function of the group to vfio-pci (rolls itself back on failure)."""
+        group = self._group(gpu)
+        if group is None:
+            return BindResult(False, error=f"{gpu.id}: {gpu.unviable_reason}")
+        if not group.viable:
+            return BindResult(False, error=f"{gpu.id}: {group.reason}")
+        return self.binder.bind_group(group, on_step)
+
+    def give_back(self, gpu: Gpu, original: Mapping[str, str | None], on_step: OnStep | None = None) -> BindResult:
+        """Return every function to its original driver ('*' = any host driver, None = leave unbound)."""
+        group = self._group(gpu)
+        if group is None:
+            return BindResult(False, error=f"{gpu.id}: no IOMMU group")
+        return self.binder.release_group(group, original, on_step)
+
+    def plan_bind(self, gpu: Gpu) -> Sequence[str]:
+        """Human lines describing the bind steps, touching nothing."""
+        group = self._group(gpu)
+        if group is None or not group.viable:
+            return [f"refuse: {gpu.unviable_reason}"]
+        return self.binder.plan_bind(group)
+
+    def plan_give_back(self, gpu: Gpu, original: Mapping[str, str | None]) -> Sequence[str]:
+        """Human lines describing the give-back steps, touching nothing."""
+        group = self._group(gpu)
+        if group is None:
+            return [f"refuse: {gpu.id} has no IOMMU group"]
+        return self.binder.plan_release(group, original)
+
+    def vfio_interrupts(self) -> dict[str, int]:
+        """address -> total vfio interrupt count from /proc/interrupts."""
+        return {str(a): n for a, n in read_vfio_interrupts(self.proc_root).items()}

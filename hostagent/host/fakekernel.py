@@ -1,0 +1,281 @@
+"""A small 'kernel' for fake sysfs trees: writes to bind/unbind/driver_override/drivers_probe do what Linux does.
+
+Semantics copied from drivers/base/bus.c, drivers/base/dd.c and drivers/pci/pci-driver.c:
+- `drivers/D/unbind ADDR` detaches when ADDR is bound to D, else ENODEV.
+- `devices/ADDR/driver_override` holds a driver name; a lone newline clears it (reads back "(null)").
+- `drivers_probe ADDR` attaches an unbound device to the override driver when set (and loaded), else to a driver
+  whose id table matches (the native driver, or one that was given the ids through `new_id`).
+- `drivers/D/bind ADDR`: EBUSY when already bound, ENODEV when D does not match (override names another driver).
+- vfio-pci's probe fails for a device without an IOMMU group; binding the first member of a group creates
+  /dev/vfio/<group>, unbinding the last removes it.
+Faults, read from files so another process sharing the tree sees them: `<sys>/.fault/<kind>/<addr>` with kind
+`hang_unbind` (content: seconds), `fail_unbind`, `fail_override`, `fail_bind` (vfio-pci probe fails) and
+`no_rebind` (a host driver's probe fails).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from hostagent.domain.errors import HostError
+from hostagent.host.fakesysfs import (
+    DRIVER_MODULES,
+    NATIVE_DRIVER_FILE,
+    make_driver_dir,
+    make_module_dir,
+    relative_symlink,
+)
+from hostagent.host.sysfs import Sysfs
+
+VFIO_PCI = "vfio-pci"
+LOCK_FILE = ".fake-kernel.lock"
+NEW_ID_LOG = ".fake_new_id_log"
+FAULT_DIR = ".fault"
+FAULT_KINDS = ("hang_unbind", "fail_unbind", "fail_override", "fail_bind", "no_rebind")
+
+# modprobe name -> modules it brings in (hard dependencies first), as modules.dep says.
+MODULE_DEPS: dict[str, tuple[str, ...]] = {
+    "vfio_pci": ("irqbypass", "vfio", "vfio_pci_core", "vfio_pci"),
+    "vfio_iommu_type1": ("vfio_iommu_type1",),
+    "vfio": ("irqbypass", "vfio"),
+}
+
+
+class FakeKernel(Sysfs):
+    """Sysfs whose writes behave like the kernel's PCI core, for trees built by `fakesysfs.build_tree`."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        super().__init__(root)
+        self._root_real = Path(os.path.realpath(self.root))
+        self.dev_root = self._root_real.parent / "dev"
+        self.proc_root = self._root_real.parent / "proc"
+
+    # -- faults (tests set them; a separate agent process sees them too) -----------------------------------------
+    def set_fault(self, kind: str, address: str, value: str = "") -> None:
+        """Arm a fault for one device (see the module docstring)."""
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault {kind!r}; known: {', '.join(FAULT_KINDS)}")
+        p = self._root_real / FAULT_DIR / kind / address
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(value)
+
+    def clear_fault(self, kind: str, address: str) -> None:
+        """Disarm a fault."""
+        with contextlib.suppress(FileNotFoundError):
+            (self._root_real / FAULT_DIR / kind / address).unlink()
+
+    def _fault(self, kind: str, address: str) -> str | None:
+        p = self._root_real / FAULT_DIR / kind / address
+        try:
+            return p.read_text().strip()
+        except OSError:
+            return None
+
+    def new_id_writes(self) -> list[str]:
+        """Every write to some driver's new_id so far ('driver: ids'); our binder must never make one."""
+        try:
+            return (self._root_real / NEW_ID_LOG).read_text().splitlines()
+        except OSError:
+            return []
+
+    # -- modules ------------------------------------------------------------------------------------------------
+    def loaded_modules(self) -> list[str]:
+        """Names under sys/module."""
+        return self.listdir("module")
+
+    def load_module(self, name: str) -> None:
+        """What `modprobe NAME` does here: register the module (and vfio-pci's driver), update /proc/modules."""
+        name = name.replace("-", "_")
+        with self._locked():
+            for mod in MODULE_DEPS.get(name, (name,)):
+                if (self._root_real / "module" / mod).exists():
+                    continue
+                make_module_dir(self._root_real, mod)
+                if mod == "vfio_pci":
+                    make_driver_dir(self._root_real, VFIO_PCI)
+                if mod == "vfio":
+                    self.dev_root.joinpath("vfio").mkdir(parents=True, exist_ok=True)
+                    self.dev_root.joinpath("vfio", "vfio").write_text("")
+                modules = self.proc_root / "modules"
+                if modules.exists():
+                    with modules.open("a") as f:
+                        f.write(f"{mod} 65536 0 - Live 0x0000000000000000\n")
+
+    # -- writes -------------------------------------------------------------------------------------------------
+    def write(self, rel: str, value: str) -> None:
+        """Write an attribute; control files act like the kernel, other files are plain writes."""
+        target = self.path(rel)
+        parent = Path(os.path.realpath(target.parent))
+        attr = target.name
+        drivers_dir = self._root_real / "bus/pci/drivers"
+        arg = value.strip()
+        if parent.parent == drivers_dir and attr == "unbind":
+            hang = self._fault("hang_unbind", arg)
+            if hang is not None:
+                # Outside the lock: a hung unbind in the kernel holds only that device's lock.
+                time.sleep(float(hang or "3600"))
+        with self._locked():
+            if parent == self._root_real / "bus/pci" and attr == "drivers_probe":
+                self._probe(arg)
+            elif parent == self._root_real / "bus/pci" and attr in ("rescan", "drivers_autoprobe"):
+                return
+            elif parent.parent == drivers_dir and attr in ("bind", "unbind", "new_id", "remove_id"):
+                getattr(self, f"_{attr}")(parent.name, arg, target)
+            elif (parent / NATIVE_DRIVER_FILE).exists():
+                self._device_attr(parent, attr, value, target)
+            else:
+                super().write(rel, value)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        # flock locks belong to the open file description, so threads and processes both serialise here.
+        fd = os.open(self._root_real / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _err(code: int, what: str, target: Path) -> HostError:
+        return HostError(f"{what}: {errno.errorcode[code]} {os.strerror(code)}", path=str(target), errno=code)
+
+    def _dev(self, address: str, target: Path) -> Path:
+        link = self._root_real / "bus/pci/devices" / address
+        if not address or not os.path.lexists(link):
+            raise self._err(errno.ENODEV, f"no PCI device {address!r}", target)
+        return Path(os.path.realpath(link))
+
+    def _device_attr(self, dev: Path, attr: str, value: str, target: Path) -> None:
+        if attr == "driver_override":
+            if self._fault("fail_override", dev.name) is not None:
+                raise self._err(errno.EINVAL, f"driver_override of {dev.name} refused", target)
+            name = value.strip()
+            (dev / "driver_override").write_text((name or "(null)") + "\n")
+        elif attr in ("reset", "remove", "rescan"):
+            return
+        else:
+            raise self._err(errno.EACCES, f"{attr} of {dev.name} is read-only", target)
+
+    def _unbind(self, driver: str, address: str, target: Path) -> None:
+        dev = self._dev(address, target)
+        if self._current(dev) != driver:
+            raise self._err(errno.ENODEV, f"{address} is not bound to {driver}", target)
+        if self._fault("fail_unbind", address) is not None:
+            raise self._err(errno.EBUSY, f"{driver} refused to release {address}", target)
+        self._detach(dev)
+
+    def _bind(self, driver: str, address: str, target: Path) -> None:
+        dev = self._dev(address, target)
+        if self._current(dev) is not None:
+            raise self._err(errno.EBUSY, f"{address} is already bound to {self._current(dev)}", target)
+        if not self._matches(driver, dev):
+            raise self._err(errno.ENODEV, f"{driver} does not match {address}", target)
+        if not self._attach(driver, dev):
+            raise self._err(errno.EINVAL, f"{driver} probe of {address} failed", target)
+
+    def _new_id(self, driver: str, ids: str, target: Path) -> None:
+        with (self._root_real / NEW_ID_LOG).open("a") as f:
+            f.write(f"{driver}: {ids}\n")
+        with (self._root_real / "bus/pci/drivers" / driver / ".fake_new_ids").open("a") as f:
+            f.write(" ".join(ids.split()[:2]).lower() + "\n")
+        # The kernel then probes every unbound device the new id matches.
+        for addr in self.listdir("bus/pci/devices"):
+            dev = self._dev(addr, target)
+            if self._current(dev) is None and self._matches(driver, dev):
+                self._attach(driver, dev)
+
+    def _remove_id(self, driver: str, ids: str, target: Path) -> None:
+        p = self._root_real / "bus/pci/drivers" / driver / ".fake_new_ids"
+        if p.exists():
+            want = " ".join(ids.split()[:2]).lower()
+            p.write_text("".join(ln + "\n" for ln in p.read_text().splitlines() if ln != want))
+
+    def _probe(self, address: str) -> None:
+        dev = self._dev(address, self._root_real / "bus/pci/drivers_probe")
+        if self._current(dev) is not None:
+            return
+        override = self._override(dev)
+        if override is not None:
+            candidates = [override]
+        else:
+            candidates = [(dev / NATIVE_DRIVER_FILE).read_text().strip()] + self.listdir("bus/pci/drivers")
+        for driver in candidates:
+            if driver and (self._root_real / "bus/pci/drivers" / driver).is_dir() and self._matches(driver, dev):
+                if self._attach(driver, dev):
+                    return
+
+    # -- state --------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _current(dev: Path) -> str | None:
+        try:
+            return os.path.basename(os.readlink(dev / "driver"))
+        except OSError:
+            return None
+
+    @staticmethod
+    def _override(dev: Path) -> str | None:
+        text = (dev / "driver_override").read_text().strip()
+        return None if text in ("", "(null)") else text
+
+    def _ids(self, dev: Path) -> str:
+        return f"{(dev / 'vendor').read_text().strip()[2:]} {(dev / 'device').read_text().strip()[2:]}"
+
+    def _matches(self, driver: str, dev: Path) -> bool:
+        override = self._override(dev)
+        if override is not None:
+            return override == driver
+        if (dev / NATIVE_DRIVER_FILE).read_text().strip() == driver:
+            return True
+        ids = self._root_real / "bus/pci/drivers" / driver / ".fake_new_ids"
+        return ids.exists() and self._ids(dev) in ids.read_text().splitlines()
+
+    def _group(self, dev: Path) -> str | None:
+        try:
+            return os.path.basename(os.readlink(dev / "iommu_group"))
+        except OSError:
+            return None
+
+    def _attach(self, driver: str, dev: Path) -> bool:
+        """Run the driver's probe; False when it fails (the device stays unbound, as in Linux)."""
+        address = dev.name
+        if driver == VFIO_PCI:
+            group = self._group(dev)
+            if group is None or self._fault("fail_bind", address) is not None:
+                return False
+        elif self._fault("no_rebind", address) is not None:
+            return False
+        ddir = self._root_real / "bus/pci/drivers" / driver
+        relative_symlink(dev / "driver", ddir)
+        relative_symlink(ddir / address, dev)
+        (dev / "enable").write_text("1\n")
+        if driver == VFIO_PCI:
+            node = self.dev_root / "vfio" / str(self._group(dev))
+            node.parent.mkdir(parents=True, exist_ok=True)
+            node.touch()
+        module = DRIVER_MODULES.get(driver)
+        if module and not (self._root_real / "module" / module).exists():
+            make_module_dir(self._root_real, module)
+        return True
+
+    def _detach(self, dev: Path) -> None:
+        driver = self._current(dev)
+        if driver is None:
+            return
+        (dev / "driver").unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (self._root_real / "bus/pci/drivers" / driver / dev.name).unlink()
+        (dev / "enable").write_text("0\n")
+        if driver == VFIO_PCI:
+            group = self._group(dev)
+            members = self.listdir(f"kernel/iommu_groups/{group}/devices") if group else []
+            still = [m for m in members if m != dev.name and self.read_link(f"bus/pci/devices/{m}/driver") == VFIO_PCI]
+            if group is not None and not still:
+                with contextlib.suppress(FileNotFoundError):
+                    (self.dev_root / "vfio" / group).unlink()
