@@ -6,4 +6,5 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 bash scripts/deps.sh test
 mkdir -p artifacts
+export PYTHONASYNCIODEBUG=1
 exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

@@ -1,16 +1,7 @@
-"""Shared test setup: asyncio debug on, so a blocking call on the event loop shows up."""
+"""Shared test setup.
+
+asyncio debug mode is on for the suite: scripts/test.sh exports PYTHONASYNCIODEBUG=1 before Python starts (asyncio
+reads it at import), so a blocking call on the event loop is reported as a slow callback.
+"""
 
 from __future__ import annotations
-
-import asyncio
-import os
-
-import pytest
-
-os.environ.setdefault("PYTHONASYNCIODEBUG", "1")
-
-
-@pytest.fixture(autouse=True)
-def _asyncio_debug(request: pytest.FixtureRequest) -> None:
-    """Turn on asyncio debug for every test that has a running loop policy."""
-    asyncio.get_event_loop_policy()

@@ -1,0 +1,535 @@
+"""A simulated hypervisor: the Hypervisor port in memory, with real domain XML, for tests and the demo.
+
+It behaves like libvirt where leasing depends on it: hostdev XML is applied to a per-domain XML document
+(duplicate PCI sources, guest address and alias clashes are refused), a running domain gets live + persistent
+changes and a shut-off one persistent only, a live detach completes only when the "guest" acknowledges it
+(a DEVICE_REMOVED event after a delay) or never (refusal: the DETACH_PENDING case). With a path, its state is
+written to a JSON file after every change (temp file + fsync + rename) so a killed agent finds, on restart,
+the same domains and devices, as it would find them in libvirtd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import os
+import threading
+import time
+import uuid as uuidlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lxml import etree
+
+from hostagent.domain.errors import Conflict, HypervisorError, InvalidInput, NotFound
+from hostagent.domain.hostdev import HostdevPci, free_guest_slots, parse_domain_hostdevs
+from hostagent.virt.port import DetachResult, DomainEvent, DomainInfo, DomainState, EventCallback, EventKind
+
+log = logging.getLogger("hostagent.virt.sim")
+
+STATE_VERSION = 1
+_PARSER = etree.XMLParser(resolve_entities=False, no_network=True, remove_blank_text=True)
+
+
+@dataclass
+class _Domain:
+    uuid: str
+    name: str
+    state: DomainState
+    config: Any  # lxml element: the persistent definition
+    live: Any | None = None  # lxml element while running
+    # alias -> wall-clock time the guest acknowledges the detach, or None when it never will
+    pending: dict[str, float | None] = field(default_factory=dict)
+
+    def info(self) -> DomainInfo:
+        return DomainInfo(self.name, self.uuid, self.state)
+
+    def current(self) -> Any:
+        return self.live if self.live is not None else self.config
+
+
+def _domain_element(name: str, uuid: str) -> Any:
+    """An i440fx-shaped domain: guest bus 0 with slots 1-3 taken, like a freshly defined libvirt guest."""
+    root = etree.Element("domain", type="kvm")
+    etree.SubElement(root, "name").text = name
+    etree.SubElement(root, "uuid").text = uuid
+    etree.SubElement(root, "memory", unit="KiB").text = "4194304"
+    etree.SubElement(root, "vcpu").text = "4"
+    os_el = etree.SubElement(root, "os")
+    etree.SubElement(os_el, "type", arch="x86_64", machine="pc").text = "hvm"
+    devices = etree.SubElement(root, "devices")
+    etree.SubElement(devices, "controller", type="pci", index="0", model="pci-root")
+    for tag, attrs, slot, fn in (("controller", {"type": "usb", "index": "0", "model": "piix3-uhci"}, 1, 2),
+                                 ("video", {}, 2, 0), ("memballoon", {"model": "virtio"}, 3, 0)):
+        el = etree.SubElement(devices, tag, attrs)
+        etree.SubElement(el, "address", type="pci", domain="0x0000", bus="0x00", slot=f"0x{slot:02x}",
+                         function=f"0x{fn:x}")
+    return root
+
+
+class SimulatedHypervisor:
+    """The Hypervisor port in memory; lifecycle methods (`define`, `start`, `shutdown`, ...) drive it in tests."""
+
+    def __init__(
+        self,
+        domains: Iterable[str | DomainInfo] = (),
+        *,
+        attach_latency_s: float = 0.0,
+        detach_ack_delay_s: float = 0.0,
+        refuse_detach: Iterable[str] = (),
+        fail_attach_after: int | None = None,
+        refuse_multifunction_unplug: bool = False,
+        path: Path | str | None = None,
+    ) -> None:
+        self.attach_latency_s = attach_latency_s
+        self.detach_ack_delay_s = detach_ack_delay_s
+        self.refuse_detach: set[str] = set(refuse_detach)
+        # Every single-hostdev attach counts; once `attach_count` reaches this, attaches fail (until reset).
+        self.fail_attach_after = fail_attach_after
+        self.attach_count = 0
+        # libvirt (9.x) refuses to hot-unplug a device whose guest address is multifunction; off by default so
+        # the demo can give multi-function GPUs back, on to reproduce libvirt exactly.
+        self.refuse_multifunction_unplug = refuse_multifunction_unplug
+        self.path = Path(path) if path is not None else None
+        self._domains: dict[str, _Domain] = {}
+        self._subscribers: list[EventCallback] = []
+        self._waiters: dict[tuple[str, str], list[asyncio.Future[bool]]] = {}
+        self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self._seq = 0
+        self._written_seq = 0
+        self._write_lock = threading.Lock()
+        for d in domains:
+            if isinstance(d, DomainInfo):
+                self._add(d.name, d.uuid, d.state)
+            else:
+                self._add(d, None, DomainState.RUNNING)
+        if self._domains:
+            self.save()
+
+    # -- persistence ---------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: Path | str, **overrides: Any) -> SimulatedHypervisor:
+        """Restore from `path` (an empty hypervisor bound to path when the file does not exist yet)."""
+        p = Path(path)
+        if not p.exists():
+            return cls(path=p, **overrides)
+        try:
+            doc = json.loads(p.read_text())
+            settings = doc["settings"]
+            hv = cls(path=p, **{**{
+                "attach_latency_s": float(settings["attach_latency_s"]),
+                "detach_ack_delay_s": float(settings["detach_ack_delay_s"]),
+                "refuse_detach": settings["refuse_detach"],
+                "fail_attach_after": settings["fail_attach_after"],
+            }, **overrides})
+            hv.attach_count = int(doc.get("attach_count", 0))
+            for d in doc["domains"]:
+                dom = _Domain(d["uuid"], d["name"], DomainState(d["state"]), etree.fromstring(d["config"].encode(), _PARSER),
+                              etree.fromstring(d["live"].encode(), _PARSER) if d["live"] else None,
+                              {k: (None if v is None else float(v)) for k, v in d["pending"].items()})
+                hv._domains[dom.uuid] = dom
+        except (OSError, ValueError, KeyError, TypeError, etree.XMLSyntaxError) as exc:
+            raise HypervisorError(f"simulated hypervisor state {p} is unreadable: {exc}", path=str(p)) from exc
+        # The "guest" kept running while nobody watched: detaches it would acknowledge are done by now.
+        for dom in hv._domains.values():
+            for alias, due in list(dom.pending.items()):
+                if due is not None and dom.uuid not in hv.refuse_detach:
+                    hv._remove_live(dom, alias)
+        return hv
+
+    def _snapshot(self) -> tuple[int, str]:
+        self._seq += 1
+        doc = {
+            "version": STATE_VERSION,
+            "settings": {"attach_latency_s": self.attach_latency_s, "detach_ack_delay_s": self.detach_ack_delay_s,
+                         "refuse_detach": sorted(self.refuse_detach), "fail_attach_after": self.fail_attach_after},
+            "attach_count": self.attach_count,
+            "domains": [
+                {"uuid": d.uuid, "name": d.name, "state": d.state.value,
+                 "config": etree.tostring(d.config, encoding="unicode"),
+                 "live": etree.tostring(d.live, encoding="unicode") if d.live is not None else None,
+                 "pending": d.pending}
+                for d in self._domains.values()
+            ],
+        }
+        return self._seq, json.dumps(doc, indent=1)
+
+    def _write(self, seq: int, text: str) -> None:
+        """Crash-safe replace of the state file; an older snapshot never overwrites a newer one."""
+        assert self.path is not None
+        with self._write_lock:
+            if seq <= self._written_seq:
+                return
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            self._written_seq = seq
+
+    def save(self) -> None:
+        """Write the state file now (no-op without a path)."""
+        if self.path is not None:
+            self._write(*self._snapshot())
+
+    async def _save_async(self) -> None:
+        if self.path is not None:
+            seq, text = self._snapshot()  # taken on the loop, so it is a consistent picture
+            await asyncio.to_thread(self._write, seq, text)
+
+    # -- lifecycle, for tests and the demo -----------------------------------------------------------------------
+    def _add(self, name: str, uuid: str | None, state: DomainState) -> _Domain:
+        if not name:
+            raise InvalidInput("a domain needs a name", field="name")
+        if any(d.name == name for d in self._domains.values()):
+            raise Conflict(f"domain {name!r} already exists", field="name")
+        uid = str(uuidlib.UUID(uuid)) if uuid else str(uuidlib.uuid4())
+        if uid in self._domains:
+            raise Conflict(f"domain with uuid {uid} already exists", field="uuid")
+        dom = _Domain(uid, name, DomainState.SHUT_OFF, _domain_element(name, uid))
+        self._domains[uid] = dom
+        if state is DomainState.RUNNING:
+            dom.state, dom.live = DomainState.RUNNING, copy.deepcopy(dom.config)
+        elif state is not DomainState.SHUT_OFF:
+            dom.state = state
+        return dom
+
+    def define(self, name: str, *, running: bool = False, uuid: str | None = None) -> DomainInfo:
+        """Define a new domain (and start it when `running`)."""
+        dom = self._add(name, uuid, DomainState.SHUT_OFF)
+        self._emit(DomainEvent(dom.uuid, dom.name, EventKind.DEFINED))
+        if running:
+            self.start(dom.uuid)
+        else:
+            self.save()
+        return dom.info()
+
+    def start(self, name_or_uuid: str) -> None:
+        """Boot a shut-off domain: its live XML becomes a copy of the persistent one."""
+        dom = self._find(name_or_uuid)
+        if dom.state is DomainState.RUNNING:
+            raise HypervisorError(f"domain {dom.name} is already running", domain=dom.name)
+        # libvirt would refuse to start a domain whose hostdev is in use by another running domain.
+        busy = self._sources_in_use(exclude=dom.uuid)
+        for hd in parse_domain_hostdevs(etree.tostring(dom.config)):
+            if hd.source in busy:
+                raise HypervisorError(f"PCI device {hd.source} is in use by domain {busy[hd.source]}",
+                                      domain=dom.name, address=str(hd.source))
+        dom.state, dom.live = DomainState.RUNNING, copy.deepcopy(dom.config)
+        self.save()
+        self._emit(DomainEvent(dom.uuid, dom.name, EventKind.STARTED))
+
+    def shutdown(self, name_or_uuid: str) -> None:
+        """Stop a running domain (its devices leave with the guest)."""
+        self._stop(self._find(name_or_uuid), DomainState.SHUT_OFF, EventKind.STOPPED)
+
+    def crash(self, name_or_uuid: str) -> None:
+        """The guest crashed: stopped, with a crashed event."""
+        self._stop(self._find(name_or_uuid), DomainState.CRASHED, EventKind.CRASHED)
+
+    def undefine(self, name_or_uuid: str) -> None:
+        """Remove a domain (a running one is stopped first)."""
+        dom = self._find(name_or_uuid)
+        if dom.live is not None:
+            self._stop(dom, DomainState.SHUT_OFF, EventKind.STOPPED)
+        del self._domains[dom.uuid]
+        self.save()
+        self._emit(DomainEvent(dom.uuid, dom.name, EventKind.UNDEFINED))
+
+    def acknowledge_detaches(self, name_or_uuid: str) -> int:
+        """The guest finally lets go: complete every pending detach of the domain now; returns how many."""
+        dom = self._find(name_or_uuid)
+        self.refuse_detach.discard(dom.uuid)
+        aliases = list(dom.pending)
+        for alias in aliases:
+            self._complete(dom.uuid, alias)
+        self.save()
+        return len(aliases)
+
+    def set_refuse_detach(self, name_or_uuid: str, refuse: bool = True) -> None:
+        """Make the domain's guest ignore (or again honour) detach requests."""
+        dom = self._find(name_or_uuid)
+        (self.refuse_detach.add if refuse else self.refuse_detach.discard)(dom.uuid)
+        self.save()
+
+    def domains_sync(self) -> list[DomainInfo]:
+        """Every domain, without an event loop (for setup code)."""
+        return [d.info() for d in self._domains.values()]
+
+    def _stop(self, dom: _Domain, state: DomainState, kind: EventKind) -> None:
+        if dom.live is None:
+            raise HypervisorError(f"domain {dom.name} is not running", domain=dom.name)
+        dom.state, dom.live = state, None
+        for alias in list(dom.pending):
+            self._cancel_timer(dom.uuid, alias)
+            # The device left with the guest: a waiting detach is now truly done.
+            self._resolve(dom.uuid, alias, True)
+        dom.pending.clear()
+        self.save()
+        self._emit(DomainEvent(dom.uuid, dom.name, kind))
+
+    # -- the port ------------------------------------------------------------------------------------------------
+    async def list_domains(self) -> list[DomainInfo]:
+        """Every domain, running or not."""
+        return self.domains_sync()
+
+    async def get_domain(self, name_or_uuid: str) -> DomainInfo:
+        """One domain by name or UUID; NotFound when unknown."""
+        return self._find(name_or_uuid).info()
+
+    async def domain_xml(self, uuid: str, live: bool = True) -> str:
+        """The live XML (running domain) or the persistent XML."""
+        dom = self._find(uuid)
+        el = dom.current() if live else dom.config
+        return str(etree.tostring(el, encoding="unicode", pretty_print=True))
+
+    async def attached_hostdevs(self, uuid: str) -> tuple[HostdevPci, ...]:
+        """PCI hostdevs in the domain now (live XML when running)."""
+        return parse_domain_hostdevs(etree.tostring(self._find(uuid).current()))
+
+    async def attach_hostdevs(self, uuid: str, hostdevs: Sequence[HostdevPci]) -> None:
+        """Attach one by one (live + config when running); undo the ones done if a later one fails."""
+        dom = self._find(uuid)
+        if self.attach_latency_s:
+            await asyncio.sleep(self.attach_latency_s)
+        done: list[HostdevPci] = []
+        try:
+            for hd in hostdevs:
+                if self.fail_attach_after is not None and self.attach_count >= self.fail_attach_after:
+                    raise HypervisorError(f"simulated failure attaching {hd.source} to {dom.name}",
+                                          domain=dom.name, address=str(hd.source))
+                targets = [dom.config] + ([dom.live] if dom.live is not None else [])
+                for el in targets:
+                    self._check_attach(dom, el, hd, live=el is dom.live)
+                if dom.live is not None:
+                    busy = self._sources_in_use(exclude=dom.uuid)
+                    if hd.source in busy:
+                        raise HypervisorError(f"PCI device {hd.source} is in use by domain {busy[hd.source]}",
+                                              domain=dom.name, address=str(hd.source))
+                for el in targets:
+                    self._insert(el, hd)
+                self.attach_count += 1
+                done.append(hd)
+            missing = [hd for hd in hostdevs if not _contains(dom.current(), hd)]
+            if missing:
+                raise HypervisorError(f"attached hostdevs missing from the domain XML: {[str(h.source) for h in missing]}",
+                                      domain=dom.name)
+        except HypervisorError:
+            for hd in done:
+                for el in (dom.config, dom.live):
+                    if el is not None:
+                        _remove_source(el, hd)
+            await self._save_async()
+            raise
+        await self._save_async()
+
+    async def detach_hostdevs(self, uuid: str, hostdevs: Sequence[HostdevPci], timeout_s: float) -> DetachResult:
+        """Detach; on a running domain wait up to timeout_s for the guest's acknowledgement of each."""
+        dom = self._find(uuid)
+        if dom.live is None:
+            for hd in hostdevs:
+                _remove_source(dom.config, hd)
+            await self._save_async()
+            return DetachResult(removed=tuple(hostdevs))
+        loop = asyncio.get_running_loop()
+        waits: list[tuple[HostdevPci, asyncio.Future[bool] | None]] = []
+        errors: list[str] = []
+        for hd in hostdevs:
+            _remove_source(dom.config, hd)  # the persistent part is immediate, as in libvirt
+            el = _find_source(dom.live, hd)
+            if el is None:
+                waits.append((hd, None))  # not attached (any more): nothing to wait for
+                continue
+            if self.refuse_multifunction_unplug and _multifunction(dom.live, el):
+                errors.append(f"cannot hot unplug hostdev device with multifunction PCI guest address ({hd.source})")
+                waits.append((hd, _never_removed(loop)))
+                continue
+            alias = _alias_of(el)
+            fut: asyncio.Future[bool] = loop.create_future()
+            self._waiters.setdefault((dom.uuid, alias), []).append(fut)
+            waits.append((hd, fut))
+            if alias in dom.pending and dom.pending[alias] is None:
+                continue  # already refused once; asking again changes nothing
+            if dom.uuid in self.refuse_detach:
+                dom.pending[alias] = None
+            elif (dom.uuid, alias) not in self._timers:
+                dom.pending[alias] = time.time() + self.detach_ack_delay_s
+                self._timers[(dom.uuid, alias)] = loop.call_later(self.detach_ack_delay_s, self._complete,
+                                                                  dom.uuid, alias)
+        await self._save_async()
+        futures = [f for _, f in waits if f is not None]
+        if futures:
+            await asyncio.wait(futures, timeout=max(0.0, timeout_s))
+        removed: list[HostdevPci] = []
+        pending: list[HostdevPci] = []
+        for hd, waiter in waits:
+            ok = waiter is None or (waiter.done() and not waiter.cancelled() and waiter.result())
+            (removed if ok else pending).append(hd)
+            if waiter is not None and not waiter.done():
+                waiter.cancel()
+        self._prune_waiters()
+        return DetachResult(removed=tuple(removed), pending=tuple(pending), errors=tuple(errors))
+
+    def subscribe(self, callback: EventCallback) -> Callable[[], None]:
+        """Call `callback` for every DomainEvent; returns an unsubscribe function."""
+        self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with contextlib.suppress(ValueError):
+                self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    async def close(self) -> None:
+        """Cancel acknowledgement timers and write the state one last time."""
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
+        await self._save_async()
+
+    # -- internals -----------------------------------------------------------------------------------------------
+    def _find(self, name_or_uuid: str) -> _Domain:
+        key = name_or_uuid.strip().lower()
+        if key in self._domains:
+            return self._domains[key]
+        for d in self._domains.values():
+            if d.name == name_or_uuid:
+                return d
+        raise NotFound(f"no domain {name_or_uuid!r}", field="domain")
+
+    def _sources_in_use(self, *, exclude: str) -> dict[Any, str]:
+        busy = {}
+        for d in self._domains.values():
+            if d.uuid != exclude and d.live is not None:
+                for hd in parse_domain_hostdevs(etree.tostring(d.live)):
+                    busy[hd.source] = d.name
+        return busy
+
+    def _check_attach(self, dom: _Domain, el: Any, hd: HostdevPci, *, live: bool) -> None:
+        where = "live" if live else "persistent"
+        existing = parse_domain_hostdevs(etree.tostring(el))
+        if any(h.source == hd.source for h in existing):
+            raise HypervisorError(f"PCI device {hd.source} is already in the {where} definition of {dom.name}",
+                                  domain=dom.name, address=str(hd.source))
+        if hd.alias is not None and el.find(f"devices/*/alias[@name={_xpath_literal(hd.alias)}]") is not None:
+            raise HypervisorError(f"non unique alias detected: {hd.alias}", domain=dom.name, alias=hd.alias)
+        if hd.guest is not None:
+            g = hd.guest
+            for addr in el.iterfind("devices/*/address[@type='pci']"):
+                if (int(addr.get("domain", "0"), 16), int(addr.get("bus", "0"), 16), int(addr.get("slot", "0"), 16),
+                        int(addr.get("function", "0"), 16)) == (g.domain, g.bus, g.slot, g.function):
+                    raise HypervisorError(f"Attempted double use of PCI Address {g.pci} in {dom.name}",
+                                          domain=dom.name, guest_address=str(g.pci))
+
+    def _insert(self, el: Any, hd: HostdevPci) -> None:
+        node = hd.to_element()
+        if hd.guest is None:
+            slot = free_guest_slots(etree.tostring(el), 0, 1)[0]
+            etree.SubElement(node, "address", type="pci", domain="0x0000", bus="0x00", slot=f"0x{slot:02x}",
+                             function="0x0")
+        if hd.alias is None:
+            # libvirt names unaliased devices itself; do the same so detach events can name them.
+            n = len(el.findall("devices/hostdev"))
+            alias = etree.Element("alias", name=f"hostdev{n}")
+            node.insert(list(node).index(node.find("source")) + 1, alias)  # type: ignore[arg-type]
+        el.find("devices").append(node)
+
+    def _complete(self, uuid: str, alias: str) -> None:
+        """The guest acknowledged: the device leaves the live XML and DEVICE_REMOVED fires."""
+        self._timers.pop((uuid, alias), None)
+        dom = self._domains.get(uuid)
+        if dom is None or alias not in dom.pending:
+            return
+        self._remove_live(dom, alias)
+        self.save()
+        self._resolve(uuid, alias, True)
+        self._emit(DomainEvent(dom.uuid, dom.name, EventKind.DEVICE_REMOVED, alias))
+
+    def _remove_live(self, dom: _Domain, alias: str) -> None:
+        dom.pending.pop(alias, None)
+        if dom.live is not None:
+            for node in dom.live.iterfind("devices/hostdev"):
+                if _alias_of(node) == alias:
+                    node.getparent().remove(node)
+
+    def _resolve(self, uuid: str, alias: str, value: bool) -> None:
+        for fut in self._waiters.pop((uuid, alias), []):
+            if not fut.done():
+                fut.set_result(value)
+
+    def _cancel_timer(self, uuid: str, alias: str) -> None:
+        handle = self._timers.pop((uuid, alias), None)
+        if handle is not None:
+            handle.cancel()
+
+    def _prune_waiters(self) -> None:
+        for key in [k for k, futs in self._waiters.items() if all(f.done() for f in futs)]:
+            del self._waiters[key]
+
+    def _emit(self, event: DomainEvent) -> None:
+        for cb in list(self._subscribers):
+            try:
+                cb(event)
+            except Exception:
+                log.exception("event subscriber failed on %s", event.kind.value)
+
+
+def _find_source(el: Any, hd: HostdevPci) -> Any | None:
+    for node in el.iterfind("devices/hostdev[@type='pci']"):
+        if HostdevPci.from_xml(node).source == hd.source:
+            return node
+    return None
+
+
+def _remove_source(el: Any, hd: HostdevPci) -> None:
+    node = _find_source(el, hd)
+    if node is not None:
+        node.getparent().remove(node)
+
+
+def _contains(el: Any, hd: HostdevPci) -> bool:
+    node = _find_source(el, hd)
+    return node is not None and (hd.guest is None or HostdevPci.from_xml(node).guest == hd.guest)
+
+
+def _multifunction(domain_el: Any, node: Any) -> bool:
+    """True when the device's guest slot is multifunction or shared with another function (libvirt's test)."""
+    addr = node.find("address[@type='pci']")
+    if addr is None:
+        return False
+    if addr.get("multifunction") == "on":
+        return True
+    key = (addr.get("domain"), addr.get("bus"), addr.get("slot"))
+    return any(other is not addr and (other.get("domain"), other.get("bus"), other.get("slot")) == key
+               for other in domain_el.iterfind("devices/*/address[@type='pci']"))
+
+
+def _never_removed(loop: asyncio.AbstractEventLoop) -> asyncio.Future[bool]:
+    fut: asyncio.Future[bool] = loop.create_future()
+    fut.set_result(False)
+    return fut
+
+
+def _alias_of(node: Any) -> str:
+    a = node.find("alias")
+    return a.get("name") if a is not None else ""
+
+
+def _xpath_literal(s: str) -> str:
+    """An XPath string literal for any text (XPath 1.0 has no escapes, so mixed quotes need concat())."""
+    if "'" not in s:
+        return f"'{s}'"
+    if '"' not in s:
+        return f'"{s}"'
+    return "concat(" + ", \"'\", ".join(f"'{p}'" for p in s.split("'")) + ")"
