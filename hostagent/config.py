@@ -47,6 +47,7 @@ class HostSettings:
     step_timeout_s: float = 10.0
     rom_bar_off: bool = False
     driver_vfio: bool = True
+    guest_multifunction: bool = True  # one guest slot per GPU (multifunction); false: one slot per function
     pinned: tuple[str, ...] = ()  # PCI addresses an operator keeps on vfio-pci outside any lease
     nvlink_hints: str = ""  # path of a file naming NVLink peers
 

@@ -64,6 +64,7 @@ def lease_policy(settings: Settings) -> LeasePolicy:
         keep_on_domain_stop=lz.keep_on_domain_stop, detach_timeout_s=settings.libvirt.detach_timeout_s,
         detach_retries=settings.libvirt.detach_retries, guest_bus=settings.libvirt.guest_bus,
         rom_bar_off=settings.host.rom_bar_off, driver_vfio=settings.host.driver_vfio,
+        guest_multifunction=settings.host.guest_multifunction,
         vm_quota=Quota(lz.max_gpus_per_vm, lz.max_gpu_hours_per_day_per_vm), project_quotas=projects,
         pinned=frozenset(settings.host.pinned),
     )

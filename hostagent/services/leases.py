@@ -63,6 +63,7 @@ class LeasePolicy:
     guest_bus: int = 0
     rom_bar_off: bool = False
     driver_vfio: bool = True
+    guest_multifunction: bool = True
     vm_quota: Quota = Quota()
     project_quotas: tuple[tuple[str, Quota, tuple[str, ...]], ...] = ()  # (project, quota, domain uuids/names)
     pinned: frozenset[str] = frozenset()
@@ -342,12 +343,13 @@ class LeaseManager:
                     crash_point("bind-device-done")
                 lease = await self._move(lease, S.ATTACHING, actor, "all functions on vfio-pci")
                 xml_live = await self._timed_hv("domain_xml", self.hv.domain_xml(lease.domain_uuid, live=True))
-                slots = free_guest_slots(xml_live, self.policy.guest_bus, len(lease.devices))
+                per_dev = [1 if self.policy.guest_multifunction else len(d.functions) for d in lease.devices]
+                slots = list(free_guest_slots(xml_live, self.policy.guest_bus, sum(per_dev)))
                 devices = []
                 all_hostdevs: list[HostdevPci] = []
-                for dev, slot in zip(lease.devices, slots, strict=True):
-                    hds = hostdevs_for_gpu([PciAddress.parse(a) for a in dev.functions], self.policy.guest_bus, slot,
-                                           rom_bar_off=self.policy.rom_bar_off, driver_vfio=self.policy.driver_vfio)
+                for dev, n in zip(lease.devices, per_dev, strict=True):
+                    mine, slots = slots[:n], slots[n:]
+                    hds = render_hostdevs(dev.functions, self.policy.guest_bus, mine, self.policy)
                     all_hostdevs.extend(hds)
                     devices.append(LeaseDevice(dev.gpu_id, dev.functions, dev.original_drivers, dev.iommu_group,
                                                tuple(_guest_addr(h) for h in hds)))
@@ -568,6 +570,18 @@ class LeaseManager:
         """A guest may act only on its own leases."""
         if domain_uuid is not None and lease.domain_uuid != domain_uuid:
             raise Forbidden("this token may not act on another VM's lease", field="id")
+
+
+def render_hostdevs(functions: Sequence[str], bus: int, slots: Sequence[int], policy: LeasePolicy) -> list[HostdevPci]:
+    """Hostdevs for one GPU: all functions on one multifunction slot, or one slot per function."""
+    addrs = [PciAddress.parse(a) for a in functions]
+    if policy.guest_multifunction:
+        return list(hostdevs_for_gpu(addrs, bus, slots[0], rom_bar_off=policy.rom_bar_off,
+                                     driver_vfio=policy.driver_vfio))
+    out: list[HostdevPci] = []
+    for addr, slot in zip(addrs, slots, strict=True):
+        out.extend(hostdevs_for_gpu([addr], bus, slot, rom_bar_off=policy.rom_bar_off, driver_vfio=policy.driver_vfio))
+    return out
 
 
 def _guest_addr(h: HostdevPci) -> str:

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hostagent.domain.errors import HostAgentError, NotFound
-from hostagent.domain.hostdev import hostdevs_for_gpu
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseState
 from hostagent.domain.pci import PciAddress
-from hostagent.services.leases import LeaseManager
+from hostagent.services.leases import LeaseManager, render_hostdevs
 
 log = logging.getLogger("hostagent.reconcile")
 S = LeaseState
@@ -195,12 +194,9 @@ class Reconciler:
         if missing:
             hds = []
             for d in missing:
-                first = PciAddress.parse(d.guest_addresses[0]) if d.guest_addresses else None
-                hds.extend(hostdevs_for_gpu([PciAddress.parse(a) for a in d.functions],
-                                            first.bus if first else self.m.policy.guest_bus,
-                                            first.slot if first else 1,
-                                            rom_bar_off=self.m.policy.rom_bar_off,
-                                            driver_vfio=self.m.policy.driver_vfio))
+                guest = [PciAddress.parse(a) for a in d.guest_addresses] or [PciAddress(0, self.m.policy.guest_bus, 1, 0)]
+                slots = sorted({g.slot for g in guest})
+                hds.extend(render_hostdevs(d.functions, guest[0].bus, slots, self.m.policy))
             try:
                 await self.m.hv.attach_hostdevs(lease.domain_uuid, hds)
                 action = "re-attached"

@@ -324,3 +324,30 @@ async def test_200_clients_race_for_8_gpus(tmp_path: Path, aiohttp_client: Any) 
     assert all(i % 2 == 0 for i, _ in queued) and all(i % 2 == 1 for i, _ in refused)
     assert all(b["state"] == "QUEUED" for _, b in queued)
     assert len(vfio_functions(rig)) == 8
+
+
+@pytest.mark.parametrize("multifunction", [True, False])
+async def test_multi_function_gpu_layout_and_live_release(tmp_path: Path, aiohttp_client: Any,
+                                                          multifunction: bool) -> None:
+    # libvirt cannot hot-unplug a multifunction guest slot (the simulator is told to behave the same way).
+    rig = await start_rig(make_rig(tmp_path, scenario="workstation", host={"guest_multifunction": multifunction},
+                                   hv_kwargs={"refuse_multifunction_unplug": True}), aiohttp_client)
+    body = await lease(rig, model="2080 Ti")
+    dev = body["devices"][0]
+    assert len(dev["functions"]) == 4
+    slots = {a.rsplit(":", 1)[1].split(".")[0] for a in dev["guest_addresses"]}
+    assert len(slots) == (1 if multifunction else 4)
+    xml = await rig.hv.domain_xml(rig.uuids["vm-a"])
+    assert ("multifunction='on'" in xml or 'multifunction="on"' in xml) == multifunction
+    r = await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
+    state = (await r.json())["state"]
+    if multifunction:
+        assert r.status == 202 and state == "DETACH_PENDING"
+        assert set(dev["functions"]) <= vfio_functions(rig)  # kept on vfio-pci while the guest runs
+        rig.hv.shutdown("vm-a")
+        done = await wait_state(rig, body["id"], "vm-a", "RELEASED")
+        assert done["state"] == "RELEASED"
+    else:
+        assert r.status == 200 and state == "RELEASED"
+    assert not set(dev["functions"]) & vfio_functions(rig)
+    assert {rig.sysfs_driver(f) for f in dev["functions"]} == {"nvidia", "snd_hda_intel", "xhci_hcd", "nvidia-gpu"}
