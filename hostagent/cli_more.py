@@ -156,3 +156,12 @@ def register(sub: Any, common: Adder, client: Adder) -> None:
 
 
 EXTRA: list[Callable[[Any, Adder, Adder], None]] = []
+
+
+def _builtin_extras() -> None:
+    from hostagent import cli_ops
+
+    EXTRA.append(cli_ops.register)
+
+
+_builtin_extras()
