@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from hostagent.store.journal import Journal, read_boot_id
 from hostagent.web.auth import Identity, TokenBook
 
 log = logging.getLogger("hostagent.runtime")
+RECLAIM_KINDS = frozenset({"strike-one", "strike-two", "strike-cleared", "reclaim", "reclaim-outcome"})
 
 
 def open_hypervisor(settings: Settings) -> Any:
@@ -91,6 +93,8 @@ class Runtime:
     recent_samples: dict[str, collections.deque[dict[str, Any]]] = field(default_factory=dict)
     last_heartbeat: dict[str, float] = field(default_factory=dict)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    use_store: bool = True
+    _mirror_lock: threading.Lock = field(default_factory=threading.Lock)
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a blocking call in a worker thread."""
@@ -152,10 +156,12 @@ class Runtime:
 
     async def lease_usage(self, lease_id: str) -> dict[str, Any]:
         """Usage so far: from the store when present, else the in-memory window."""
+        window = list(self.recent_samples.get(lease_id, ()))
         if self.store is not None:
             with contextlib.suppress(HostAgentError):
-                return await self.run(self.store.lease_usage_summary, lease_id)
-        window = list(self.recent_samples.get(lease_id, ()))
+                summary = await self.store.lease_usage_summary(lease_id)
+                # samples still queued for the store are counted from the in-memory window
+                return {"samples": max(summary["total"]["n"], len(window)), **summary}
         if not window:
             return {"samples": 0}
         return {"samples": len(window),
@@ -166,8 +172,7 @@ class Runtime:
     async def accept_samples(self, lease: Lease, samples: list[dict[str, Any]]) -> int:
         """Queue samples for the store (raises Overloaded when full) and keep a window for the reaper."""
         if self.ingestor is not None and samples:
-            rows = [dict(s, lease_id=lease.id, host_id=self.settings.agent.host_id, source="guest") for s in samples]
-            self.ingestor.submit(rows)
+            self.ingestor.submit([dict(s, source="guest") for s in samples], lease_id=lease.id)
         window = self.recent_samples.setdefault(lease.id, collections.deque(maxlen=4096))
         window.extend(samples)
         self.last_heartbeat[lease.id] = self.clock()
@@ -190,9 +195,9 @@ class Runtime:
             "hypervisor": {"ok": self.hypervisor_ok},
         }
         if self.store is not None:
-            degraded = bool(getattr(self.store, "degraded", False))
-            checks["store"] = {"ok": not degraded, "required": False,
-                               "spool_depth": getattr(self.store, "spool_depth", 0)}
+            st = self.store.status()
+            checks["store"] = {"ok": not st["degraded"], "required": False, "reachable": st["reachable"],
+                               "spool_depth": st["spool_depth"]}
         return checks
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
@@ -209,19 +214,79 @@ class Runtime:
             log.error("hypervisor unreachable at start: %s", exc.message)
         self.hypervisor.subscribe(self._on_domain_event)
         self.repairs = await Reconciler(self.manager).run()
-        if self.store is not None:
-            await self.run(self._register_in_store)
+        await self._open_store()
         loop_tasks = [self.manager.run_queue(), self._periodic(5.0, self.manager.expire_due),
                       self._periodic(max(5.0, self.settings.libvirt.detach_timeout_s), self.manager.retry_pending)]
+        if self.store is not None:
+            loop_tasks += [self._mirror_loop(), self._periodic(3600.0, self._prune)]
         self.tasks = [asyncio.create_task(c) for c in loop_tasks]
         self.manager._wake_queue.set()
         if self.reaper is not None:
             await self.reaper.start()
         self.started = True
 
-    def _register_in_store(self) -> None:
-        self.store.upsert_host(self.settings.agent.host_id)
-        self.store.upsert_gpus([self.gpu_view(g) for g in self.manager.gpus])
+    async def _open_store(self) -> None:
+        """Open the usage store (degraded, not failed, when MySQL is down) and the heartbeat ingestor."""
+        if not self.use_store:
+            return
+        from hostagent.store.aio import AsyncUsageStore
+        from hostagent.store.ingest import SampleIngestor
+
+        st = self.settings.store
+        url = self.settings.store_url
+        if url.startswith("sqlite:///"):
+            Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        self.store = await AsyncUsageStore.open(url, self.settings.agent.host_id, spool_path=self.settings.spool_path,
+                                                auto_upgrade=st.auto_upgrade)
+        with contextlib.suppress(HostAgentError):
+            await self.store.upsert_gpus(list(self.manager.gpus.values()))
+        self.ingestor = SampleIngestor(self._write_samples, max_queue=st.queue_max, batch=st.flush_batch,
+                                       interval_s=st.flush_interval_s)
+        self.ingestor.start()
+
+    async def _mirror_loop(self) -> None:
+        """Copy journal events (and the leases they concern) to the usage store, in order, exactly once."""
+        while True:
+            try:
+                moved = await self.run(self._mirror_batch)
+            except Exception:
+                log.exception("mirroring the journal to the usage store failed; will retry")
+                moved = 0
+            await asyncio.sleep(0.05 if moved else 0.5)
+
+    def _write_samples(self, samples: list[Any]) -> Any:
+        """The ingestor's writer (worker thread): mirror pending lease records first, so a sample's lease is
+        always in the store before the sample (the store refuses samples of unknown leases)."""
+        while self._mirror_batch():
+            pass
+        return self.store.store.write_samples(samples)
+
+    def _mirror_batch(self) -> int:
+        """One batch of the mirror (worker thread). Writes spool when MySQL is down, so this rarely fails."""
+        with self._mirror_lock:
+            return self._mirror_batch_locked()
+
+    def _mirror_batch_locked(self) -> int:
+        events = self.journal.unmirrored(200)
+        store = self.store.store
+        done = []
+        for ev in events:
+            lease = self.journal.get(ev.lease_id) if ev.lease_id else None
+            if lease is not None:
+                store.record_lease(lease, ev)
+            else:
+                store.add_lease_event(None, actor=ev.actor, kind=ev.kind, ts=ev.ts, detail=ev.detail, error=ev.error,
+                                      gpu_id=ev.gpu_id, uid=f"{self.settings.agent.host_id}/{ev.seq}"[:32])
+            if ev.kind in RECLAIM_KINDS:
+                store.add_reclaim_event(action=ev.kind, lease_id=ev.lease_id, gpu_id=ev.gpu_id, reason=ev.detail,
+                                        ts=ev.ts, uid=f"r/{self.settings.agent.host_id}/{ev.seq}"[:32])
+            done.append(ev.seq)
+        self.journal.mark_mirrored(done)
+        return len(done)
+
+    async def _prune(self) -> None:
+        st = self.settings.store
+        await self.store.prune(st.raw_retention_days * 86400.0, st.minute_retention_days * 86400.0)
 
     async def stop(self) -> None:
         """Stop jobs, drain samples, close connections."""
@@ -234,10 +299,13 @@ class Runtime:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         if self.ingestor is not None:
-            await self.ingestor.close()
+            with contextlib.suppress(Exception):
+                await self.ingestor.close()
         if self.store is not None:
             with contextlib.suppress(Exception):
-                await self.run(self.store.close)
+                await self.run(self._mirror_batch)
+            with contextlib.suppress(Exception):
+                await self.store.close()
         with contextlib.suppress(Exception):
             await self.hypervisor.close()
         self.journal.close()
@@ -298,7 +366,7 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
 
 def make_app(runtime: Runtime) -> web.Application:
     """The aiohttp application with the runtime's lifecycle attached."""
-    from hostagent.web import metrics
+    from hostagent.web import dashboard, metrics
     from hostagent.web.app import add_api_routes, auth_middleware, error_middleware
     from hostagent.web.keys import RUNTIME
 
@@ -314,6 +382,7 @@ def make_app(runtime: Runtime) -> web.Application:
     app.cleanup_ctx.append(lifecycle)
     add_api_routes(app)
     metrics.install(app, runtime)
+    dashboard.install(app, runtime)
     return app
 
 

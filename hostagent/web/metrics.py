@@ -94,14 +94,14 @@ class _Gauges:
                 leases.add_metric([st.value], lc.get(st.value, 0))
         yield leases
         yield GaugeMetricFamily("hostagent_queue_depth", "requests waiting for GPUs", value=len(m.queue()))
-        store = self.rt.store
+        st = self.rt.store.status() if self.rt.store is not None else {"degraded": False, "spool_depth": 0}
         yield GaugeMetricFamily("hostagent_store_degraded", "1 while the usage store is unreachable (spooling)",
-                                value=1 if store is not None and getattr(store, "degraded", False) else 0)
+                                value=1 if st["degraded"] else 0)
         yield GaugeMetricFamily("hostagent_store_spool_depth", "writes waiting in the local spool",
-                                value=getattr(store, "spool_depth", 0) if store is not None else 0)
+                                value=st["spool_depth"])
         ing = self.rt.ingestor
         yield GaugeMetricFamily("hostagent_ingest_queue_depth", "heartbeat samples waiting to be written",
-                                value=getattr(ing, "depth", 0) if ing is not None else 0)
+                                value=ing.depth if ing is not None else 0)
         version = GaugeMetricFamily("hostagent_model_version", "placement model in use (1 for the current)",
                                     labels=["version", "rule"])
         version.add_metric([str(getattr(self.rt, "model_version", None) or "none"),

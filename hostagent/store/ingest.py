@@ -1,0 +1,173 @@
+"""Heartbeat ingestion off the request path: a bounded queue of samples flushed to the store by size or time."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Executor
+from typing import Any
+
+from hostagent.domain.errors import HostAgentError, InvalidInput, NotFound, Overloaded, StoreUnavailable
+from hostagent.store.samples import MAX_SKEW_S, Sample, validate_samples
+
+log = logging.getLogger(__name__)
+
+
+class SampleIngestor:
+    """Accept samples at once (validated), write them in batches of one executemany each, in a worker thread.
+
+    ``write`` is a blocking function taking a list of Samples (``UsageStore.add_samples``); during an outage it
+    spools, so a flush never waits on MySQL for long. ``submit`` refuses with Overloaded only when the queue is
+    full; nothing accepted is ever dropped.
+    """
+
+    def __init__(self, write: Callable[[list[Sample]], Any], *, max_queue: int = 20_000, batch: int = 1000,
+                 interval_s: float = 1.0, executor: Executor | None = None, max_skew_s: float = MAX_SKEW_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        if max_queue < 1 or batch < 1 or interval_s <= 0:
+            raise InvalidInput("max_queue and batch must be >= 1 and interval_s > 0", field="store.queue_max")
+        self._write = write
+        self.max_queue = max_queue
+        self.batch = batch
+        self.interval_s = interval_s
+        self._executor = executor
+        self._skew = max_skew_s
+        self._clock = clock
+        self._groups: collections.deque[list[Sample]] = collections.deque()  # one group per submit call
+        self._depth = 0
+        self._inflight = 0
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self.flushed = 0
+        self.batches = 0
+        self.rejected = 0  # refused by the store at flush time (unknown lease/GPU): counted, logged
+        self.overloaded = 0  # submit calls refused because the queue was full
+        self.errors = 0  # flushes that failed and were retried
+
+    # -- accepting -----------------------------------------------------------------------------------------------
+    def submit(self, samples: Iterable[Mapping[str, Any] | Sample], *, lease_id: str | None = None,
+               now: float | None = None) -> int:
+        """Validate and queue samples; returns how many. InvalidInput for bad ones, Overloaded when full."""
+        if self._closing:
+            raise StoreUnavailable("sample ingestion is shutting down", field="samples")
+        batch = validate_samples(samples, now=self._clock() if now is None else now, max_skew_s=self._skew,
+                                 default_lease_id=lease_id or "")
+        if not batch:
+            return 0
+        if self._depth + self._inflight + len(batch) > self.max_queue:
+            self.overloaded += 1
+            raise Overloaded(f"sample queue full ({self._depth + self._inflight} of {self.max_queue}); retry later",
+                             field="samples", retry_after_s=max(1, round(self.interval_s)))
+        self._groups.append(batch)
+        self._depth += len(batch)
+        if self._depth >= self.batch:
+            self._wake.set()
+        return len(batch)
+
+    # -- flushing ------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the background flusher."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="sample-ingestor")
+
+    async def _run(self) -> None:
+        backoff = self.interval_s
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.interval_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                while self._depth:
+                    await self._flush_once()
+                    if self._depth < self.batch:
+                        break  # less than a batch left: wait for more or for the interval
+                backoff = self.interval_s
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the queue kept the samples; try again later
+                self.errors += 1
+                log.warning("sample flush failed, retrying in %.1f s: %s", backoff, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(30.0, backoff * 2)
+
+    async def flush(self) -> int:
+        """Write everything queued now; returns how many samples were written."""
+        total = 0
+        while self._depth:
+            total += await self._flush_once()
+        return total
+
+    async def _flush_once(self) -> int:
+        async with self._lock:
+            groups: list[list[Sample]] = []
+            n = 0
+            while self._groups and n < self.batch:
+                g = self._groups.popleft()
+                groups.append(g)
+                n += len(g)
+            if not groups:
+                return 0
+            self._depth -= n
+            self._inflight += n
+            try:
+                written = await self._write_groups(groups)
+            except BaseException:
+                self._groups.extendleft(reversed(groups))  # back at the front, in order
+                self._depth += n
+                raise
+            finally:
+                self._inflight -= n
+            return written
+
+    async def _write_groups(self, groups: list[list[Sample]]) -> int:
+        loop = asyncio.get_running_loop()
+        rows = [s for g in groups for s in g]
+        try:
+            await loop.run_in_executor(self._executor, self._write, rows)
+        except (InvalidInput, NotFound):
+            # One request's samples must not sink everyone else's: retry request by request, drop the bad ones.
+            written = 0
+            for g in groups:
+                try:
+                    await loop.run_in_executor(self._executor, self._write, g)
+                    written += len(g)
+                except (InvalidInput, NotFound) as exc:
+                    self.rejected += len(g)
+                    log.warning("dropped %d samples the store refused: %s", len(g), exc)
+            self.flushed += written
+            self.batches += 1
+            return written
+        self.flushed += len(rows)
+        self.batches += 1
+        return len(rows)
+
+    async def close(self) -> None:
+        """Stop accepting, drain the queue into the store, stop the flusher."""
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, HostAgentError):
+                pass
+            self._task = None
+        await self.flush()
+
+    # -- figures -------------------------------------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        """Samples queued, not yet handed to the store."""
+        return self._depth + self._inflight
+
+    def figures(self) -> dict[str, int]:
+        """Queue depth, flushed, dropped (always 0: accepted samples are never dropped), and refusals."""
+        return {"queue_depth": self.depth, "queue_max": self.max_queue, "flushed": self.flushed,
+                "batches": self.batches, "dropped": 0, "rejected": self.rejected, "overloaded": self.overloaded,
+                "errors": self.errors}

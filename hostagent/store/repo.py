@@ -1,0 +1,954 @@
+"""The usage store's repository: plain dicts in and out, synchronous on an Engine, spooling writes during outages.
+
+Callers on the event loop use :class:`hostagent.store.aio.AsyncUsageStore`, which runs these methods in threads.
+Writes that describe what happened (host, GPUs, leases, events, samples, reclaims, probes) go through
+:meth:`UsageStore._write`: applied at once when the database answers, else appended to the local spool and
+replayed in order, idempotently, by :meth:`UsageStore.replay_spool`. Reads raise ``StoreUnavailable`` during an
+outage. Tokens and model versions are not spooled: an operator action fails loudly instead.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import logging
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO, TypeVar
+
+from sqlalchemy import Connection, Select, and_, delete, func, insert, or_, select, update
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+from hostagent.domain.errors import HostAgentError, InvalidInput, NotFound, StoreUnavailable
+from hostagent.domain.inventory import Gpu
+from hostagent.store import schema as t
+from hostagent.store.engine import is_unavailable, make_engine
+from hostagent.store.migrate import upgrade
+from hostagent.store.samples import (
+    MAX_SKEW_S,
+    ROLLUP_ADD,
+    ROLLUP_GREATEST,
+    ROLLUP_KEYS,
+    ROLLUP_LEAST,
+    Sample,
+    rollup_rows,
+    validate_samples,
+)
+from hostagent.store.spool import Spool
+from hostagent.store.upsert import upsert
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TERMINAL_OUTCOMES = {"FAILED": "failed", "EXPIRED": "expired"}
+REQUEST_FIELDS = ("gpus", "task_type", "data_scale", "precision", "min_memory_gib", "duration_s", "priority",
+                  "accept_partial", "accept_deferred", "not_after", "idempotency_key", "project")
+LEASE_MUTABLE = frozenset(c.name for c in t.leases.c) - {"id", "host_id", "created_at"}
+GPU_COLUMNS = frozenset(c.name for c in t.gpus.c) - {"host_id", "first_seen", "last_seen"}
+TOKEN_ROLES = ("guest", "operator", "reader")
+EXPORT_KINDS = ("leases", "lease_events", "samples", "rollups_minute", "rollups_hour", "reclaim_events",
+                "probe_results")
+
+
+def new_uid() -> str:
+    """A fresh id for an event row, made before the write so a replay writes the same row."""
+    return uuid.uuid4().hex
+
+
+def hash_token(token: str) -> str:
+    """SHA-256 hex of a bearer token: only this is stored."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def gpu_record(gpu: Gpu, **extra: Any) -> dict[str, Any]:
+    """The store's row for a discovered GPU (identity, model, memory, topology)."""
+    p = gpu.primary
+    chain = p.parent_chain
+    rec: dict[str, Any] = {
+        "gpu_id": gpu.id, "address": str(gpu.address), "vendor": gpu.vendor, "model": gpu.model,
+        "vendor_id": p.vendor_id, "device_id": p.device_id, "memory_bytes": gpu.memory_bytes,
+        "iommu_group": gpu.iommu_group, "numa_node": gpu.numa_node,
+        # GPUs behind one PCIe switch share its upstream port: the bridge just below the root port
+        "switch_id": str(chain[-2]) if len(chain) > 1 else None,
+        "root_port": str(chain[-1]) if chain else None,
+        "link_speed": p.link_speed, "link_width": p.link_width,
+    }
+    rec.update(extra)
+    return rec
+
+
+class UsageStore:
+    """Repository over the usage store for one host (``host_id``), with an outage spool."""
+
+    def __init__(self, url: str, host_id: str | None = None, *, spool_path: Path | str, auto_upgrade: bool = True,
+                 hostname: str | None = None, agent_version: str | None = None, max_skew_s: float = MAX_SKEW_S,
+                 connect_timeout: float = 3.0, io_timeout: float = 30.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.url = url
+        self.host_id = host_id or socket.gethostname()
+        self.hostname = hostname or socket.gethostname()
+        self.agent_version = agent_version
+        self.max_skew_s = max_skew_s
+        self.auto_upgrade = auto_upgrade
+        self.engine = make_engine(url, connect_timeout=connect_timeout, io_timeout=io_timeout)
+        self.spool = Spool(spool_path)
+        self._clock = clock
+        self._wlock = threading.RLock()  # one writer at a time keeps spool order == write order
+        self._down = False
+        self._schema_ready = not auto_upgrade
+        self._known_leases: set[str] = set()
+        self._known_gpus: set[str] = set()
+        self.figures: dict[str, int] = {"samples_inserted": 0, "samples_duplicate": 0, "ops_spooled": 0,
+                                        "ops_replayed": 0, "outages": 0}
+        self._ensure_schema()
+        self.upsert_host()
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Dispose of the engine and the spool (pending spooled writes stay on disk for the next start)."""
+        self.engine.dispose()
+        self.spool.close()
+
+    @property
+    def degraded(self) -> bool:
+        """True while the database is unreachable or spooled writes wait for replay."""
+        return self._down or self.spool.depth > 0
+
+    @property
+    def reachable(self) -> bool:
+        """False after a write or read found the database unreachable, until a replay reaches it again."""
+        return not self._down
+
+    @property
+    def spool_depth(self) -> int:
+        """Writes waiting in the spool."""
+        return self.spool.depth
+
+    def status(self) -> dict[str, Any]:
+        """Figures for /readyz and metrics."""
+        return {"degraded": self.degraded, "reachable": not self._down, "spool_depth": self.spool.depth,
+                "spool_dead": self.spool.dead, **self.figures}
+
+    def _ensure_schema(self) -> None:
+        if self._schema_ready:
+            return
+        try:
+            upgrade(self.engine)
+            self._schema_ready = True
+        except StoreUnavailable as exc:
+            if exc.__cause__ is None or not is_unavailable(exc.__cause__):
+                raise
+            self._mark_down(exc.__cause__)
+
+    def _mark_down(self, exc: BaseException) -> None:
+        if not self._down:
+            self.figures["outages"] += 1
+            log.warning("usage store unreachable, spooling writes: %s", exc)
+        self._down = True
+
+    # -- the write path ------------------------------------------------------------------------------------------
+    def _write(self, op: str, payload: Any) -> Any:
+        """Apply a write now, or spool it when the store is down or older writes still wait (order matters)."""
+        with self._wlock:
+            if not self.degraded:
+                try:
+                    with self.engine.begin() as conn:
+                        return self._apply(conn, op, payload)
+                except SQLAlchemyError as exc:
+                    if not is_unavailable(exc):
+                        raise
+                    self._mark_down(exc)
+                except (ConnectionError, TimeoutError) as exc:
+                    self._mark_down(exc)
+            self.spool.append(op, [x.to_dict() for x in payload] if op == "samples" else payload)
+            self.figures["ops_spooled"] += 1
+            return None
+
+    def replay_spool(self, max_ops: int = 200) -> bool:
+        """Replay spooled writes in order; True when the store is reachable and the spool is empty."""
+        try:
+            with self.engine.connect() as conn:  # cheap probe outside the writer lock
+                conn.execute(select(1))
+        except SQLAlchemyError as exc:
+            self._mark_down(exc)
+            return False
+        with self._wlock:
+            try:
+                if not self._schema_ready:
+                    self._ensure_schema()
+                    if not self._schema_ready:
+                        return False
+                for item in self.spool.peek(max_ops):
+                    try:
+                        with self.engine.begin() as conn:
+                            self._apply(conn, item.op, item.payload)
+                    except (SQLAlchemyError, ConnectionError, TimeoutError) as exc:
+                        if isinstance(exc, SQLAlchemyError) and not is_unavailable(exc):
+                            log.error("spooled %s #%d refused by the store, moved aside: %s", item.op, item.seq, exc)
+                            self.spool.bury(item, str(exc))
+                            continue
+                        self._mark_down(exc)
+                        return False
+                    except HostAgentError as exc:
+                        self.spool.bury(item, f"{exc.__class__.__name__}: {exc}")
+                        continue
+                    self.spool.done(item.seq)
+                    self.figures["ops_replayed"] += 1
+            except StoreUnavailable:
+                return False
+            if self.spool.depth == 0:
+                if self._down:
+                    log.warning("usage store reachable again; spool replayed")
+                self._down = False
+                return True
+            self._down = False  # reachable; more to replay on the next call
+            return False
+
+    def _apply(self, conn: Connection, op: str, payload: Any) -> Any:
+        fn = getattr(self, f"_apply_{op}")
+        return fn(conn, payload)
+
+    # -- reads ---------------------------------------------------------------------------------------------------
+    def _read(self, fn: Callable[[Connection], T]) -> T:
+        """Run a read; an outage becomes StoreUnavailable (and flips the store to degraded)."""
+        try:
+            with self.engine.connect() as conn:
+                return fn(conn)
+        except SQLAlchemyError as exc:
+            if not is_unavailable(exc):
+                raise
+            self._mark_down(exc)
+            raise StoreUnavailable("the usage store is unreachable; writes are spooled, reads must wait",
+                                   field="store.url") from exc
+
+    # -- hosts and GPUs ------------------------------------------------------------------------------------------
+    def upsert_host(self, info: Mapping[str, Any] | None = None) -> None:
+        """Record (or refresh) this host."""
+        now = self._clock()
+        self._write("host", {"id": self.host_id, "hostname": self.hostname, "agent_version": self.agent_version,
+                             "first_seen": now, "last_seen": now, "info": dict(info) if info else None})
+
+    def _apply_host(self, conn: Connection, row: dict[str, Any]) -> None:
+        upsert(conn, t.hosts, [row], keys=["id"], replace=["hostname", "agent_version", "last_seen", "info"])
+
+    def upsert_gpus(self, gpus: Iterable[Mapping[str, Any] | Gpu]) -> int:
+        """Record the host's GPUs (dicts with the ``gpus`` columns, or domain Gpus); returns how many."""
+        now = self._clock()
+        rows = []
+        for i, g in enumerate(gpus):
+            d = gpu_record(g) if isinstance(g, Gpu) else dict(g)
+            unknown = set(d) - GPU_COLUMNS
+            if unknown:
+                raise InvalidInput(f"gpus[{i}].{sorted(unknown)[0]} is not a GPU field", field=f"gpus[{i}].{sorted(unknown)[0]}")
+            for req in ("gpu_id", "address"):
+                if not isinstance(d.get(req), str) or not d[req]:
+                    raise InvalidInput(f"gpus[{i}].{req} is required", field=f"gpus[{i}].{req}")
+            rows.append({c: d.get(c) for c in GPU_COLUMNS} | {"host_id": self.host_id, "first_seen": now,
+                                                              "last_seen": now})
+        self._write("gpus", rows)
+        self._known_gpus.update(r["gpu_id"] for r in rows)
+        return len(rows)
+
+    def _apply_gpus(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
+        upsert(conn, t.gpus, rows, keys=["host_id", "gpu_id"], replace=sorted(GPU_COLUMNS - {"gpu_id"}) + ["last_seen"])
+
+    def list_gpus(self, *, all_hosts: bool = False) -> list[dict[str, Any]]:
+        """GPUs recorded for this host (or every host)."""
+        q = select(t.gpus).order_by(t.gpus.c.host_id, t.gpus.c.gpu_id)
+        if not all_hosts:
+            q = q.where(t.gpus.c.host_id == self.host_id)
+        return self._read(lambda c: [dict(r._mapping) for r in c.execute(q)])
+
+    # -- leases --------------------------------------------------------------------------------------------------
+    def insert_lease(self, lease: Mapping[str, Any]) -> str:
+        """Record a lease (the journal's ``Lease.to_dict()`` form, request nested or flat); an upsert, so idempotent."""
+        row, devices = self._lease_row(lease)
+        self._write("lease", {"row": row, "devices": devices})
+        self._known_leases.add(row["id"])
+        return str(row["id"])
+
+    def _lease_row(self, d: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+        if not isinstance(d, Mapping):
+            raise InvalidInput("lease must be an object", field="lease")
+        req = d.get("request") if isinstance(d.get("request"), Mapping) else {k: d[k] for k in REQUEST_FIELDS if k in d}
+        lease_id = d.get("id")
+        if not isinstance(lease_id, str) or not lease_id or len(lease_id) > 64:
+            raise InvalidInput("lease id must be a string of 1..64 characters", field="id")
+        if not isinstance(d.get("domain_uuid"), str) or not d["domain_uuid"]:
+            raise InvalidInput("domain_uuid is required", field="domain_uuid")
+        if not isinstance(d.get("state"), str):
+            raise InvalidInput("state is required", field="state")
+        created = d.get("created_at")
+        if isinstance(created, bool) or not isinstance(created, (int, float)):
+            raise InvalidInput("created_at must be unix seconds", field="created_at")
+        gpus_requested = req.get("gpus", 1)
+        if isinstance(gpus_requested, bool) or not isinstance(gpus_requested, int) or gpus_requested < 1:
+            raise InvalidInput("request.gpus must be a positive integer", field="request.gpus")
+        state = d["state"]
+        row = {
+            "id": lease_id, "host_id": self.host_id, "domain_uuid": d["domain_uuid"],
+            "domain_name": d.get("domain_name"), "state": state,
+            "gpus_requested": gpus_requested, "task_type": req.get("task_type"), "data_scale": req.get("data_scale"),
+            "precision": req.get("precision"), "min_memory_gib": req.get("min_memory_gib"),
+            "duration_s": req.get("duration_s"), "priority": int(req.get("priority") or 0),
+            "accept_partial": bool(req.get("accept_partial")), "accept_deferred": bool(req.get("accept_deferred")),
+            "not_after": req.get("not_after"), "idempotency_key": req.get("idempotency_key"),
+            "project": req.get("project"), "request": dict(req),
+            "granted_gpus": int(d.get("granted_gpus") or 0), "reasons": list(d.get("reasons") or []),
+            "created_at": float(created), "queued_at": d.get("queued_at"), "granted_at": d.get("granted_at"),
+            "expires_at": d.get("expires_at"), "ended_at": d.get("ended_at"), "end_reason": d.get("end_reason"),
+            "outcome": d.get("outcome") or outcome_of(state, d.get("end_reason")), "error": d.get("error"),
+            "updated_at": self._clock(),
+        }
+        devices = None
+        if "devices" in d:
+            devices = [self._device_row(lease_id, i, dev) for i, dev in enumerate(d["devices"] or [])]
+        return row, devices
+
+    def _device_row(self, lease_id: str, i: int, dev: Any) -> dict[str, Any]:
+        if isinstance(dev, str):
+            dev = {"gpu_id": dev}
+        if not isinstance(dev, Mapping) or not isinstance(dev.get("gpu_id"), str):
+            raise InvalidInput(f"devices[{i}].gpu_id is required", field=f"devices[{i}].gpu_id")
+        return {"lease_id": lease_id, "gpu_id": dev["gpu_id"], "host_id": self.host_id,
+                "functions": list(dev.get("functions") or []), "iommu_group": dev.get("iommu_group")}
+
+    def _apply_lease(self, conn: Connection, p: dict[str, Any]) -> None:
+        row = p["row"]
+        upsert(conn, t.leases, [row], keys=["host_id", "id"], replace=sorted(LEASE_MUTABLE))
+        if p["devices"] is not None:
+            self._replace_devices(conn, row["id"], p["devices"])
+
+    def _replace_devices(self, conn: Connection, lease_id: str, devices: list[dict[str, Any]]) -> None:
+        d = t.lease_devices.c
+        conn.execute(delete(t.lease_devices).where(d.host_id == self.host_id, d.lease_id == lease_id))
+        if devices:
+            conn.execute(insert(t.lease_devices), devices)
+
+    def update_lease(self, lease_id: str, changes: Mapping[str, Any]) -> None:
+        """Change some columns of a lease (state, ended_at, outcome, devices...); NotFound for an unknown lease."""
+        self._require_leases([lease_id], field="lease_id")
+        values: dict[str, Any] = {}
+        devices = None
+        for k, v in changes.items():
+            if k == "devices":
+                devices = [self._device_row(lease_id, i, d) for i, d in enumerate(v or [])]
+            elif k == "request" and isinstance(v, Mapping):
+                values["request"] = dict(v)
+            elif k in LEASE_MUTABLE:
+                values[k] = list(v) if k == "reasons" else v
+            elif k in ("id", "host_id", "domain_uuid", "created_at"):
+                continue  # identity: fixed at insert (callers may pass a whole lease dict)
+            else:
+                raise InvalidInput(f"{k} is not a lease field that can change", field=k)
+        if "state" in values and "outcome" not in values:
+            derived = outcome_of(values["state"], values.get("end_reason"))
+            if derived:
+                values["outcome"] = derived
+        values["updated_at"] = self._clock()
+        self._write("lease_update", {"id": lease_id, "values": values, "devices": devices})
+
+    def _apply_lease_update(self, conn: Connection, p: dict[str, Any]) -> None:
+        conn.execute(update(t.leases).where(t.leases.c.host_id == self.host_id, t.leases.c.id == p["id"])
+                     .values(**p["values"]))
+        if p["devices"] is not None:
+            self._replace_devices(conn, p["id"], p["devices"])
+
+    def record_lease(self, lease: Any, event: Any | None = None, *, actor: str = "agent") -> None:
+        """Mirror a journal lease (anything with ``to_dict()``) and, optionally, its transition event."""
+        d = lease.to_dict() if hasattr(lease, "to_dict") else dict(lease)
+        self.insert_lease(d)
+        if event is not None:
+            e = event.to_dict() if hasattr(event, "to_dict") else dict(event)
+            seq = e.get("seq")
+            self.add_lease_event(
+                d["id"], kind=e.get("kind") or "transition", from_state=e.get("from_state"),
+                to_state=e.get("to_state"), actor=e.get("actor") or actor, ts=e.get("ts"), error=e.get("error"),
+                detail=e.get("detail"), gpu_id=e.get("gpu_id"),
+                # the journal's sequence number makes the mirror idempotent across agent restarts too
+                uid=hashlib.sha256(f"{self.host_id}/{d['id']}/{seq}".encode()).hexdigest()[:32] if seq else None,
+            )
+
+    def get_lease(self, lease_id: str) -> dict[str, Any]:
+        """One lease with its devices and events; NotFound when unknown."""
+        def q(c: Connection) -> dict[str, Any]:
+            r = c.execute(select(t.leases).where(t.leases.c.host_id == self.host_id,
+                                                 t.leases.c.id == lease_id)).first()
+            if r is None:
+                raise NotFound(f"no lease {lease_id}", field="lease_id")
+            lease = dict(r._mapping)
+            lease["devices"] = self._devices(c, [(self.host_id, lease_id)]).get((self.host_id, lease_id), [])
+            ev = t.lease_events.c
+            lease["events"] = [dict(e._mapping) for e in c.execute(
+                select(t.lease_events).where(ev.host_id == self.host_id, ev.lease_id == lease_id)
+                .order_by(t.lease_events.c.ts, t.lease_events.c.id))]
+            return lease
+        return self._read(q)
+
+    def list_leases(self, *, state: str | Iterable[str] | None = None, since: float | None = None,
+                    domain_uuid: str | None = None, limit: int = 100, all_hosts: bool = False) -> list[dict[str, Any]]:
+        """Leases, newest first; ``since`` keeps those still running or ended after it."""
+        q = select(t.leases).order_by(t.leases.c.created_at.desc(), t.leases.c.id).limit(max(1, min(limit, 10_000)))
+        if not all_hosts:
+            q = q.where(t.leases.c.host_id == self.host_id)
+        if state is not None:
+            q = q.where(t.leases.c.state.in_([state] if isinstance(state, str) else list(state)))
+        if since is not None:
+            q = q.where(or_(t.leases.c.ended_at.is_(None), t.leases.c.ended_at >= since))
+        if domain_uuid is not None:
+            q = q.where(t.leases.c.domain_uuid == domain_uuid)
+
+        def run(c: Connection) -> list[dict[str, Any]]:
+            out = [dict(r._mapping) for r in c.execute(q)]
+            devs = self._devices(c, [(x["host_id"], x["id"]) for x in out])
+            for x in out:
+                x["devices"] = devs.get((x["host_id"], x["id"]), [])
+            return out
+        return self._read(run)
+
+    def _devices(self, c: Connection, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+        """Devices of the (host_id, lease_id) pairs, in chunks so IN lists stay short."""
+        d = t.lease_devices.c
+        out: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        wanted = set(keys)
+        ids = sorted({k[1] for k in keys})
+        for i in range(0, len(ids), 500):
+            for r in c.execute(select(t.lease_devices).where(d.lease_id.in_(ids[i:i + 500])).order_by(d.gpu_id)):
+                if (r.host_id, r.lease_id) in wanted:
+                    out.setdefault((r.host_id, r.lease_id), []).append(dict(r._mapping))
+        return out
+
+    def _require_leases(self, ids: Iterable[str], *, field: str) -> None:
+        missing = {x for x in ids if x and x not in self._known_leases}
+        if not missing:
+            return
+        if self.degraded:
+            # Cannot ask the store; the spool replays in order, so a lease written before the outage is there.
+            return
+        found = self._read(lambda c: {r[0] for r in c.execute(
+            select(t.leases.c.id).where(t.leases.c.id.in_(sorted(missing)), t.leases.c.host_id == self.host_id))})
+        self._known_leases.update(found)
+        if missing - found:
+            raise NotFound(f"unknown lease {sorted(missing - found)[0]}", field=field)
+
+    def _require_gpus(self, ids: Iterable[str], *, field: str) -> None:
+        missing = {x for x in ids if x not in self._known_gpus}
+        if not missing or self.degraded:
+            return
+        found = self._read(lambda c: {r[0] for r in c.execute(
+            select(t.gpus.c.gpu_id).where(t.gpus.c.gpu_id.in_(sorted(missing)), t.gpus.c.host_id == self.host_id))})
+        self._known_gpus.update(found)
+        if missing - found:
+            raise NotFound(f"unknown GPU {sorted(missing - found)[0]}", field=field)
+
+    # -- events --------------------------------------------------------------------------------------------------
+    def add_lease_event(self, lease_id: str | None, *, actor: str, kind: str = "transition",
+                        from_state: str | None = None, to_state: str | None = None, ts: float | None = None,
+                        error: str | None = None, detail: str | None = None, gpu_id: str | None = None,
+                        uid: str | None = None) -> str:
+        """Record a lease state transition (or other lease event); returns its uid."""
+        if lease_id:
+            self._require_leases([lease_id], field="lease_id")
+        if not actor:
+            raise InvalidInput("actor is required", field="actor")
+        row = {"uid": uid or new_uid(), "host_id": self.host_id, "lease_id": lease_id or None, "gpu_id": gpu_id,
+               "ts": self._clock() if ts is None else float(ts), "kind": kind, "from_state": from_state,
+               "to_state": to_state, "actor": actor, "detail": detail, "error": error}
+        self._write("lease_event", row)
+        return str(row["uid"])
+
+    def _apply_lease_event(self, conn: Connection, row: dict[str, Any]) -> None:
+        upsert(conn, t.lease_events, [row], keys=["uid"])
+
+    def add_reclaim_event(self, *, action: str, lease_id: str | None = None, gpu_id: str | None = None,
+                          reason: str | None = None, details: Mapping[str, Any] | None = None,
+                          ts: float | None = None, uid: str | None = None) -> str:
+        """Record a reaper step (strike, clear, notice, detach, rebind); returns its uid."""
+        if not action:
+            raise InvalidInput("action is required", field="action")
+        if lease_id:
+            self._require_leases([lease_id], field="lease_id")
+        row = {"uid": uid or new_uid(), "host_id": self.host_id, "lease_id": lease_id, "gpu_id": gpu_id,
+               "ts": self._clock() if ts is None else float(ts), "action": action, "reason": reason,
+               "details": dict(details) if details else None}
+        self._write("reclaim", row)
+        return str(row["uid"])
+
+    def _apply_reclaim(self, conn: Connection, row: dict[str, Any]) -> None:
+        upsert(conn, t.reclaim_events, [row], keys=["uid"])
+
+    def list_reclaim_events(self, *, lease_id: str | None = None, since: float | None = None,
+                            limit: int = 500) -> list[dict[str, Any]]:
+        """Reaper steps of this host, oldest first."""
+        q = select(t.reclaim_events).where(t.reclaim_events.c.host_id == self.host_id)
+        if lease_id:
+            q = q.where(t.reclaim_events.c.lease_id == lease_id)
+        if since is not None:
+            q = q.where(t.reclaim_events.c.ts >= since)
+        q = q.order_by(t.reclaim_events.c.ts, t.reclaim_events.c.id).limit(limit)
+        return self._read(lambda c: [dict(r._mapping) for r in c.execute(q)])
+
+    def add_probe_result(self, gpu_id: str, *, score: float | None, spread: float | None = None, ok: bool = True,
+                         details: Mapping[str, Any] | None = None, ts: float | None = None,
+                         uid: str | None = None) -> str:
+        """Record a GPU health probe's result; returns its uid."""
+        self._require_gpus([gpu_id], field="gpu_id")
+        row = {"uid": uid or new_uid(), "host_id": self.host_id, "gpu_id": gpu_id,
+               "ts": self._clock() if ts is None else float(ts), "score": score, "spread": spread, "ok": bool(ok),
+               "details": dict(details) if details else None}
+        self._write("probe", row)
+        return str(row["uid"])
+
+    def _apply_probe(self, conn: Connection, row: dict[str, Any]) -> None:
+        upsert(conn, t.probe_results, [row], keys=["uid"])
+
+    def list_probe_results(self, *, gpu_id: str | None = None, since: float | None = None,
+                           limit: int = 100) -> list[dict[str, Any]]:
+        """Probe results of this host, newest first."""
+        q = select(t.probe_results).where(t.probe_results.c.host_id == self.host_id)
+        if gpu_id:
+            q = q.where(t.probe_results.c.gpu_id == gpu_id)
+        if since is not None:
+            q = q.where(t.probe_results.c.ts >= since)
+        q = q.order_by(t.probe_results.c.ts.desc(), t.probe_results.c.id.desc()).limit(limit)
+        return self._read(lambda c: [dict(r._mapping) for r in c.execute(q)])
+
+    # -- samples -------------------------------------------------------------------------------------------------
+    def add_samples(self, samples: Iterable[Mapping[str, Any] | Sample], *, now: float | None = None,
+                    check_refs: bool = True) -> int:
+        """Validate a whole batch, then write it (or spool it) in one transaction; returns how many were accepted.
+
+        Out-of-range values or timestamps too far in the future raise InvalidInput; an unknown lease or GPU raises
+        NotFound; in both cases nothing is written. A sample already stored (a replay) is skipped.
+        """
+        batch = validate_samples(samples, now=self._clock() if now is None else now, max_skew_s=self.max_skew_s)
+        return self.write_samples(batch, check_refs=check_refs)
+
+    def write_samples(self, batch: Sequence[Sample], *, check_refs: bool = True) -> int:
+        """Write Samples that ``validate_samples`` already produced (the ingestor's path); see add_samples."""
+        if not batch:
+            return 0
+        if check_refs:
+            self._require_gpus({s.gpu_id for s in batch}, field="samples.gpu_id")
+            self._require_leases({s.lease_id for s in batch}, field="samples.lease_id")
+        self._write("samples", list(batch))
+        return len(batch)
+
+    def _apply_samples(self, conn: Connection, rows: list[dict[str, Any]]) -> int:
+        samples = [r if isinstance(r, Sample) else Sample(**r) for r in rows]
+        c = t.usage_samples.c
+        # Only rows really inserted may be added to the rollups, or a replay would count twice: look first.
+        lo = min(s.ts_ms for s in samples)
+        hi = max(s.ts_ms for s in samples)
+        gpu_ids = sorted({s.gpu_id for s in samples})
+        existing = {tuple(r) for r in conn.execute(
+            select(c.gpu_id, c.ts_ms, c.lease_id, c.source)
+            .where(c.host_id == self.host_id, c.gpu_id.in_(gpu_ids), c.ts_ms.between(lo, hi)))}
+        fresh = []
+        for s in samples:  # skip rows already stored, and repeats inside the batch (a retried heartbeat)
+            if s.key not in existing:
+                existing.add(s.key)
+                fresh.append(s)
+        self.figures["samples_duplicate"] += len(samples) - len(fresh)
+        if not fresh:
+            return 0
+        host = self.host_id
+        conn.execute(insert(t.usage_samples), [
+            {"host_id": host, "gpu_id": s.gpu_id, "ts_ms": s.ts_ms, "lease_id": s.lease_id, "source": s.source,
+             "util_pct": s.util_pct, "mem_used_bytes": s.mem_used_bytes, "work_rate": s.work_rate,
+             "vfio_irq_rate": s.vfio_irq_rate} for s in fresh])
+        upsert(conn, t.usage_rollups, rollup_rows(self.host_id, fresh), keys=ROLLUP_KEYS, add=ROLLUP_ADD,
+               least=ROLLUP_LEAST, greatest=ROLLUP_GREATEST)
+        self.figures["samples_inserted"] += len(fresh)
+        return len(fresh)
+
+    def lease_usage_summary(self, lease_id: str) -> dict[str, Any]:
+        """Usage of a lease so far, per GPU and in total, from the hourly rollups (no raw scan)."""
+        r = t.usage_rollups.c
+
+        def q(c: Connection) -> dict[str, Any]:
+            if c.execute(select(t.leases.c.id).where(t.leases.c.host_id == self.host_id,
+                                                     t.leases.c.id == lease_id)).first() is None:
+                raise NotFound(f"no lease {lease_id}", field="lease_id")
+            mine = (r.host_id == self.host_id, r.lease_id == lease_id, r.resolution == t.RES_HOUR)
+            rows = c.execute(_agg(select(r.gpu_id)).where(*mine).group_by(r.gpu_id).order_by(r.gpu_id)).all()
+            per_gpu = {row.gpu_id: _summary(row) for row in rows}
+            total = c.execute(_agg(select()).where(*mine)).first()
+            return {"lease_id": lease_id, "gpus": per_gpu, "total": _summary(total)}
+        return self._read(q)
+
+    def gpu_history(self, gpu_id: str, since: float, until: float | None = None,
+                    resolution: int | str = "auto", *, host_id: str | None = None) -> list[dict[str, Any]]:
+        """Time series of one GPU: raw samples, or rollup buckets of ``resolution`` seconds (60, 3600, or a
+        multiple of 3600); 'auto' picks by span so a dashboard never scans months of raw rows."""
+        until = self._clock() if until is None else until
+        host = host_id or self.host_id
+        res = _resolution(resolution, until - since)
+        if res == 0:
+            s = t.usage_samples.c
+            q = (select(s.ts_ms, s.lease_id, s.source, s.util_pct, s.mem_used_bytes, s.work_rate, s.vfio_irq_rate)
+                 .where(s.host_id == host, s.gpu_id == gpu_id, s.ts_ms >= int(since * 1000),
+                        s.ts_ms < int(until * 1000)).order_by(s.ts_ms).limit(100_000))
+            return self._read(lambda c: [
+                {"ts": row.ts_ms / 1000.0, "n": 1, "lease_id": row.lease_id, "source": row.source,
+                 "util_mean": row.util_pct, "util_min": row.util_pct, "util_max": row.util_pct,
+                 "mem_mean": row.mem_used_bytes, "mem_max": row.mem_used_bytes, "work_rate": row.work_rate,
+                 "vfio_irq_rate": row.vfio_irq_rate} for row in c.execute(q)])
+        base = t.RES_MINUTE if res < t.RES_HOUR else t.RES_HOUR
+        r = t.usage_rollups.c
+        bucket = (r.bucket - r.bucket % res).label("b") if res != base else r.bucket.label("b")
+        lo = int(since) - int(since) % base
+        q = (_agg(select(bucket)).where(r.host_id == host, r.gpu_id == gpu_id, r.resolution == base,
+                                        r.bucket >= lo, r.bucket < until)
+             .group_by(bucket).order_by(bucket))
+
+        def run(c: Connection) -> list[dict[str, Any]]:
+            out = []
+            for row in c.execute(q):
+                d = _summary(row)
+                d["ts"] = float(row.b)
+                d["work_rate"] = d.pop("work_mean")
+                d["vfio_irq_rate"] = d.pop("irq_mean")
+                out.append(d)
+            return out
+        return self._read(run)
+
+    def prune(self, raw_older_than_s: float, minute_older_than_s: float, *, now: float | None = None,
+              chunk_s: int = 6 * 3600) -> dict[str, int]:
+        """Delete raw samples and minute rollups past their retention (hourly rollups stay); returns counts."""
+        now = self._clock() if now is None else now
+        raw_cut = int((now - raw_older_than_s) * 1000)
+        minute_cut = int(now - minute_older_than_s)
+        s = t.usage_samples.c
+        r = t.usage_rollups.c
+        counts = {"samples": 0, "minute_rollups": 0}
+
+        def run(c: Connection) -> None:
+            oldest = c.execute(select(func.min(s.ts_ms)).where(s.host_id == self.host_id)).scalar()
+            c.commit()
+            # Small windows keep each DELETE's transaction (and MySQL's undo log) short.
+            step = chunk_s * 1000
+            start = oldest if oldest is not None else raw_cut
+            while start < raw_cut:
+                end = min(start + step, raw_cut)
+                counts["samples"] += c.execute(delete(t.usage_samples).where(
+                    s.host_id == self.host_id, s.ts_ms < end)).rowcount
+                c.commit()
+                start = end
+            counts["minute_rollups"] += c.execute(delete(t.usage_rollups).where(
+                r.host_id == self.host_id, r.resolution == t.RES_MINUTE, r.bucket < minute_cut)).rowcount
+            c.commit()
+        with self._wlock:
+            self._read(run)
+        return counts
+
+    # -- training and export -------------------------------------------------------------------------------------
+    def training_records(self, *, since: float | None = None, until: float | None = None, finished_only: bool = True,
+                         all_hosts: bool = True) -> list[dict[str, Any]]:
+        """One record per lease: the request, what was granted, the devices' models and the usage it made."""
+        r = t.usage_rollups.c
+        usage = (_agg(select(r.host_id, r.lease_id)).where(r.resolution == t.RES_HOUR, r.lease_id != "")
+                 .group_by(r.host_id, r.lease_id).subquery("u"))
+        L = t.leases.c
+        q = select(t.leases, *[usage.c[k] for k in usage.c.keys() if k not in ("host_id", "lease_id")]).select_from(
+            t.leases.outerjoin(usage, and_(usage.c.host_id == L.host_id, usage.c.lease_id == L.id))
+        ).order_by(L.created_at, L.host_id, L.id)
+        if not all_hosts:
+            q = q.where(L.host_id == self.host_id)
+        if since is not None:
+            q = q.where(L.created_at >= since)
+        if until is not None:
+            q = q.where(L.created_at < until)
+        if finished_only:
+            q = q.where(L.ended_at.is_not(None))
+
+        def run(c: Connection) -> list[dict[str, Any]]:
+            rows = c.execute(q).all()
+            devs = self._devices(c, [(row.host_id, row.id) for row in rows])
+            models = {(g.host_id, g.gpu_id): g for g in c.execute(
+                select(t.gpus.c.host_id, t.gpus.c.gpu_id, t.gpus.c.model, t.gpus.c.memory_bytes, t.gpus.c.numa_node))}
+            out = []
+            for row in rows:
+                m = row._mapping
+                rec = {k: m[k] for k in t.leases.c.keys()}
+                rec["usage"] = _summary(row)
+                held = (m["ended_at"] or 0) - (m["granted_at"] or m["ended_at"] or 0)
+                rec["held_s"] = max(0.0, held) if m["granted_at"] else 0.0
+                rec["devices"] = []
+                for d in devs.get((row.host_id, row.id), []):
+                    g = models.get((d["host_id"], d["gpu_id"]))
+                    rec["devices"].append({"gpu_id": d["gpu_id"], "model": g.model if g else None,
+                                           "memory_bytes": g.memory_bytes if g else None,
+                                           "numa_node": g.numa_node if g else None})
+                out.append(rec)
+            return out
+        return self._read(run)
+
+    def export_csv(self, kind: str, since: float | None, until: float | None, out: TextIO | Path | str) -> int:
+        """Write rows of ``kind`` (one of EXPORT_KINDS) in [since, until) as CSV; returns the row count."""
+        if kind not in EXPORT_KINDS:
+            raise InvalidInput(f"kind must be one of {', '.join(EXPORT_KINDS)}", field="kind")
+        q = _export_query(kind, self.host_id, since, until)
+        if isinstance(out, (str, Path)):
+            with open(out, "w", newline="") as fh:
+                return self.export_csv(kind, since, until, fh)
+
+        def run(c: Connection) -> int:
+            result = c.execution_options(stream_results=True, yield_per=2000).execute(q)
+            w = csv.writer(out)
+            w.writerow(list(result.keys()))
+            n = 0
+            for row in result:
+                w.writerow(row)
+                n += 1
+            return n
+        return self._read(run)
+
+    # -- model versions ------------------------------------------------------------------------------------------
+    def save_model_version(self, version: str, *, kind: str = "placement", artifact: bytes | None = None,
+                           artifact_path: str | None = None, metrics: Mapping[str, Any] | None = None,
+                           params: Mapping[str, Any] | None = None, trained_on: int | None = None,
+                           activate: bool = False, fleet: bool = True, created_at: float | None = None) -> dict[str, Any]:
+        """Store a trained model (bytes or a path) with its evaluation figures; optionally make it the active one."""
+        if not version or len(version) > 64:
+            raise InvalidInput("version must be a string of 1..64 characters", field="version")
+        if artifact is None and artifact_path is None:
+            raise InvalidInput("a model version needs its artifact bytes or a path", field="artifact")
+        row = {"version": version, "kind": kind, "host_id": None if fleet else self.host_id,
+               "created_at": self._clock() if created_at is None else created_at, "trained_on": trained_on,
+               "metrics": dict(metrics) if metrics else None, "params": dict(params) if params else None,
+               "artifact": artifact, "artifact_path": artifact_path,
+               "sha256": hashlib.sha256(artifact).hexdigest() if artifact is not None else None, "active": False}
+
+        def run(c: Connection) -> None:
+            with c.begin():
+                try:
+                    c.execute(insert(t.model_versions).values(**row))
+                except IntegrityError as exc:
+                    raise InvalidInput(f"model version {version} exists already", field="version") from exc
+                if activate:
+                    self._activate(c, kind, version)
+        with self._wlock:
+            self._read(run)
+        return self.get_model_version(version, with_artifact=False)
+
+    def _activate(self, c: Connection, kind: str, version: str) -> None:
+        m = t.model_versions.c
+        c.execute(update(t.model_versions).where(m.kind == kind).values(active=False))
+        n = c.execute(update(t.model_versions).where(m.kind == kind, m.version == version).values(active=True)).rowcount
+        if not n:
+            raise NotFound(f"no {kind} model version {version}", field="version")
+
+    def activate_model_version(self, version: str, *, kind: str = "placement") -> None:
+        """Make ``version`` the active model of its kind."""
+        def run(c: Connection) -> None:
+            with c.begin():
+                self._activate(c, kind, version)
+        with self._wlock:
+            self._read(run)
+
+    def list_model_versions(self, *, kind: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Model versions, newest first, without their artifact bytes."""
+        m = t.model_versions.c
+        q = select(*[col for col in t.model_versions.c if col.name != "artifact"]).order_by(
+            m.created_at.desc(), m.id.desc()).limit(limit)
+        if kind:
+            q = q.where(m.kind == kind)
+        return self._read(lambda c: [dict(r._mapping) for r in c.execute(q)])
+
+    def get_model_version(self, version: str | None = None, *, kind: str = "placement",
+                          with_artifact: bool = True) -> dict[str, Any]:
+        """One model version (by name, or the active one of ``kind`` when None); NotFound when absent."""
+        m = t.model_versions.c
+        cols = [col for col in t.model_versions.c if with_artifact or col.name != "artifact"]
+        q = select(*cols)
+        q = q.where(m.version == version) if version else q.where(m.kind == kind, m.active.is_(True))
+
+        def run(c: Connection) -> dict[str, Any]:
+            r = c.execute(q).first()
+            if r is None:
+                raise NotFound(f"no model version {version or '(active ' + kind + ')'}", field="version")
+            return dict(r._mapping)
+        return self._read(run)
+
+    # -- tokens --------------------------------------------------------------------------------------------------
+    @property
+    def tokens(self) -> TokenRepo:
+        """Bearer tokens (hashed), bound to a domain UUID and a role."""
+        return TokenRepo(self)
+
+
+class TokenRepo:
+    """Issue, look up and revoke bearer tokens; only SHA-256 hashes are stored."""
+
+    def __init__(self, store: UsageStore) -> None:
+        self._s = store
+
+    def issue(self, *, role: str, domain_uuid: str | None = None, domain_name: str | None = None,
+              expires_at: float | None = None, note: str | None = None) -> tuple[str, dict[str, Any]]:
+        """Make a new token; returns (the token, shown once; its record)."""
+        token = secrets.token_urlsafe(32)
+        return token, self.add_hash(hash_token(token), role=role, domain_uuid=domain_uuid, domain_name=domain_name,
+                                    expires_at=expires_at, note=note)
+
+    def add_hash(self, sha256: str, *, role: str, domain_uuid: str | None = None, domain_name: str | None = None,
+                 expires_at: float | None = None, note: str | None = None) -> dict[str, Any]:
+        """Store a token given by its hash (the caller made the token)."""
+        if role not in TOKEN_ROLES:
+            raise InvalidInput(f"role must be one of {', '.join(TOKEN_ROLES)}", field="role")
+        if role == "guest" and not domain_uuid:
+            raise InvalidInput("a guest token must be bound to a domain uuid", field="domain_uuid")
+        if len(sha256) != 64 or any(ch not in "0123456789abcdef" for ch in sha256):
+            raise InvalidInput("sha256 must be 64 lowercase hex digits", field="sha256")
+        row = {"sha256": sha256, "host_id": self._s.host_id, "role": role, "domain_uuid": domain_uuid,
+               "domain_name": domain_name, "created_at": self._s._clock(), "expires_at": expires_at,
+               "revoked_at": None, "note": note}
+
+        def run(c: Connection) -> None:
+            with c.begin():
+                c.execute(insert(t.tokens).values(**row))
+        self._s._read(run)
+        return _public_token(row)
+
+    def lookup(self, token: str) -> dict[str, Any] | None:
+        """The live record for a presented token, or None (unknown, revoked or expired)."""
+        return self.lookup_hash(hash_token(token))
+
+    def lookup_hash(self, sha256: str) -> dict[str, Any] | None:
+        """The live record for a token hash, or None."""
+        k = t.tokens.c
+        now = self._s._clock()
+        q = select(t.tokens).where(k.sha256 == sha256, k.revoked_at.is_(None),
+                                   or_(k.expires_at.is_(None), k.expires_at > now))
+        row = self._s._read(lambda c: c.execute(q).first())
+        return _public_token(dict(row._mapping)) if row else None
+
+    def revoke(self, sha256: str) -> bool:
+        """Revoke one token by hash (or by its 12-character prefix as listed); False when none was live."""
+        k = t.tokens.c
+        cond = k.sha256 == sha256 if len(sha256) == 64 else k.sha256.startswith(sha256, autoescape=True)
+        if len(sha256) < 12:
+            raise InvalidInput("give the token hash or at least its 12-character prefix", field="sha256")
+        return self._revoke(and_(cond, k.revoked_at.is_(None))) > 0
+
+    def revoke_domain(self, domain_uuid: str) -> int:
+        """Revoke every live token of a domain; returns how many."""
+        k = t.tokens.c
+        return self._revoke(and_(k.domain_uuid == domain_uuid, k.revoked_at.is_(None)))
+
+    def _revoke(self, cond: Any) -> int:
+        now = self._s._clock()
+
+        def run(c: Connection) -> int:
+            with c.begin():
+                return int(c.execute(update(t.tokens).where(cond).values(revoked_at=now)).rowcount)
+        return self._s._read(run)
+
+    def list(self, *, domain_uuid: str | None = None, include_revoked: bool = False) -> list[dict[str, Any]]:
+        """Token records (hash prefix only), oldest first."""
+        k = t.tokens.c
+        q: Select[Any] = select(t.tokens).order_by(k.created_at)
+        if domain_uuid:
+            q = q.where(k.domain_uuid == domain_uuid)
+        if not include_revoked:
+            q = q.where(k.revoked_at.is_(None))
+        return self._s._read(lambda c: [_public_token(dict(r._mapping)) for r in c.execute(q)])
+
+
+def _public_token(row: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in row.items() if k != "sha256"}
+    out["hash_prefix"] = row["sha256"][:12]
+    return out
+
+
+def outcome_of(state: str | None, end_reason: str | None) -> str | None:
+    """How a lease ended, for training labels: released, reclaimed, expired, failed (None while live)."""
+    if state in TERMINAL_OUTCOMES:
+        return TERMINAL_OUTCOMES[state]
+    if state == "RELEASED":
+        reason = (end_reason or "").lower()
+        return "reclaimed" if ("idle" in reason or "reclaim" in reason) else "released"
+    return None
+
+
+def _agg(q: Select[Any]) -> Select[Any]:
+    r = t.usage_rollups.c
+    return q.add_columns(
+        func.sum(r.n).label("n"), func.sum(r.util_n).label("util_n"), func.sum(r.util_sum).label("util_sum"),
+        func.min(r.util_min).label("util_min"), func.max(r.util_max).label("util_max"),
+        func.sum(r.idle_n).label("idle_n"), func.sum(r.mem_n).label("mem_n"), func.sum(r.mem_sum).label("mem_sum"),
+        func.max(r.mem_max).label("mem_max"), func.sum(r.work_n).label("work_n"),
+        func.sum(r.work_sum).label("work_sum"), func.sum(r.irq_n).label("irq_n"), func.sum(r.irq_sum).label("irq_sum"),
+        func.min(r.first_ms).label("first_ms"), func.max(r.last_ms).label("last_ms"),
+    )
+
+
+def _summary(row: Any) -> dict[str, Any]:
+    def div(a: Any, b: Any) -> float | None:
+        return float(a) / float(b) if a is not None and b else None
+    n = int(row.n or 0) if row is not None else 0
+    if row is None or not n:
+        return {"n": 0, "util_mean": None, "util_min": None, "util_max": None, "idle_fraction": None,
+                "mem_mean": None, "mem_max": None, "work_sum": 0.0, "work_mean": None, "irq_mean": None,
+                "first_ts": None, "last_ts": None}
+    return {
+        "n": n, "util_mean": div(row.util_sum, row.util_n),
+        "util_min": None if row.util_min is None else float(row.util_min),
+        "util_max": None if row.util_max is None else float(row.util_max),
+        "idle_fraction": div(row.idle_n, row.util_n), "mem_mean": div(row.mem_sum, row.mem_n),
+        "mem_max": None if row.mem_max is None else int(row.mem_max), "work_sum": float(row.work_sum or 0.0),
+        "work_mean": div(row.work_sum, row.work_n), "irq_mean": div(row.irq_sum, row.irq_n),
+        "first_ts": int(row.first_ms) / 1000.0, "last_ts": int(row.last_ms) / 1000.0,
+    }
+
+
+def _resolution(resolution: int | str, span: float) -> int:
+    if resolution == "auto":
+        return 0 if span <= 2 * 3600 else t.RES_MINUTE if span <= 3 * 86400 else t.RES_HOUR
+    if resolution == "raw":
+        return 0
+    if resolution == "minute":
+        return t.RES_MINUTE
+    if resolution == "hour":
+        return t.RES_HOUR
+    if isinstance(resolution, int) and not isinstance(resolution, bool) and (
+            resolution in (0, t.RES_MINUTE) or (resolution > 0 and resolution % t.RES_HOUR == 0)
+            or (resolution > 0 and resolution < t.RES_HOUR and resolution % t.RES_MINUTE == 0)):
+        return resolution
+    raise InvalidInput("resolution must be auto, raw, minute, hour, 0, or a multiple of 60 s (under an hour) "
+                       "or of 3600 s", field="resolution")
+
+
+def _export_query(kind: str, host_id: str, since: float | None, until: float | None) -> Select[Any]:
+    def window(col: Any, scale: int = 1) -> list[Any]:
+        conds = []
+        if since is not None:
+            conds.append(col >= since * scale)
+        if until is not None:
+            conds.append(col < until * scale)
+        return conds
+    if kind == "leases":
+        c = t.leases.c
+        return select(t.leases).where(c.host_id == host_id, *window(c.created_at)).order_by(c.created_at, c.id)
+    if kind == "lease_events":
+        c = t.lease_events.c
+        return select(t.lease_events).where(c.host_id == host_id, *window(c.ts)).order_by(c.ts, c.id)
+    if kind == "samples":
+        c = t.usage_samples.c
+        return (select(*[x for x in t.usage_samples.c if x.name != "id"]).where(c.host_id == host_id, *window(c.ts_ms, 1000))
+                .order_by(c.ts_ms, c.gpu_id))
+    if kind in ("rollups_minute", "rollups_hour"):
+        c = t.usage_rollups.c
+        res = t.RES_MINUTE if kind == "rollups_minute" else t.RES_HOUR
+        return (select(t.usage_rollups).where(c.host_id == host_id, c.resolution == res, *window(c.bucket))
+                .order_by(c.bucket, c.gpu_id, c.lease_id))
+    if kind == "reclaim_events":
+        c = t.reclaim_events.c
+        return select(t.reclaim_events).where(c.host_id == host_id, *window(c.ts)).order_by(c.ts, c.id)
+    c = t.probe_results.c
+    return select(t.probe_results).where(c.host_id == host_id, *window(c.ts)).order_by(c.ts, c.id)

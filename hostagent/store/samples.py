@@ -1,0 +1,188 @@
+"""Usage samples as values: validation of a heartbeat batch and the rollup deltas of the rows actually inserted."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hostagent.domain.errors import InvalidInput
+
+RESOLUTIONS = (60, 3600)
+IDLE_UTIL_PCT = 5.0  # a sample under this counts as idle in the rollups' idle_n
+MAX_SKEW_S = 300.0  # samples from further in the future than this are refused (guest clock gone wrong)
+MIN_TS = 946684800.0  # 2000-01-01: anything older is a unit mistake (ms sent as s, or zero)
+SOURCES = ("guest", "host", "probe", "import")
+_FIELDS = {"gpu_id", "ts", "lease_id", "source", "util_pct", "mem_used_bytes", "work_rate", "vfio_irq_rate"}
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One usage observation of one GPU at one instant."""
+
+    gpu_id: str
+    ts_ms: int
+    lease_id: str = ""  # '' outside any lease
+    source: str = "guest"
+    util_pct: float | None = None
+    mem_used_bytes: int | None = None
+    work_rate: float | None = None
+    vfio_irq_rate: float | None = None
+
+    @property
+    def key(self) -> tuple[str, int, str, str]:
+        """What makes a sample unique for its host (a replay of it is the same row)."""
+        return (self.gpu_id, self.ts_ms, self.lease_id, self.source)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (also the spool's JSON form)."""
+        return {"gpu_id": self.gpu_id, "ts_ms": self.ts_ms, "lease_id": self.lease_id, "source": self.source,
+                "util_pct": self.util_pct, "mem_used_bytes": self.mem_used_bytes, "work_rate": self.work_rate,
+                "vfio_irq_rate": self.vfio_irq_rate}
+
+    def to_api(self) -> dict[str, Any]:
+        """The form callers send and get back: ``ts`` in unix seconds."""
+        d = asdict(self)
+        d["ts"] = d.pop("ts_ms") / 1000.0
+        return d
+
+
+def validate_samples(raw: Iterable[Mapping[str, Any] | Sample], *, now: float, max_skew_s: float = MAX_SKEW_S,
+                     default_lease_id: str = "", default_source: str = "guest") -> list[Sample]:
+    """Check a whole batch and return it as Samples (duplicates inside the batch dropped); InvalidInput names the field."""
+    out: list[Sample] = []
+    seen: set[tuple[str, int, str, str]] = set()
+    for i, item in enumerate(raw):
+        s = item if isinstance(item, Sample) else _one(item, i, now, max_skew_s, default_lease_id, default_source)
+        if isinstance(item, Sample):
+            _check_sample(s, i, now, max_skew_s)
+        if s.key not in seen:
+            seen.add(s.key)
+            out.append(s)
+    return out
+
+
+def _one(d: Mapping[str, Any], i: int, now: float, skew: float, lease: str, source: str) -> Sample:
+    where = f"samples[{i}]"
+    if not isinstance(d, Mapping):
+        raise InvalidInput(f"{where} must be an object", field=where)
+    unknown = set(d) - _FIELDS
+    if unknown:
+        name = sorted(unknown)[0]
+        raise InvalidInput(f"{where}.{name} is not a sample field", field=f"{where}.{name}")
+    if "gpu_id" not in d:
+        raise InvalidInput(f"{where}.gpu_id is required", field=f"{where}.gpu_id")
+    if "ts" not in d:
+        raise InvalidInput(f"{where}.ts is required", field=f"{where}.ts")
+    ts = _number(d["ts"], f"{where}.ts", MIN_TS, now + skew, hint=f"must not be more than {skew:g} s in the future")
+    s = Sample(
+        gpu_id=_ident(d["gpu_id"], f"{where}.gpu_id"),
+        ts_ms=int(round(ts * 1000)),
+        lease_id="" if d.get("lease_id") in (None, "") else _ident(d["lease_id"], f"{where}.lease_id"),
+        source=_source(d.get("source", source), f"{where}.source"),
+        util_pct=_opt(d, "util_pct", where, 0.0, 100.0),
+        mem_used_bytes=_opt_int(d, "mem_used_bytes", where, 0, 2**53),
+        work_rate=_opt(d, "work_rate", where, 0.0, 1e15),
+        vfio_irq_rate=_opt(d, "vfio_irq_rate", where, 0.0, 1e12),
+    )
+    if not s.lease_id and lease:
+        s = Sample(**{**asdict(s), "lease_id": lease})
+    return s
+
+
+def _check_sample(s: Sample, i: int, now: float, skew: float) -> None:
+    where = f"samples[{i}]"
+    _ident(s.gpu_id, f"{where}.gpu_id")
+    _number(s.ts_ms / 1000.0, f"{where}.ts", MIN_TS, now + skew, hint=f"must not be more than {skew:g} s in the future")
+    if s.lease_id:
+        _ident(s.lease_id, f"{where}.lease_id")
+    _source(s.source, f"{where}.source")
+    for name, lo, hi in (("util_pct", 0.0, 100.0), ("mem_used_bytes", 0, 2**53), ("work_rate", 0.0, 1e15),
+                         ("vfio_irq_rate", 0.0, 1e12)):
+        v = getattr(s, name)
+        if v is not None:
+            _number(v, f"{where}.{name}", lo, hi)
+
+
+def _ident(v: Any, field: str) -> str:
+    if not isinstance(v, str) or not v or len(v) > 64 or not v.isprintable():
+        raise InvalidInput(f"{field} must be a printable string of 1..64 characters", field=field)
+    return v
+
+
+def _source(v: Any, field: str) -> str:
+    if v not in SOURCES:
+        raise InvalidInput(f"{field} must be one of {', '.join(SOURCES)}", field=field)
+    return str(v)
+
+
+def _number(v: Any, field: str, lo: float, hi: float, hint: str | None = None) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise InvalidInput(f"{field} must be a finite number", field=field)
+    if not lo <= v <= hi:
+        raise InvalidInput(f"{field} {hint or f'must be between {lo:g} and {hi:g}'}, got {v}", field=field)
+    return float(v)
+
+
+def _opt(d: Mapping[str, Any], name: str, where: str, lo: float, hi: float) -> float | None:
+    v = d.get(name)
+    return None if v is None else _number(v, f"{where}.{name}", lo, hi)
+
+
+def _opt_int(d: Mapping[str, Any], name: str, where: str, lo: int, hi: int) -> int | None:
+    v = d.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidInput(f"{where}.{name} must be an integer", field=f"{where}.{name}")
+    return int(_number(v, f"{where}.{name}", lo, hi))
+
+
+def rollup_rows(host_id: str, samples: Sequence[Sample], *, resolutions: Sequence[int] = RESOLUTIONS,
+                idle_util_pct: float = IDLE_UTIL_PCT) -> list[dict[str, Any]]:
+    """Per-bucket deltas (count, sums, min/max) of freshly inserted samples, ready to add into usage_rollups."""
+    acc: dict[tuple[str, int, int, str], dict[str, Any]] = {}
+    for s in samples:
+        sec = s.ts_ms // 1000
+        for res in resolutions:
+            k = (s.gpu_id, res, sec - sec % res, s.lease_id)
+            b = acc.get(k)
+            if b is None:
+                b = acc[k] = {
+                    "host_id": host_id, "gpu_id": k[0], "resolution": res, "bucket": k[2], "lease_id": k[3],
+                    "n": 0, "util_n": 0, "util_sum": 0.0, "util_min": None, "util_max": None, "idle_n": 0,
+                    "mem_n": 0, "mem_sum": 0.0, "mem_max": None, "work_n": 0, "work_sum": 0.0,
+                    "irq_n": 0, "irq_sum": 0.0, "first_ms": s.ts_ms, "last_ms": s.ts_ms,
+                }
+            b["n"] += 1
+            b["first_ms"] = min(b["first_ms"], s.ts_ms)
+            b["last_ms"] = max(b["last_ms"], s.ts_ms)
+            u = s.util_pct
+            if u is not None:
+                b["util_n"] += 1
+                b["util_sum"] += u
+                b["util_min"] = u if b["util_min"] is None else min(b["util_min"], u)
+                b["util_max"] = u if b["util_max"] is None else max(b["util_max"], u)
+                if u < idle_util_pct:
+                    b["idle_n"] += 1
+            m = s.mem_used_bytes
+            if m is not None:
+                b["mem_n"] += 1
+                b["mem_sum"] += m
+                b["mem_max"] = m if b["mem_max"] is None else max(b["mem_max"], m)
+            if s.work_rate is not None:
+                b["work_n"] += 1
+                b["work_sum"] += s.work_rate
+            if s.vfio_irq_rate is not None:
+                b["irq_n"] += 1
+                b["irq_sum"] += s.vfio_irq_rate
+    return list(acc.values())
+
+
+ROLLUP_ADD = ("n", "util_n", "util_sum", "idle_n", "mem_n", "mem_sum", "work_n", "work_sum", "irq_n", "irq_sum")
+ROLLUP_LEAST = ("util_min", "first_ms")
+ROLLUP_GREATEST = ("util_max", "mem_max", "last_ms")
+ROLLUP_KEYS = ("host_id", "gpu_id", "resolution", "bucket", "lease_id")

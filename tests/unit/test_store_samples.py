@@ -1,0 +1,150 @@
+"""Pure parts of the usage store: sample validation, rollup deltas, lease outcomes, the upsert's SQL per dialect."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sqlalchemy.dialects import mysql, sqlite
+
+from hostagent.domain.errors import InvalidInput
+from hostagent.store import schema
+from hostagent.store.repo import _resolution, outcome_of
+from hostagent.store.samples import ROLLUP_ADD, Sample, rollup_rows, validate_samples
+
+NOW = 1_800_000_000.0
+
+
+def ok(**kw: object) -> dict[str, object]:
+    base: dict[str, object] = {"gpu_id": "gpu-0", "ts": NOW - 5, "util_pct": 50.0, "mem_used_bytes": 1024}
+    base.update(kw)
+    return base
+
+
+def test_valid_batch_becomes_samples_in_ms() -> None:
+    out = validate_samples([ok(), ok(ts=NOW - 4.0005, lease_id="L1", source="host")], now=NOW)
+    assert out[0] == Sample("gpu-0", int((NOW - 5) * 1000), "", "guest", 50.0, 1024, None, None)
+    assert out[1].ts_ms == round((NOW - 4.0005) * 1000) and out[1].lease_id == "L1" and out[1].source == "host"
+
+
+@pytest.mark.parametrize("bad, field", [
+    (ok(util_pct=100.5), "samples[1].util_pct"),
+    (ok(util_pct=-1), "samples[1].util_pct"),
+    (ok(util_pct=float("nan")), "samples[1].util_pct"),
+    (ok(util_pct=True), "samples[1].util_pct"),
+    (ok(mem_used_bytes=-1), "samples[1].mem_used_bytes"),
+    (ok(mem_used_bytes=1.5), "samples[1].mem_used_bytes"),
+    (ok(work_rate=-0.1), "samples[1].work_rate"),
+    (ok(ts=NOW + 301), "samples[1].ts"),
+    (ok(ts=12345), "samples[1].ts"),
+    (ok(ts="soon"), "samples[1].ts"),
+    (ok(gpu_id=""), "samples[1].gpu_id"),
+    (ok(gpu_id="x" * 65), "samples[1].gpu_id"),
+    (ok(source="martian"), "samples[1].source"),
+    (ok(colour="blue"), "samples[1].colour"),
+    ({"ts": NOW}, "samples[1].gpu_id"),
+    ({"gpu_id": "g"}, "samples[1].ts"),
+    ("not an object", "samples[1]"),
+])
+def test_bad_sample_names_its_field(bad: object, field: str) -> None:
+    with pytest.raises(InvalidInput) as err:
+        validate_samples([ok(), bad], now=NOW)  # type: ignore[list-item]
+    assert err.value.field == field
+
+
+def test_future_within_skew_is_accepted_and_skew_is_configurable() -> None:
+    assert validate_samples([ok(ts=NOW + 299)], now=NOW)
+    with pytest.raises(InvalidInput):
+        validate_samples([ok(ts=NOW + 10)], now=NOW, max_skew_s=5)
+
+
+def test_duplicates_inside_a_batch_are_dropped_and_default_lease_applies() -> None:
+    out = validate_samples([ok(), ok(), ok(source="host")], now=NOW, default_lease_id="L9")
+    assert len(out) == 2 and {s.lease_id for s in out} == {"L9"}
+
+
+def test_rollup_rows_aggregate_per_bucket_and_lease() -> None:
+    t0 = 1_800_000_000  # a multiple of 3600 and of 60
+    ss = [Sample("g", (t0 + i * 10) * 1000, "L", "guest", float(i), 100 * i, 1.0, 2.0) for i in range(12)]
+    ss.append(Sample("g", (t0 + 5) * 1000, "", "host", None, None, None, 7.0))
+    rows = {(r["resolution"], r["bucket"], r["lease_id"]): r for r in rollup_rows("h", ss)}
+    m0 = rows[(60, t0, "L")]
+    assert (m0["n"], m0["util_sum"], m0["util_min"], m0["util_max"]) == (6, 15.0, 0.0, 5.0)
+    assert m0["idle_n"] == 5  # 0..4 are under 5 %
+    assert m0["mem_max"] == 500 and m0["first_ms"] == t0 * 1000 and m0["last_ms"] == (t0 + 50) * 1000
+    assert rows[(60, t0 + 60, "L")]["n"] == 6
+    h = rows[(3600, t0, "L")]
+    assert h["n"] == 12 and h["work_sum"] == 12.0 and h["irq_sum"] == 24.0
+    host = rows[(3600, t0, "")]
+    assert host["n"] == 1 and host["util_n"] == 0 and host["util_min"] is None and host["irq_sum"] == 7.0
+
+
+samples_st = st.lists(st.builds(
+    Sample, gpu_id=st.sampled_from(["g0", "g1"]), ts_ms=st.integers(1_800_000_000_000, 1_800_000_900_000),
+    lease_id=st.sampled_from(["", "L1"]), source=st.just("guest"),
+    util_pct=st.none() | st.floats(0, 100), mem_used_bytes=st.none() | st.integers(0, 2**40),
+    work_rate=st.none() | st.floats(0, 1e6), vfio_irq_rate=st.none() | st.floats(0, 1e6)), max_size=40)
+
+
+def _merge(parts: list[list[dict[str, object]]]) -> dict[tuple[object, ...], dict[str, object]]:
+    """Combine deltas the way the store's upsert does."""
+    acc: dict[tuple[object, ...], dict[str, object]] = {}
+    for part in parts:
+        for r in part:
+            k = (r["gpu_id"], r["resolution"], r["bucket"], r["lease_id"])
+            if k not in acc:
+                acc[k] = dict(r)
+                continue
+            a = acc[k]
+            for c in ROLLUP_ADD:
+                a[c] = a[c] + r[c]  # type: ignore[operator]
+            for c, pick in (("util_min", min), ("first_ms", min), ("util_max", max), ("mem_max", max),
+                            ("last_ms", max)):
+                vals = [v for v in (a[c], r[c]) if v is not None]
+                a[c] = pick(vals) if vals else None  # type: ignore[type-var]
+    return acc
+
+
+@settings(max_examples=60, deadline=None)
+@given(samples_st, st.integers(0, 40))
+def test_rollups_of_split_batches_merge_to_the_rollup_of_the_whole(samples: list[Sample], cut: int) -> None:
+    whole = _merge([rollup_rows("h", samples)])
+    split = _merge([rollup_rows("h", samples[:cut]), rollup_rows("h", samples[cut:])])
+    assert whole.keys() == split.keys()
+    for k in whole:
+        for c, v in whole[k].items():
+            assert split[k][c] == pytest.approx(v), (k, c)
+
+
+@pytest.mark.parametrize("state, reason, outcome", [
+    ("FAILED", None, "failed"), ("EXPIRED", "lease time over", "expired"), ("RELEASED", "released by guest", "released"),
+    ("RELEASED", "idle: two strikes", "reclaimed"), ("ACTIVE", None, None),
+])
+def test_outcome_of(state: str, reason: str | None, outcome: str | None) -> None:
+    assert outcome_of(state, reason) == outcome
+
+
+def test_resolution_choice() -> None:
+    assert _resolution("auto", 3600) == 0
+    assert _resolution("auto", 86400) == 60
+    assert _resolution("auto", 30 * 86400) == 3600
+    assert _resolution(7200, 1) == 7200 and _resolution(300, 1) == 300
+    for bad in (45, 5400, -3600, "daily", True):
+        with pytest.raises(InvalidInput):
+            _resolution(bad, 1)  # type: ignore[arg-type]
+
+
+def test_upsert_renders_each_dialects_own_statement() -> None:
+    from sqlalchemy.dialects.mysql import insert as my_insert
+    from sqlalchemy.dialects.sqlite import insert as lite_insert
+
+    from hostagent.store.upsert import _sets
+
+    my = my_insert(schema.usage_rollups)
+    sql = str(my.on_duplicate_key_update(**_sets(schema.usage_rollups, my.inserted, (), ["n"], ["util_min"], []))
+              .compile(dialect=mysql.dialect()))
+    assert "ON DUPLICATE KEY UPDATE" in sql and "n = (usage_rollups.n + VALUES(n))" in sql
+    lite = lite_insert(schema.usage_rollups)
+    sql = str(lite.on_conflict_do_update(index_elements=["host_id"], set_=_sets(
+        schema.usage_rollups, lite.excluded, (), ["n"], [], ["util_max"])).compile(dialect=sqlite.dialect()))
+    assert "ON CONFLICT" in sql and "excluded.n" in sql and "CASE WHEN" in sql
