@@ -22,7 +22,9 @@ from hostagent.domain.lease import Lease, LeaseState, Quota
 from hostagent.host.adapter import SysfsHost
 from hostagent.host.discovery import Inventory, discover
 from hostagent.host.sysfs import open_sysfs
+from hostagent.domain.placement import Exploration
 from hostagent.services.leases import LeaseManager, LeasePolicy, lease_view
+from hostagent.services.placement import Placer
 from hostagent.services.reaper import Reaper, reaper_settings
 from hostagent.services.reconcile import Reconciler, Repair
 from hostagent.store.journal import Journal, read_boot_id
@@ -94,6 +96,7 @@ class Runtime:
     last_heartbeat: dict[str, float] = field(default_factory=dict)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     use_store: bool = True
+    placer: Any = None
     _mirror_lock: threading.Lock = field(default_factory=threading.Lock)
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -354,11 +357,17 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
                      step_timeout_s=settings.host.step_timeout_s, inventory=inventory)
     hypervisor = hypervisor if hypervisor is not None else open_hypervisor(settings)
     journal = Journal(settings.state_dir / "journal.sqlite3", clock=clock)
+    holder: dict[str, LeaseManager] = {}
+    pl = settings.placement
+    placer = Placer(lambda: list(holder["m"].gpus.values()), quarantined=lambda: holder["m"].quarantined,
+                    exploration=Exploration(epsilon=pl.explore_epsilon, max_priority=pl.explore_max_priority),
+                    default_numa_policy=settings.leases.numa_policy)
     manager = LeaseManager(gpus=inventory.gpus, host=host, hypervisor=hypervisor, journal=journal,
-                           policy=lease_policy(settings), clock=clock)
+                           policy=lease_policy(settings), clock=clock, place=placer)
+    holder["m"] = manager
     tokens = TokenBook(settings.auth.operator_token_sha256, journal.lookup_token)
     rt = Runtime(settings=settings, inventory=inventory, host=host, hypervisor=hypervisor, journal=journal,
-                 manager=manager, tokens=tokens, clock=clock)
+                 manager=manager, tokens=tokens, clock=clock, placer=placer)
     rt.reaper = Reaper(manager, reaper_settings(settings.reclaim), samples_since=rt.samples_since,
                        read_interrupts=host.vfio_interrupts)
     return rt

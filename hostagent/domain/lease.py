@@ -221,7 +221,7 @@ class Lease:
     ended_at: float | None = None
     end_reason: str | None = None
     reasons: tuple[str, ...] = ()
-    distance: int | None = None
+    distance: float | None = None
     queued_at: float | None = None
     reclaim_paused: bool = False
     strike_at: float | None = None  # time of strike one, None when clear
@@ -230,6 +230,7 @@ class Lease:
     notice_deadline: float | None = None
     error: str | None = None
     detach_attempts: int = 0
+    placement: tuple[tuple[str, Any], ...] = ()  # the placement decision: rule, candidates, dropped (as items)
     last_check_at: float | None = None  # reaper's last idle check
     irq_baseline: tuple[tuple[str, int], ...] = ()  # vfio interrupt counts per function at the last check
 
@@ -279,6 +280,7 @@ class Lease:
             "notice_deadline": self.notice_deadline,
             "error": self.error,
             "detach_attempts": self.detach_attempts,
+            "placement": dict(self.placement),
             "last_check_at": self.last_check_at,
             "irq_baseline": [list(x) for x in self.irq_baseline],
         }
@@ -309,6 +311,7 @@ class Lease:
             notice_deadline=d.get("notice_deadline"),
             error=d.get("error"),
             detach_attempts=d.get("detach_attempts", 0),
+            placement=tuple(sorted((d.get("placement") or {}).items())),
             last_check_at=d.get("last_check_at"),
             irq_baseline=tuple((str(a), int(n)) for a, n in d.get("irq_baseline", ())),
         )

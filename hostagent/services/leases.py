@@ -77,7 +77,7 @@ class Placement:
     reasons: tuple[str, ...]
     candidates: tuple[dict[str, Any], ...] = ()
     dropped: tuple[dict[str, Any], ...] = ()
-    distance: int | None = None
+    distance: float | None = None
     rule: str = "cold-start"
 
 
@@ -301,10 +301,12 @@ class LeaseManager:
                 ))
             duration = lease.request.duration_s or self.policy.default_duration_s
             reasons = (why, *placement.reasons)
+            record = {"rule": placement.rule, "candidates": [dict(c) for c in placement.candidates],
+                      "dropped": [dict(d) for d in placement.dropped], "distance": placement.distance}
             return await self._move(
                 lease, S.BINDING, actor, f"placed on {', '.join(placement.gpu_ids)} ({placement.rule})",
                 devices=tuple(devices), granted_gpus=len(devices), reasons=reasons, distance=placement.distance,
-                expires_at=self.clock() + duration,
+                expires_at=self.clock() + duration, placement=tuple(sorted(record.items())),
             )
         except BaseException:
             for g in chosen:
@@ -618,6 +620,7 @@ def lease_view(lease: Lease, manager: LeaseManager | None = None) -> dict[str, A
         "end_reason": lease.end_reason,
         "reasons": list(lease.reasons),
         "distance": lease.distance,
+        "placement": dict(lease.placement),
         "error": lease.error,
         "warnings": [],
         "reclaim": {"paused": lease.reclaim_paused, "strike_at": lease.strike_at, "recheck_at": lease.recheck_at,

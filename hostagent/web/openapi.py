@@ -71,7 +71,7 @@ def document() -> dict[str, Any]:
             "ended_at": _NULLABLE_NUM,
             "end_reason": _NULLABLE_STR,
             "reasons": {"type": "array", "items": {"type": "string"}},
-            "distance": {"type": "integer", "nullable": True},
+            "distance": {"type": "number", "nullable": True},
             "error": _NULLABLE_STR,
             "warnings": {"type": "array", "items": {"type": "object"}},
             "reclaim": {"type": "object"},
