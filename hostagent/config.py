@@ -32,6 +32,7 @@ class AgentSettings:
     log_format: str = "auto"  # auto | json | text
     log_level: str = "INFO"
     max_body_bytes: int = 1_048_576
+    body_timeout_s: float = 10.0  # a client that does not finish sending its body in this time gets 408
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "placement.outcome": ("work_rate", "utilization", "completion"),
 }
 _POSITIVE = {
-    "agent.max_body_bytes", "host.step_timeout_s", "libvirt.detach_timeout_s", "store.queue_max",
+    "agent.max_body_bytes", "agent.body_timeout_s", "host.step_timeout_s", "libvirt.detach_timeout_s", "store.queue_max",
     "store.flush_interval_s", "store.flush_batch", "leases.default_duration_s", "leases.max_duration_s",
     "reclaim.check_interval_s", "reclaim.grace_s", "placement.retrain_interval_s",
 }

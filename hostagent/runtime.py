@@ -104,8 +104,17 @@ class Runtime:
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     # -- views ---------------------------------------------------------------------------------------------------
+    def gpu_view_for(self, gpu_id: str, identity: Identity | None) -> dict[str, Any]:
+        """A GPU as a caller may see it: another VM's lease shows only its state, never its id or VM."""
+        body = self.gpu_view(gpu_id)
+        lease = self.manager.lease_of(gpu_id)
+        if lease is not None and not (identity is not None and (identity.is_operator
+                                                               or identity.domain_uuid == lease.domain_uuid)):
+            body["lease"] = {"state": lease.state.value}
+        return body
+
     def gpu_view(self, gpu_id: str) -> dict[str, Any]:
-        """The API's JSON for a GPU."""
+        """The API's JSON for a GPU (operator's view)."""
         g: Gpu = self.manager.gpus[gpu_id]
         lease = self.manager.lease_of(gpu_id)
         return {
@@ -135,7 +144,7 @@ class Runtime:
 
     async def gpu_detail(self, gpu_id: str, identity: Identity | None) -> dict[str, Any]:
         """GPU view plus history summary (operators also get recent events)."""
-        body = self.gpu_view(gpu_id)
+        body = self.gpu_view_for(gpu_id, identity)
         # Live drivers, re-read: the inventory is a snapshot from start.
         drivers = await self.run(self.host.current_drivers, self.manager.gpus[gpu_id])
         for f in body["functions"]:
@@ -149,13 +158,9 @@ class Runtime:
         if identity is not None and identity.is_operator:
             events = await self.run(self.journal.events, gpu_id=gpu_id, limit=50)
             body["events"] = [e.to_dict() for e in events]
-        elif body["lease"] and (identity is None or identity.domain_uuid != self._lease_domain(body["lease"]["id"])):
-            body["lease"] = {"state": body["lease"]["state"]}  # another VM's lease: no names
+            if leases and leases[0].placement:
+                body["last_placement"] = {"lease_id": leases[0].id, **dict(leases[0].placement)}
         return body
-
-    def _lease_domain(self, lease_id: str) -> str | None:
-        lease = self.manager.leases.get(lease_id)
-        return lease.domain_uuid if lease else None
 
     async def lease_usage(self, lease_id: str) -> dict[str, Any]:
         """Usage so far: from the store when present, else the in-memory window."""

@@ -146,7 +146,9 @@ class LeaseManager:
 
     async def _move(self, lease: Lease, target: LeaseState, actor: str, detail: str | None = None,
                     error: str | None = None, **changes: Any) -> Lease:
-        """Transition + journal + crash point named after the new state."""
+        """Transition + journal + crash point named after the new state (an error is kept on the lease too)."""
+        if error is not None:
+            changes.setdefault("error", error)
         new = lease.transition(target, **changes)
         new = await self._write(new, lease.state, actor, detail, error)
         crash_point(f"after-{target.value.lower()}")

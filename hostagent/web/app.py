@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ def error_body(code: str, message: str, field: str | None = None) -> dict[str, A
 
 
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-               405: "method_not_allowed", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type",
+               405: "method_not_allowed", 408: "request_timeout", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type",
                429: "too_many_requests"}
 
 
@@ -85,7 +86,11 @@ async def read_json(request: web.Request) -> Any:
     """The body as JSON; clear 415 / 400 errors for wrong content types and malformed JSON."""
     if request.content_type != "application/json":
         raise web.HTTPUnsupportedMediaType(reason="Content-Type must be application/json")
-    raw = await request.read()
+    try:
+        async with asyncio.timeout(request.app[RUNTIME].settings.agent.body_timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(reason="the request body did not arrive in time") from None
     if not raw:
         return {}
     try:
@@ -122,7 +127,8 @@ async def readyz(request: web.Request) -> web.Response:
 async def list_gpus(request: web.Request) -> web.Response:
     """Every GPU on this host with its state (anyone on the API may read inventory)."""
     rt = request.app[RUNTIME]
-    return web.json_response({"gpus": [rt.gpu_view(g) for g in sorted(rt.manager.gpus)]})
+    who = request.get(IDENTITY)
+    return web.json_response({"gpus": [rt.gpu_view_for(g, who) for g in sorted(rt.manager.gpus)]})
 
 
 async def get_gpu(request: web.Request) -> web.Response:
@@ -141,7 +147,7 @@ async def clear_quarantine(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     gpu_id = request.match_info["gpu_id"]
     await rt.manager.clear_quarantine(gpu_id, actor=who.subject)
-    return web.json_response(rt.gpu_view(gpu_id))
+    return web.json_response(rt.gpu_view_for(gpu_id, who))
 
 
 # ---- leases ----------------------------------------------------------------------------------------------------
