@@ -1,0 +1,357 @@
+"""Placement as pure values: hard filters, the cold-start rule, a bounded exploration rule and set choice.
+
+The services layer builds `DeviceView`s and a `PlacementRequest`, passes a `Scorer` (the learned one from
+``hostagent.learn``, or None until a model is active) and gets back a `Decision` that says which rule decided,
+the top candidates with their scores and why every other device was dropped. Nothing here does I/O; randomness
+comes in as an injected ``random.Random``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from hostagent.domain.errors import InvalidInput
+from hostagent.domain.inventory import Gpu
+from hostagent.domain.lease import LeaseRequest
+
+log = logging.getLogger("hostagent.placement")
+
+GIB = 1024**3
+NUMA_POLICIES = ("required", "preferred", "any")
+RULE_MODEL = "model"
+RULE_COLD_START = "cold-start"
+RULE_EXPLORE = "explore"
+RULE_NONE = "none"
+
+# PCIe transfer rate per lane (GT/s) -> generation, as sysfs prints it ("16.0 GT/s PCIe").
+_GTS_TO_GEN = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
+_GTS = re.compile(r"(\d+(?:\.\d+)?)\s*GT/s")
+
+
+def link_gen_from_speed(speed: str | None) -> int | None:
+    """PCIe generation from a sysfs link speed string such as '16.0 GT/s PCIe'; None when unknown."""
+    if not speed:
+        return None
+    m = _GTS.search(speed)
+    return _GTS_TO_GEN.get(float(m.group(1))) if m else None
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceView:
+    """What placement knows of one GPU at decision time."""
+
+    gpu_id: str
+    model: str
+    vendor: str = ""
+    memory_bytes: int | None = None
+    numa_node: int | None = None
+    link_gen: int | None = None
+    link_width: int | None = None
+    switch_id: str | None = None  # upstream port of the PCIe switch the GPU sits behind, if any
+    root_port: str | None = None
+    probe_score: float | None = None  # measured speed relative to the model's nominal speed (1.0 = nominal)
+    health_flags: tuple[str, ...] = ()  # active health problems (e.g. "xid-79"); any flag keeps the device out
+    free: bool = True
+    quarantined: bool = False
+    viable: bool = True
+    recent_errors: int = 0  # failed leases, probes or rebinds in the recent window
+
+    @property
+    def memory_gib(self) -> float | None:
+        """Memory in GiB, None when unknown."""
+        return None if self.memory_bytes is None else self.memory_bytes / GIB
+
+    @classmethod
+    def from_gpu(cls, gpu: Gpu, *, free: bool, quarantined: bool = False, probe_score: float | None = None,
+                 health_flags: tuple[str, ...] = (), recent_errors: int = 0) -> DeviceView:
+        """Build the view of an inventory GPU; topology ids come from its upstream bridge chain."""
+        chain = gpu.primary.parent_chain  # nearest bridge first, root port last
+        return cls(
+            gpu_id=gpu.id, model=gpu.model, vendor=gpu.vendor, memory_bytes=gpu.memory_bytes,
+            numa_node=gpu.numa_node, link_gen=link_gen_from_speed(gpu.primary.link_speed),
+            link_width=gpu.primary.link_width,
+            # behind a switch the chain is (downstream port, upstream port, ..., root port)
+            switch_id=str(chain[-2]) if len(chain) >= 3 else None,
+            root_port=str(chain[-1]) if chain else None,
+            probe_score=probe_score, health_flags=health_flags, free=free, quarantined=quarantined,
+            viable=gpu.viable, recent_errors=recent_errors,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRequest:
+    """What a placement needs to know of a lease request."""
+
+    count: int = 1
+    task_type: str = "unspecified"
+    data_scale: float | None = None
+    precision: str | None = None
+    min_memory_gib: float = 0.0
+    duration_s: float | None = None
+    priority: int = 0
+    vendor: str | None = None
+    model: str | None = None
+    numa_policy: str = "any"  # required | preferred | any
+    vm_numa_node: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise InvalidInput("count must be at least 1", field="gpus")
+        if self.numa_policy not in NUMA_POLICIES:
+            raise InvalidInput(f"numa_policy must be one of {', '.join(NUMA_POLICIES)}", field="numa_policy")
+        if self.min_memory_gib < 0 or not math.isfinite(self.min_memory_gib):
+            raise InvalidInput("min_memory_gib must be a finite number >= 0", field="min_memory_gib")
+
+    @classmethod
+    def from_lease(cls, request: LeaseRequest, *, count: int | None = None,
+                   vm_numa_node: int | None = None) -> PlacementRequest:
+        """Placement view of a lease request (count may be lower than asked for a partial grant)."""
+        return cls(
+            count=count if count is not None else request.gpus, task_type=request.task_type,
+            data_scale=request.data_scale, precision=request.precision, min_memory_gib=request.min_memory_gib,
+            duration_s=request.duration_s, priority=request.priority, vendor=request.vendor, model=request.model,
+            # unset means "preferred": keeping a VM's GPUs near its memory never hurts, refusing might
+            numa_policy=request.numa_policy or "preferred", vm_numa_node=vm_numa_node,
+        )
+
+
+class Dropped(NamedTuple):
+    """A device a hard filter kept out, and why."""
+
+    gpu_id: str
+    reason: str
+
+
+class Scorer(Protocol):
+    """Ranks the devices that passed the filters; higher is better. The learned scorer implements it."""
+
+    name: str
+
+    def covers(self, request: PlacementRequest) -> bool:
+        """Has this scorer seen enough of this kind of request to be trusted with it?"""
+
+    def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
+        """One score per device, in order (one batched prediction)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Exploration:
+    """Bounded exploration: now and then try a near-best device so the model keeps learning about it."""
+
+    epsilon: float = 0.05  # probability of exploring on a decision
+    max_loss: float = 0.2  # only devices predicted within this fraction of the best are explored
+    max_priority: int = 0  # requests above this priority never explore
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The outcome of one placement, with its explanation."""
+
+    chosen: tuple[str, ...]
+    rule: str  # model | cold-start | explore | none
+    candidates: tuple[tuple[str, float], ...] = ()  # the top survivors with their scores, best first
+    dropped: tuple[Dropped, ...] = ()
+    reasons: tuple[str, ...] = ()
+    distance: float | None = None  # largest topology distance inside the chosen set (multi-GPU)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (stored with the lease, shown to operators)."""
+        return {
+            "chosen": list(self.chosen), "rule": self.rule,
+            "candidates": [{"gpu_id": g, "score": round(s, 6)} for g, s in self.candidates],
+            "dropped": [{"gpu_id": d.gpu_id, "reason": d.reason} for d in self.dropped],
+            "reasons": list(self.reasons), "distance": self.distance,
+        }
+
+
+def _fmt_gib(x: float) -> str:
+    return f"{x:.1f} GiB"
+
+
+def _device_reason(request: PlacementRequest, d: DeviceView) -> str | None:
+    """The first single-device filter that keeps d out, or None."""
+    if not d.free:
+        return "not free: leased or being released"
+    if d.quarantined:
+        return "quarantined"
+    if not d.viable:
+        return "IOMMU group not viable"
+    if d.health_flags:
+        return f"unhealthy: {', '.join(d.health_flags)}"
+    if request.min_memory_gib > 0:
+        mem = d.memory_gib
+        if mem is None:
+            return f"memory unknown, request needs {_fmt_gib(request.min_memory_gib)}"
+        if mem + 1e-9 < request.min_memory_gib:
+            return f"memory {_fmt_gib(mem)} < {_fmt_gib(request.min_memory_gib)} requested"
+    if request.vendor and request.vendor.casefold() not in d.vendor.casefold():
+        return f"vendor {d.vendor!r} does not match {request.vendor!r}"
+    if request.model and request.model.casefold() not in d.model.casefold():
+        return f"model {d.model!r} does not match {request.model!r}"
+    if (request.numa_policy == "required" and request.vm_numa_node is not None and d.numa_node is not None
+            and d.numa_node != request.vm_numa_node):
+        return f"NUMA node {d.numa_node} != VM's node {request.vm_numa_node} (numa_policy=required)"
+    return None
+
+
+def filter_devices(request: PlacementRequest,
+                   devices: Sequence[DeviceView]) -> tuple[list[DeviceView], list[Dropped]]:
+    """Apply the hard filters in order; every dropped device carries the first reason that kept it out."""
+    survivors: list[DeviceView] = []
+    dropped: list[Dropped] = []
+    for d in devices:
+        why = _device_reason(request, d)
+        if why is None:
+            survivors.append(d)
+        else:
+            dropped.append(Dropped(d.gpu_id, why))
+    if request.numa_policy == "required" and request.count > 1:
+        # a multi-GPU request that must stay on one node can only use nodes with enough eligible devices
+        per_node: dict[int | None, int] = {}
+        for d in survivors:
+            per_node[d.numa_node] = per_node.get(d.numa_node, 0) + 1
+        kept = []
+        for d in survivors:
+            n = per_node[d.numa_node]
+            if d.numa_node is not None and n < request.count:
+                dropped.append(Dropped(d.gpu_id, f"NUMA node {d.numa_node} has {n} eligible device(s), "
+                                                 f"{request.count} needed on one node (numa_policy=required)"))
+            else:
+                kept.append(d)
+        survivors = kept
+    for gpu_id, why in dropped:
+        log.debug("placement: %s dropped: %s", gpu_id, why)
+    return survivors, dropped
+
+
+def cold_start_scores(request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
+    """The rule used until a model is trusted: tight memory fit, probe score, NUMA locality, few recent errors."""
+    numa_weight = 0.25 if request.numa_policy == "any" else 1.0
+    out: list[float] = []
+    for d in devices:
+        mem = d.memory_gib
+        if request.min_memory_gib > 0 and mem:
+            # best fit keeps the big devices for the requests that need them
+            fit = min(1.0, request.min_memory_gib / mem)
+        else:
+            fit = 0.5
+        probe = 1.0 if d.probe_score is None else max(0.0, min(2.0, d.probe_score))
+        if request.vm_numa_node is None or d.numa_node is None:
+            numa = 0.5
+        else:
+            numa = 1.0 if d.numa_node == request.vm_numa_node else 0.0
+        penalty = min(0.5, 0.1 * d.recent_errors)
+        out.append(0.4 * fit + 0.4 * probe + 0.2 * numa_weight * numa - penalty)
+    return out
+
+
+def numa_distance(a: DeviceView, b: DeviceView) -> float:
+    """Topology distance between two GPUs: 0 same switch, 1 same root port or NUMA node, 2 across nodes."""
+    if a.switch_id is not None and a.switch_id == b.switch_id:
+        return 0.0
+    if a.root_port is not None and a.root_port == b.root_port:
+        return 1.0
+    if a.numa_node is None or b.numa_node is None or a.numa_node == b.numa_node:
+        return 1.0
+    return 2.0
+
+
+Distance = Callable[[DeviceView, DeviceView], float]
+
+
+def choose_set(devices: Sequence[DeviceView], scores: Sequence[float], count: int, *,
+               distance: Distance | None = None, numa_policy: str = "any",
+               distance_weight: float = 0.05) -> tuple[list[int], float | None]:
+    """Pick `count` device indices: best score first, then greedily the next best, penalised by distance.
+
+    This is the seam for topology-aware multi-GPU choice; today it is a simple greedy.
+    Returns the indices (best first) and the largest pairwise distance among them (None for one device).
+    """
+    if count > len(devices):
+        raise InvalidInput(f"need {count} devices, only {len(devices)} eligible", field="gpus")
+    order = sorted(range(len(devices)), key=lambda i: -scores[i])  # stable: ties keep the caller's order
+    if count == 1:
+        return [order[0]], None
+    dist = distance or numa_distance
+    if numa_policy == "required":
+        # the filters left only nodes with enough devices: take the node whose best `count` score highest
+        by_node: dict[int | None, list[int]] = {}
+        for i in order:
+            by_node.setdefault(devices[i].numa_node, []).append(i)
+        groups = [ix[:count] for node, ix in by_node.items() if node is not None and len(ix) >= count]
+        if not groups:
+            groups = [order[:count]]  # no NUMA information on this platform: any set is on "one node"
+        best = max(groups, key=lambda ix: sum(scores[i] for i in ix))
+        return best, _spread(devices, best, dist)
+    chosen = [order[0]]
+    rest = order[1:]
+    while len(chosen) < count:
+        def value(i: int) -> float:
+            far = max(dist(devices[i], devices[j]) for j in chosen)
+            return scores[i] - distance_weight * far * (1.0 if numa_policy == "preferred" else 0.5)
+        pick = max(rest, key=value)
+        chosen.append(pick)
+        rest.remove(pick)
+    return chosen, _spread(devices, chosen, dist)
+
+
+def _spread(devices: Sequence[DeviceView], ix: Sequence[int], dist: Distance) -> float | None:
+    if len(ix) < 2:
+        return None
+    return max(dist(devices[a], devices[b]) for a in ix for b in ix if a < b)
+
+
+def _explore_pick(scores: Sequence[float], best: int, max_loss: float, rng: random.Random,
+                  bounded: bool) -> int | None:
+    """A random near-best index other than `best`, or None when there is none."""
+    top = scores[best]
+    if bounded:
+        floor = top * (1.0 - max_loss) if top > 0 else top - max_loss * abs(top)
+        pool = [i for i, s in enumerate(scores) if i != best and s >= floor]
+    else:
+        pool = [i for i in range(len(scores)) if i != best]
+    return rng.choice(pool) if pool else None
+
+
+def place(request: PlacementRequest, devices: Sequence[DeviceView], *, scorer: Scorer | None = None,
+          exploration: Exploration | None = None, rng: random.Random | None = None,
+          distance: Distance | None = None, top_k: int = 5) -> Decision:
+    """Filter, score (learned model when it covers the request, else the cold-start rule), maybe explore, choose."""
+    survivors, dropped = filter_devices(request, devices)
+    if len(survivors) < request.count:
+        why = (f"{len(survivors)} of {len(devices)} device(s) passed the filters, {request.count} needed")
+        return Decision((), RULE_NONE, (), tuple(dropped), (why,))
+    reasons: list[str] = []
+    if scorer is not None and scorer.covers(request):
+        scores = [float(s) for s in scorer.score(request, survivors)]
+        rule = RULE_MODEL
+        reasons.append(f"rule=model: scored by {scorer.name} (predicted relative work rate)")
+    else:
+        scores = cold_start_scores(request, survivors)
+        rule = RULE_COLD_START
+        why = "no active model" if scorer is None else f"{scorer.name} has too few records for this request"
+        reasons.append(f"rule=cold-start ({why}): memory fit, probe score, NUMA locality")
+    chosen, spread = choose_set(survivors, scores, request.count, distance=distance,
+                                numa_policy=request.numa_policy)
+    ex = exploration
+    if (ex is not None and rng is not None and ex.epsilon > 0 and request.priority <= ex.max_priority
+            and request.count == 1 and rng.random() < ex.epsilon):
+        # bounded under the model (never trade more than max_loss of predicted speed); the cold-start rule
+        # predicts nothing, so there any eligible device is as good a guess
+        alt = _explore_pick(scores, chosen[0], ex.max_loss, rng, bounded=rule == RULE_MODEL)
+        if alt is not None:
+            reasons.append(f"rule=explore: tried {survivors[alt].gpu_id} instead of {survivors[chosen[0]].gpu_id} "
+                           f"(epsilon={ex.epsilon:g}, within {ex.max_loss:.0%} of the best)" if rule == RULE_MODEL
+                           else f"rule=explore: tried {survivors[alt].gpu_id} at random (epsilon={ex.epsilon:g})")
+            chosen, rule = [alt], RULE_EXPLORE
+    order = sorted(range(len(survivors)), key=lambda i: -scores[i])[:top_k]
+    candidates = tuple((survivors[i].gpu_id, scores[i]) for i in order)
+    picked = tuple(survivors[i].gpu_id for i in chosen)
+    reasons.append(f"chose {', '.join(picked)} from {len(survivors)} eligible; {len(dropped)} dropped by filters")
+    return Decision(picked, rule, candidates, tuple(dropped), tuple(reasons), spread)
