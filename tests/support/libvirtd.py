@@ -102,8 +102,10 @@ class PrivateLibvirtd:
         assert self.holder is not None
         log = open(self.base / f"{program}.out", "ab")  # noqa: SIM115 - kept open for the daemon's life
         self._logs.append(log)
-        return subprocess.Popen(["nsenter", "-t", str(self.holder.pid), "-m", "-n", "--", program],
-                                stdout=log, stderr=subprocess.STDOUT)
+        # A pid file of our own: the default /run/<daemon>.pid is shared with any other instance on the machine.
+        pid_file = self.base / f"{program}.pid"
+        return subprocess.Popen(["nsenter", "-t", str(self.holder.pid), "-m", "-n", "--", program,
+                                 "--pid-file", str(pid_file)], stdout=log, stderr=subprocess.STDOUT)
 
     def start_libvirtd(self, timeout_s: float = 20.0) -> None:
         """(Re)start libvirtd in the namespace and wait until its socket answers."""
