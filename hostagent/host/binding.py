@@ -14,11 +14,11 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hostagent.domain.errors import HostError, StepTimeout
+from hostagent.domain.hostops import HostOpResult, Step
 from hostagent.domain.inventory import IommuGroup
 from hostagent.domain.pci import PciAddress
 from hostagent.host.sysfs import Sysfs
@@ -32,31 +32,7 @@ VFIO_MODULES = ("vfio_pci", "vfio_iommu_type1")
 OnStep = Callable[[str, str], None]
 
 
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One named host step (or its undo) and how it went."""
-
-    name: str
-    address: str
-    ok: bool
-    error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"name": self.name, "address": self.address, "ok": self.ok, "error": self.error}
-
-
-@dataclass(frozen=True, slots=True)
-class BindResult:
-    """Outcome of binding or giving back a group (duck-compatible with services.ports.HostOpResult)."""
-
-    ok: bool
-    steps: tuple[Step, ...] = ()
-    error: str | None = None
-    needs_attention: bool = False  # an undo failed or a step hung: the caller quarantines the device
-    drivers: dict[str, str | None] = field(default_factory=dict)  # address -> driver after the operation
-    original_drivers: dict[str, str | None] = field(default_factory=dict)  # address -> driver before
-    stopped_at: str | None = None  # 'step address' where a failure or hang stopped the operation
+BindResult = HostOpResult  # the name the binder and its tests use
 
 
 class _Failed(Exception):

@@ -3,35 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from hostagent.domain.hostops import HostOpResult, Step
 from hostagent.domain.inventory import Gpu
 
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """One named host step (unbind, override, probe, read-back, undo...) and how it went."""
-
-    name: str
-    address: str
-    ok: bool
-    error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"name": self.name, "address": self.address, "ok": self.ok, "error": self.error}
-
-
-@dataclass(frozen=True, slots=True)
-class HostOpResult:
-    """Outcome of binding or giving back a whole group."""
-
-    ok: bool
-    steps: tuple[StepRecord, ...] = ()
-    error: str | None = None
-    needs_attention: bool = False  # an undo failed: the caller quarantines the GPU
-    drivers: dict[str, str | None] = field(default_factory=dict)  # address -> driver after the operation
+__all__ = ["HostOpResult", "HostPort", "Step", "UsageSink"]
 
 
 class HostPort(Protocol):
