@@ -1,0 +1,250 @@
+"""Generators of the simulator's three CSVs from real public data (and one synthetic table, labelled as such).
+
+- ``sia-table``: Sia (SOSP'23) measured best samples/s of 6 workloads on one GPU of each of 5 models
+  (``sia/sia_single_gpu_summary.csv``; A100 takes the better of the ``dgx``/``dgx-ext`` measurements).
+- ``host``: a host CSV from an explicit mix (``T4:2,V100:2``) or drawn from the Alibaba v2023 fleet's GPU-model
+  mix (``alibaba_v2023/openb_node_list_gpu_node.csv``, weighted by GPU count).
+- ``trace``: inter-arrival gaps (reshuffled), durations and GPU counts of a seeded window of real Philly jobs (``sia/philly_jobs.csv``);
+  job types drawn uniformly from the table; ``work = duration * harmonic-mean rate of the job type on this
+  host``, so a Philly duration is what the job takes, on average, on a device picked at random; gaps scaled to a target offered load.
+- ``synthetic-table``: seeded synthetic throughputs (per-model base speed x per-(job, model) log-normal affinity)
+  and memory needs (4..20 GiB), to show the harness on a table that is not Sia's.
+- ``all``: every file of both scenarios into one directory.
+
+Data comes from ``--data`` (default ``../shared/data`` relative to the repository).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import random
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+from hostagent.domain.errors import InvalidInput
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_DATA = REPO.parent / "shared" / "data"
+SIA_GPU = {"aws": "T4", "azure": "V100", "dgx": "A100", "dgx-ext": "A100", "quad": "RTX6000", "rtx": "RTX2080Ti"}
+# Memory of the GPU models named in the data sets (vendor specs). Alibaba anonymises G2/G3: the values here are
+# assumptions for the synthetic scenario only.
+MEMORY_GIB = {"T4": 16, "V100": 32, "A100": 40, "RTX6000": 24, "RTX2080Ti": 11, "P100": 16, "V100M16": 16,
+              "V100M32": 32, "A10": 24, "G2": 24, "G3": 32}
+SIA_HOST_MIX = "T4:2,V100:2,A100:2,RTX6000:1,RTX2080Ti:1"
+
+
+def data_dir(path: str | Path | None) -> Path:
+    """The shared data directory, or a clear error naming where it was looked for."""
+    p = Path(path) if path else DEFAULT_DATA
+    if not (p / "sia").is_dir():
+        raise InvalidInput(f"data directory {p} has no sia/ folder: pass --data DIR (the shared data set, "
+                           f"see its README.md)", field="data")
+    return p
+
+
+def sia_table(data: Path) -> list[dict[str, object]]:
+    """Rows job_type,gpu_model,throughput from Sia's single-GPU summary (best samples/s per model)."""
+    best: dict[tuple[str, str], float] = {}
+    with (data / "sia" / "sia_single_gpu_summary.csv").open(newline="") as fh:
+        for r in csv.DictReader(fh):
+            model = SIA_GPU.get(r["gpu_type"])
+            if model is None:
+                continue
+            key = (r["model"], model)
+            best[key] = max(best.get(key, 0.0), float(r["best_samples_per_sec"]))
+    # Sia measured every workload on the 11 GB RTX 2080 Ti, so no workload needs more memory than every GPU has:
+    # the table carries no memory_gib column rather than an invented one
+    return [{"job_type": j, "gpu_model": m, "throughput": round(t, 6)} for (j, m), t in sorted(best.items())]
+
+
+def synthetic_table(seed: int, models: Sequence[str], job_types: int = 8) -> list[dict[str, object]]:
+    """A seeded synthetic table: base speed per model x log-normal affinity per (job, model); memory needs 4..20 GiB."""
+    rng = random.Random(seed)
+    base = {m: math.exp(rng.gauss(0.0, 0.5)) for m in models}
+    rows: list[dict[str, object]] = []
+    for k in range(job_types):
+        job = f"job{k}"
+        scale = 10 ** rng.uniform(1, 4)  # job types count work in very different units
+        need = rng.choice([4, 8, 12, 20])
+        for m in models:
+            rows.append({"job_type": job, "gpu_model": m,
+                         "throughput": round(scale * base[m] * math.exp(rng.gauss(0.0, 0.6)), 6),
+                         "memory_gib": need})
+    return rows
+
+
+def host_from_mix(mix: str, *, numa_nodes: int = 2, degrade: Sequence[tuple[int, float]] = ()) -> list[dict[str, object]]:
+    """Host rows from 'MODEL:COUNT,...'; devices split evenly over NUMA nodes in order."""
+    models: list[str] = []
+    for part in mix.split(","):
+        name, _, count = part.strip().partition(":")
+        if name not in MEMORY_GIB:
+            raise InvalidInput(f"unknown GPU model {name!r}; known: {', '.join(sorted(MEMORY_GIB))}", field="mix")
+        models += [name] * int(count or 1)
+    health = dict(degrade)
+    n = len(models)
+    return [{"gpu_id": f"gpu{i}", "gpu_model": m, "memory_gib": MEMORY_GIB[m],
+             "numa_node": i * numa_nodes // n, "health_factor": health.get(i, 1.0)} for i, m in enumerate(models)]
+
+
+def alibaba_mix(data: Path, n: int, seed: int) -> str:
+    """A host mix of n GPUs drawn from the Alibaba v2023 fleet's model distribution (weighted by GPU count)."""
+    weights: dict[str, int] = {}
+    with (data / "alibaba_v2023" / "openb_node_list_gpu_node.csv").open(newline="") as fh:
+        for r in csv.DictReader(fh):
+            weights[r["model"]] = weights.get(r["model"], 0) + int(r["gpu"])
+    rng = random.Random(seed)
+    names = sorted(weights)
+    drawn = rng.choices(names, weights=[weights[k] for k in names], k=n)
+    counts = {m: drawn.count(m) for m in names if m in drawn}
+    return ",".join(f"{m}:{c}" for m, c in sorted(counts.items()))
+
+
+def philly_trace(data: Path, table: list[dict[str, object]], host: list[dict[str, object]], *, jobs: int,
+                 load: float, seed: int, max_gpus: int = 2, min_duration_s: float = 60.0,
+                 max_duration_s: float = 2 * 3600.0, high_priority: float = 0.1,
+                 consecutive: bool = False) -> list[dict[str, object]]:
+    """A trace from a seeded window of consecutive Philly jobs, scaled to the offered load on this host."""
+    raw = []
+    with (data / "sia" / "philly_jobs.csv").open(newline="") as fh:
+        for r in csv.DictReader(fh):
+            n = int(float(r["num_gpus"]))
+            if 1 <= n <= max_gpus and float(r["duration"]) > 0:
+                raw.append((datetime.fromisoformat(r["timestamp"]).timestamp(), float(r["duration"]), n))
+    raw.sort()
+    if len(raw) < jobs:
+        raise InvalidInput(f"only {len(raw)} Philly jobs fit --max-gpus {max_gpus}", field="jobs")
+    rng = random.Random(seed)
+    start = rng.randrange(0, len(raw) - jobs + 1)
+    window = raw[start:start + jobs]
+    if not consecutive:
+        # Keep the window's own inter-arrival gaps but shuffle their order: the gap distribution (bursts of
+        # sweeps included) stays Philly's, while month-long swings in submission rate, which would make a
+        # fixed "offered load" meaningless (2x over capacity one week, idle the next), are spread evenly.
+        gaps = [b[0] - a[0] for a, b in zip(window, window[1:])]
+        rng.shuffle(gaps)
+        t = window[0][0]
+        times = [t]
+        for g in gaps:
+            t += g
+            times.append(t)
+        window = [(ts, d, n) for ts, (_, d, n) in zip(times, window)]
+    thr = {(str(r["job_type"]), str(r["gpu_model"])): float(r["throughput"]) for r in table}  # type: ignore[arg-type]
+    types = sorted({j for j, _ in thr})
+    absent = sorted({(j, str(g["gpu_model"])) for j in types for g in host if (j, str(g["gpu_model"])) not in thr})
+    if absent:
+        raise InvalidInput(f"the table has no throughput for {absent[0][0]} on {absent[0][1]}", field="table")
+    # harmonic mean: the rate at which a job type's work gets done on a device picked at random from this host
+    # (the mean *time* per unit of work), so that "offered load" is the load that random placement would see
+    need = {j: max(float(r.get("memory_gib") or 0.0) for r in table if r["job_type"] == j) for j in types}  # type: ignore[arg-type]
+    mean_rate: dict[str, float] = {}
+    for j in types:
+        fits = [g for g in host if float(str(g["memory_gib"])) + 1e-9 >= need[j]]
+        slowness = [1.0 / (thr[(j, str(g["gpu_model"]))] * float(str(g.get("health_factor", 1.0)))) for g in fits]
+        mean_rate[j] = len(fits) / sum(slowness) if fits else 1.0
+    durations = [min(max_duration_s, max(min_duration_s, d)) for _, d, _ in window]
+    gpu_seconds = sum(d * n for d, (_, _, n) in zip(durations, window))
+    span = window[-1][0] - window[0][0] or 1.0
+    # offered load = GPU-seconds asked / (GPU-seconds the host offers over the arrival span)
+    scale = gpu_seconds / (load * span * len(host))
+    t0 = window[0][0]
+    rows: list[dict[str, object]] = []
+    for (ts, _, n), d in zip(window, durations):
+        job = rng.choice(types)
+        rows.append({"arrival_s": round((ts - t0) * scale, 3), "job_type": job,
+                     "work": round(d * mean_rate[job], 6), "num_gpus": n,
+                     "priority": 1 if rng.random() < high_priority else 0})
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict[str, object]]) -> None:
+    """Write rows (dicts with the same keys) to a CSV file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def read_csv(path: Path) -> list[dict[str, object]]:
+    """Read a CSV written by this module."""
+    with path.open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: ``python -m hostagent.learn.datasets {sia-table,synthetic-table,host,trace,all} ...``."""
+    ap = argparse.ArgumentParser(prog="python -m hostagent.learn.datasets", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", help=f"shared data directory (default {DEFAULT_DATA})")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("sia-table")
+    s.add_argument("--out", required=True, type=Path)
+    s = sub.add_parser("synthetic-table")
+    s.add_argument("--out", required=True, type=Path)
+    s.add_argument("--models", default="P100,T4,V100M16,V100M32,A10,G2,G3")
+    s.add_argument("--job-types", type=int, default=8)
+    s.add_argument("--seed", type=int, default=1)
+    s = sub.add_parser("host")
+    s.add_argument("--out", required=True, type=Path)
+    s.add_argument("--mix", help=f"MODEL:COUNT,... (e.g. {SIA_HOST_MIX})")
+    s.add_argument("--alibaba", type=int, metavar="N", help="draw N GPUs from the Alibaba v2023 fleet mix")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--numa-nodes", type=int, default=2)
+    s = sub.add_parser("trace")
+    s.add_argument("--out", required=True, type=Path)
+    s.add_argument("--table", required=True, type=Path)
+    s.add_argument("--host", required=True, type=Path)
+    s.add_argument("--jobs", type=int, default=3000)
+    s.add_argument("--load", type=float, default=0.85)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--max-gpus", type=int, default=2)
+    s.add_argument("--max-duration-s", type=float, default=2 * 3600.0)
+    s.add_argument("--consecutive", action="store_true", help="keep Philly's gap order (bursty, non-stationary)")
+    s = sub.add_parser("all")
+    s.add_argument("--out", required=True, type=Path)
+    s.add_argument("--jobs", type=int, default=3000)
+    s.add_argument("--load", type=float, default=0.85)
+    s.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "sia-table":
+            write_csv(args.out, sia_table(data_dir(args.data)))
+        elif args.cmd == "synthetic-table":
+            write_csv(args.out, synthetic_table(args.seed, args.models.split(","), args.job_types))
+        elif args.cmd == "host":
+            if bool(args.mix) == bool(args.alibaba):
+                raise InvalidInput("give exactly one of --mix or --alibaba", field="mix")
+            mix = args.mix or alibaba_mix(data_dir(args.data), args.alibaba, args.seed)
+            write_csv(args.out, host_from_mix(mix, numa_nodes=args.numa_nodes))
+        elif args.cmd == "trace":
+            write_csv(args.out, philly_trace(data_dir(args.data), read_csv(args.table), read_csv(args.host),
+                                             jobs=args.jobs, load=args.load, seed=args.seed, max_gpus=args.max_gpus,
+                                             max_duration_s=args.max_duration_s, consecutive=args.consecutive))
+        else:
+            data = data_dir(args.data)
+            out: Path = args.out
+            table = sia_table(data)
+            host = host_from_mix(SIA_HOST_MIX)
+            write_csv(out / "sia_table.csv", table)
+            write_csv(out / "sia_host.csv", host)
+            write_csv(out / "sia_trace.csv", philly_trace(data, table, host, jobs=args.jobs, load=args.load,
+                                                          seed=args.seed))
+            models = ["P100", "T4", "V100M16", "V100M32", "A10", "G2", "G3"]
+            syn = synthetic_table(args.seed + 1, models)
+            ahost = host_from_mix(alibaba_mix(data, 16, args.seed))
+            write_csv(out / "synthetic_table.csv", syn)
+            write_csv(out / "alibaba_host.csv", ahost)
+            write_csv(out / "synthetic_trace.csv", philly_trace(data, syn, ahost, jobs=args.jobs, load=args.load,
+                                                                seed=args.seed + 1))
+    except InvalidInput as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Model lifecycle: train | evaluate | show | rollback, over the usage store (library functions the CLI wires).
+
+A candidate is fitted on all but the most recent records and scored on those recent, held-out records next to
+the active model. It replaces the active model only if it does at least as well there; either way the version
+is saved with its figures and the decision, so ``show`` tells the whole story. The promoted artifact is refitted
+on every record (the held-out ones are the freshest: leaving them out of the model in service would throw away
+exactly what changed most recently).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Protocol
+
+import numpy as np
+
+from hostagent.domain.errors import InvalidInput, NotFound
+from hostagent.learn.model import TARGETS, LearnedScorer, ModelBundle, fit, target_values
+from hostagent.learn.records import Example, TrainingSource, load_examples
+
+log = logging.getLogger("hostagent.learn")
+
+KIND = "placement"
+MIN_RECORDS = 100  # below this the cold-start rule keeps deciding
+HOLDOUT_FRACTION = 0.2
+HOLDOUT_MIN = 20  # fewer fresh records than this cannot judge a candidate against the active model
+MAX_RANK_PAIRS = 20000
+
+
+class ModelRegistry(Protocol):
+    """Where model versions live (``hostagent.store.repo.UsageStore`` implements it)."""
+
+    def save_model_version(self, version: str, *, kind: str = ..., artifact: bytes | None = ...,
+                           metrics: Any = ..., params: Any = ..., trained_on: int | None = ...,
+                           activate: bool = ..., created_at: float | None = ...) -> dict[str, Any]:
+        """Store a version (optionally activating it)."""
+
+    def activate_model_version(self, version: str, *, kind: str = ...) -> None:
+        """Make a version the active one."""
+
+    def list_model_versions(self, *, kind: str | None = ..., limit: int = ...) -> list[dict[str, Any]]:
+        """Versions, newest first, without artifacts."""
+
+    def get_model_version(self, version: str | None = ..., *, kind: str = ...,
+                          with_artifact: bool = ...) -> dict[str, Any]:
+        """One version, or the active one; NotFound when absent."""
+
+
+class ModelStore(TrainingSource, ModelRegistry, Protocol):
+    """The usage store as the lifecycle sees it."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainResult:
+    """What ``train`` did and why."""
+
+    decision: str  # promoted | kept-current | insufficient-records
+    version: str | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    bundle: ModelBundle | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form for the CLI."""
+        return {"decision": self.decision, "version": self.version, "metrics": self.metrics}
+
+
+def split_recent(examples: Sequence[Example], fraction: float) -> tuple[list[Example], list[Example]]:
+    """Older part and most recent part, split on lease boundaries (all devices of a lease fall on one side)."""
+    leases = sorted({(e.created_at, e.lease_id) for e in examples})
+    n_hold = max(1, int(round(len(leases) * fraction))) if leases else 0
+    recent = set(lid for _, lid in leases[len(leases) - n_hold:])
+    return [e for e in examples if e.lease_id not in recent], [e for e in examples if e.lease_id in recent]
+
+
+def evaluate_bundle(bundle: ModelBundle, examples: Sequence[Example], *, seed: int = 0) -> dict[str, Any]:
+    """Figures of one model on labelled examples: error (log-space for work rate, else absolute) and rank accuracy."""
+    if bundle.target == "work_rate":
+        ex = [e for e in examples if e.work_rate is not None and e.work_rate > 0]
+        y = np.array([e.work_rate for e in ex], dtype=float)
+    else:
+        ex, y, _ = target_values(examples, bundle.target)
+    if not ex:
+        return {"n": 0, "error": None, "rank_accuracy": None}
+    pred = bundle.predict_examples(ex)
+    if bundle.target == "work_rate":
+        error = float(np.mean(np.abs(np.log(np.maximum(pred, 1e-12)) - np.log(y))))
+    else:
+        error = float(np.mean(np.abs(pred - y)))
+    return {"n": len(ex), "error": error, "rank_accuracy": _rank_accuracy(ex, y, pred, seed)}
+
+
+def _rank_accuracy(ex: Sequence[Example], y: np.ndarray, pred: np.ndarray, seed: int) -> float | None:
+    """How often the model orders two records of one task type on different GPU models as they really were."""
+    by_task: dict[str, list[int]] = {}
+    for i, e in enumerate(ex):
+        by_task.setdefault(e.request.task_type, []).append(i)
+    pairs = [(a, b) for ix in by_task.values() for k, a in enumerate(ix) for b in ix[k + 1:]
+             if ex[a].device.model != ex[b].device.model and y[a] != y[b]]
+    if not pairs:
+        return None
+    if len(pairs) > MAX_RANK_PAIRS:
+        pairs = random.Random(seed).sample(pairs, MAX_RANK_PAIRS)
+    good = sum(1 for a, b in pairs if (pred[a] - pred[b]) * (y[a] - y[b]) > 0)
+    return good / len(pairs)
+
+
+def _baseline_error(train: Sequence[Example], hold: Sequence[Example], target: str) -> float | None:
+    """Error of predicting each task type's mean: the floor a model must beat to be worth anything."""
+    if target != "work_rate":
+        return None
+    _, _, norms = target_values(train, target)
+    ex = [e for e in hold if e.work_rate and e.work_rate > 0 and e.request.task_type in norms]
+    if not ex:
+        return None
+    return float(np.mean([abs(norms[e.request.task_type] - math.log(e.work_rate)) for e in ex]))  # type: ignore[arg-type]
+
+
+def _version_name(now: float, bundle_bytes: bytes) -> str:
+    stamp = datetime.fromtimestamp(now, timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return f"{KIND}-{stamp}-{hashlib.sha256(bundle_bytes).hexdigest()[:10]}"
+
+
+def active_bundle(registry: ModelRegistry) -> tuple[str, ModelBundle] | None:
+    """The active version and its loaded model, or None when no model is active."""
+    try:
+        row = registry.get_model_version(None, kind=KIND, with_artifact=True)
+    except NotFound:
+        return None
+    if not row.get("artifact"):
+        return None
+    return str(row["version"]), ModelBundle.from_bytes(bytes(row["artifact"]))
+
+
+def load_active(registry: ModelRegistry, *, min_task_records: int = 5) -> LearnedScorer | None:
+    """The scorer the services layer should use now (None: keep the cold-start rule)."""
+    found = active_bundle(registry)
+    if found is None:
+        return None
+    version, bundle = found
+    return LearnedScorer(bundle, name=version, min_task_records=min_task_records)
+
+
+def train(store: ModelStore, *, target: str = "work_rate", since: float | None = None,
+          min_records: int = MIN_RECORDS, holdout_fraction: float = HOLDOUT_FRACTION, tolerance: float = 0.0,
+          params: dict[str, Any] | None = None, now: float | None = None, refit_all: bool = True,
+          current: tuple[str, ModelBundle] | None = None) -> TrainResult:
+    """Fit a candidate on the store's records, compare it with the active model on recent records, save, maybe promote.
+
+    ``current``: the active (version, model) when the caller holds it already (saves reloading the artifact).
+    """
+    if target not in TARGETS:
+        raise InvalidInput(f"target must be one of {', '.join(TARGETS)}", field="target")
+    if not 0 < holdout_fraction < 1:
+        raise InvalidInput("holdout_fraction must be between 0 and 1", field="holdout_fraction")
+    now = time.time() if now is None else now
+    examples = load_examples(store, since=since)
+    labelled, _, _ = target_values(examples, target)
+    figures: dict[str, Any] = {"records": len(examples), "labelled": len(labelled), "target": target,
+                               "min_records": min_records}
+    if len(labelled) < min_records:
+        figures["reason"] = f"{len(labelled)} labelled records < {min_records}: the cold-start rule stays in charge"
+        return TrainResult("insufficient-records", None, figures)
+    if current is None:
+        current = active_bundle(store)
+    older, recent = split_recent(labelled, holdout_fraction)
+    if current is not None:
+        # judge on records the active model has not seen, or the comparison favours it unfairly
+        cutoff = current[1].trained_until
+        recent = [e for e in recent if e.created_at > cutoff]
+        fresh = {id(e) for e in recent}
+        older = [e for e in labelled if id(e) not in fresh] if recent else older
+        if len(recent) < HOLDOUT_MIN:
+            figures["decision"] = "kept-current"
+            figures["reason"] = (f"{len(recent)} recent record(s) newer than active model {current[0]} "
+                                 f"(< {HOLDOUT_MIN}): nothing fresh to judge a candidate on")
+            return TrainResult("kept-current", None, figures)
+    candidate = fit(older, target=target, params=params)
+    cand = evaluate_bundle(candidate, recent)
+    figures.update({"train_n": len(older), "holdout_n": len(recent), "candidate": cand,
+                    "baseline_error": _baseline_error(older, recent, target)})
+    if current is None:
+        decision, why = "promoted", "no active model"
+    else:
+        cur_version, cur_bundle = current
+        cur = evaluate_bundle(cur_bundle, recent) if cur_bundle.target == target else {"n": 0, "error": None}
+        figures["current"] = {"version": cur_version, **cur}
+        if cur_bundle.target != target:
+            decision, why = "promoted", f"active model predicts {cur_bundle.target!r}, the operator asked for {target!r}"
+        elif cur["error"] is None or cand["error"] is None:
+            decision, why = ("promoted", "active model cannot be scored on recent records") if cand["error"] is not None \
+                else ("kept-current", "candidate cannot be scored on recent records")
+        elif cand["error"] <= cur["error"] * (1.0 + tolerance):
+            decision, why = "promoted", f"held-out error {cand['error']:.4f} <= active {cur['error']:.4f}"
+        else:
+            decision, why = "kept-current", f"held-out error {cand['error']:.4f} > active {cur['error']:.4f}"
+    figures["decision"] = decision
+    figures["reason"] = why
+    final = fit(labelled, target=target, params=params) if refit_all and decision == "promoted" else candidate
+    figures["artifact_trained_on"] = final.trained_on
+    blob = final.to_bytes()
+    version = _version_name(now, blob)
+    store.save_model_version(version, kind=KIND, artifact=blob, metrics=figures, params=final.params,
+                             trained_on=final.trained_on, activate=decision == "promoted", created_at=now)
+    log.info("model %s: %s (%s)", version, decision, why)
+    return TrainResult(decision, version, figures, final)
+
+
+def evaluate(store: ModelStore, version: str | None = None, *, since: float | None = None,
+             holdout_fraction: float = HOLDOUT_FRACTION) -> dict[str, Any]:
+    """Figures of a version (default: the active one) on the most recent records (or on all since ``since``)."""
+    row = store.get_model_version(version, kind=KIND, with_artifact=True)
+    bundle = ModelBundle.from_bytes(bytes(row["artifact"]))
+    examples = load_examples(store, since=since)
+    labelled, _, _ = target_values(examples, bundle.target)
+    held = labelled if since is not None else split_recent(labelled, holdout_fraction)[1]
+    return {"version": row["version"], "active": bool(row.get("active")), "target": bundle.target,
+            **evaluate_bundle(bundle, held)}
+
+
+def show(store: ModelRegistry, *, limit: int = 20) -> list[dict[str, Any]]:
+    """Versions, newest first, with their figures and decision."""
+    out = []
+    for row in store.list_model_versions(kind=KIND, limit=limit):
+        metrics = row.get("metrics") or {}
+        out.append({"version": row["version"], "active": bool(row.get("active")), "created_at": row.get("created_at"),
+                    "trained_on": row.get("trained_on"), "decision": metrics.get("decision"),
+                    "reason": metrics.get("reason"), "error": (metrics.get("candidate") or {}).get("error"),
+                    "rank_accuracy": (metrics.get("candidate") or {}).get("rank_accuracy")})
+    return out
+
+
+def rollback(store: ModelRegistry, version: str | None = None) -> dict[str, Any]:
+    """Activate ``version``, or the version that was promoted before the active one."""
+    rows = store.list_model_versions(kind=KIND, limit=1000)
+    active = next((r for r in rows if r.get("active")), None)
+    if version is None:
+        if active is None:
+            raise NotFound("no active model to roll back from", field="version")
+        older = [r for r in rows if r["created_at"] < active["created_at"]
+                 and (r.get("metrics") or {}).get("decision") == "promoted"]
+        if not older:
+            raise NotFound(f"no promoted model older than {active['version']}", field="version")
+        version = str(older[0]["version"])  # newest first
+    store.activate_model_version(version, kind=KIND)
+    log.info("model rollback: %s -> %s", active["version"] if active else None, version)
+    return {"active": version, "previous": active["version"] if active else None}

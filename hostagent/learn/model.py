@@ -1,0 +1,174 @@
+"""The learned scorer: a HistGradientBoostingRegressor over (request, device) features, saved with skops.
+
+Default target ("work_rate"): the log of the observed work rate minus the mean log work rate of the same task
+type, so one model ranks devices for every task type on a common, unit-free scale; the scorer returns
+``exp(prediction)``, i.e. the expected speed relative to a typical device for that task type. A failed lease that
+reported no work counts as a tenth of typical speed (failure is an outcome, not a missing label). Other
+targets: "utilization" (mean GPU utilisation, 0..1) and "completion" (1 unless the lease failed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import skops.io as sio
+from sklearn.ensemble import HistGradientBoostingRegressor
+
+from hostagent.domain.errors import InvalidInput
+from hostagent.domain.placement import DeviceView, PlacementRequest
+from hostagent.learn.features import FeatureEncoder, fit_vocabulary
+from hostagent.learn.forest import CompiledForest
+from hostagent.learn.records import Example
+
+TARGETS = ("work_rate", "utilization", "completion")
+FORMAT = 1
+FAILED_RELATIVE_RATE = 0.1
+DEFAULT_PARAMS: dict[str, Any] = {
+    "max_iter": 100, "learning_rate": 0.15, "max_leaf_nodes": 31, "min_samples_leaf": 5, "l2_regularization": 0.0,
+    "early_stopping": False, "random_state": 0,
+}
+# Only these may appear in a model artifact: skops refuses anything else instead of running it.
+_TRUSTED_PREFIXES = ("sklearn.", "numpy.", "builtins.")
+_TRUSTED_EXACT = ("functools.partial",)  # HistGradientBoosting keeps partial(check_array, ...); the target is checked too
+
+
+def target_values(examples: Sequence[Example], target: str) -> tuple[list[Example], np.ndarray, dict[str, float]]:
+    """The examples that have a label for ``target``, their labels and the per-task normalisers (log space)."""
+    if target not in TARGETS:
+        raise InvalidInput(f"target must be one of {', '.join(TARGETS)}", field="target")
+    if target == "utilization":
+        kept = [e for e in examples if e.util_pct is not None]
+        return kept, np.array([max(0.0, min(1.0, e.util_pct / 100.0)) for e in kept]), {}  # type: ignore[operator]
+    if target == "completion":
+        return list(examples), np.array([0.0 if e.outcome == "failed" else 1.0 for e in examples]), {}
+    logs: dict[str, list[float]] = {}
+    for e in examples:
+        if e.work_rate is not None and e.work_rate > 0:
+            logs.setdefault(e.request.task_type, []).append(math.log(e.work_rate))
+    norms = {task: float(np.mean(v)) for task, v in logs.items()}
+    kept, ys = [], []
+    for e in examples:
+        task = e.request.task_type
+        if task not in norms:
+            continue
+        if e.work_rate is not None and e.work_rate > 0:
+            kept.append(e)
+            ys.append(math.log(e.work_rate) - norms[task])
+        elif e.outcome == "failed":
+            kept.append(e)
+            ys.append(math.log(FAILED_RELATIVE_RATE))
+    return kept, np.array(ys), norms
+
+
+@dataclass
+class ModelBundle:
+    """A trained estimator with everything needed to use it: vocabulary, target, normalisers, training figures."""
+
+    estimator: HistGradientBoostingRegressor
+    vocabulary: dict[str, list[str]]
+    target: str = "work_rate"
+    norms: dict[str, float] = field(default_factory=dict)  # task type -> mean log work rate
+    task_counts: dict[str, int] = field(default_factory=dict)
+    trained_on: int = 0
+    params: dict[str, Any] = field(default_factory=dict)
+    trained_until: float = 0.0  # creation time of the newest record it was fitted on
+
+    def __post_init__(self) -> None:
+        self.encoder = FeatureEncoder(self.vocabulary)
+        self.forest = CompiledForest.build(self.estimator)
+
+    def _raw(self, X: np.ndarray) -> np.ndarray:
+        out: np.ndarray = self.forest.predict(X) if self.forest is not None else self.estimator.predict(X)
+        return out
+
+    def predict_relative(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> np.ndarray:
+        """Scores for the devices (relative work rate, utilisation or completion), one batched call."""
+        raw = self._raw(self.encoder.matrix(request, devices))
+        out: np.ndarray = np.exp(raw) if self.target == "work_rate" else raw
+        return out
+
+    def predict_examples(self, examples: Sequence[Example]) -> np.ndarray:
+        """Predictions in the target's natural unit (work rate in the guest's unit for "work_rate")."""
+        if not examples:
+            return np.empty(0)
+        raw = self._raw(self.encoder.rows((e.request, e.device) for e in examples))
+        if self.target != "work_rate":
+            return raw
+        fallback = float(np.mean(list(self.norms.values()))) if self.norms else 0.0
+        offs = np.array([self.norms.get(e.request.task_type, fallback) for e in examples])
+        out: np.ndarray = np.exp(raw + offs)
+        return out
+
+    def to_bytes(self) -> bytes:
+        """Serialise with skops (no pickle)."""
+        blob: bytes = sio.dumps({
+            "format": FORMAT, "estimator": self.estimator, "vocabulary": self.vocabulary, "target": self.target,
+            "norms": self.norms, "task_counts": self.task_counts, "trained_on": self.trained_on,
+            "params": _jsonable(self.params), "trained_until": self.trained_until,
+        })
+        return blob
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ModelBundle:
+        """Load a skops artifact, refusing any type outside scikit-learn/numpy/builtins."""
+        untrusted = sio.get_untrusted_types(data=data)
+        bad = [t for t in untrusted if not t.startswith(_TRUSTED_PREFIXES) and t not in _TRUSTED_EXACT]
+        if bad:
+            raise InvalidInput(f"model artifact holds untrusted types: {', '.join(bad[:5])}", field="artifact")
+        d = sio.loads(data, trusted=untrusted)
+        keys = {"format", "estimator", "vocabulary", "target", "norms", "task_counts", "trained_on", "params"}
+        if not isinstance(d, dict) or d.get("format") != FORMAT or not keys <= set(d):
+            raise InvalidInput("not a hostagent placement model artifact", field="artifact")
+        return cls(estimator=d["estimator"], vocabulary=d["vocabulary"], target=d["target"], norms=d["norms"],
+                   task_counts=d["task_counts"], trained_on=d["trained_on"], params=d["params"],
+                   trained_until=float(d.get("trained_until", 0.0)))
+
+
+def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+def fit(examples: Sequence[Example], *, target: str = "work_rate",
+        params: dict[str, Any] | None = None) -> ModelBundle:
+    """Train a bundle on examples; InvalidInput when none has a label for the target."""
+    kept, y, norms = target_values(examples, target)
+    if not kept:
+        raise InvalidInput(f"no training record has a label for target {target!r}", field="target")
+    vocab = fit_vocabulary((e.request for e in kept), (e.device for e in kept))
+    encoder = FeatureEncoder(vocab)
+    X = encoder.rows((e.request, e.device) for e in kept)
+    # scikit-learn cannot bin a column with no value at all; a constant carries the same (no) information
+    empty = np.isnan(X).all(axis=0)
+    X[:, empty] = 0.0
+    p = {**DEFAULT_PARAMS, **(params or {})}
+    est = HistGradientBoostingRegressor(**p)
+    est.fit(X, y)
+    counts: dict[str, int] = {}
+    for e in kept:
+        counts[e.request.task_type] = counts.get(e.request.task_type, 0) + 1
+    return ModelBundle(est, vocab, target, norms, counts, len(kept), p, max(e.created_at for e in kept))
+
+
+class LearnedScorer:
+    """The `Scorer` the services layer calls once a model is active."""
+
+    def __init__(self, bundle: ModelBundle, *, name: str = "model", min_task_records: int = 5) -> None:
+        self.bundle = bundle
+        self.name = name
+        self.min_task_records = min_task_records
+
+    def covers(self, request: PlacementRequest) -> bool:
+        """Trust the model only for task types it has seen enough of; the cold-start rule handles the rest."""
+        return self.bundle.task_counts.get(request.task_type, 0) >= self.min_task_records
+
+    def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
+        """Predicted relative work rate per device (one batched predict call)."""
+        if not devices:
+            return []
+        scores: list[float] = self.bundle.predict_relative(request, devices).tolist()
+        return scores
+

@@ -1,0 +1,511 @@
+"""Offline evaluation harness: replay a job trace on a simulated host under several placement policies.
+
+Every policy goes through the real placement code (``hostagent.domain.placement.place``: the same filters and
+set choice the agent uses); policies differ only in the `Scorer` they pass. The learned policy ("model") starts
+with no model, writes every lease and its usage samples through the real usage store (a temporary SQLite file),
+trains from ``training_records()`` with the real lifecycle once the warm-up jobs have finished, and keeps
+retraining from new records as the run goes. It never reads the throughput table.
+
+Ground truth: a job's run time on a set of n devices is ``work / (n * min_i thr(job_type, model_i) * health_i)``
+(synchronous data parallel: the slowest device paces the step). Jobs wait in arrival order; the head of the
+queue is placed whenever enough eligible devices are free.
+
+Usage: ``python -m hostagent.learn.simulate --throughputs T.csv --host H.csv --trace R.csv [--seeds N]
+[--policies a,b] [--warmup-jobs N] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import heapq
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hostagent.domain.errors import InvalidInput
+from hostagent.learn.model import ModelBundle
+from hostagent.domain.placement import (
+    GIB,
+    DeviceView,
+    Exploration,
+    PlacementRequest,
+    Scorer,
+    place,
+)
+
+POLICIES = ("random", "first-fit", "best-fit-memory", "fastest-model", "model", "oracle")
+EPOCH = 1_600_000_000.0  # simulated clock origin (2020-09-13): the store refuses timestamps before 2000
+SAMPLES_PER_LEASE = 3
+WORK_RATE_NOISE = 0.03  # a guest's own throughput counter is a little noisy (log-normal sigma)
+
+
+# -- inputs --------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """Ground truth: throughput of each job type on each GPU model, and each job type's memory need."""
+
+    thr: dict[tuple[str, str], float]
+    need_gib: dict[str, float]
+
+    @property
+    def job_types(self) -> list[str]:
+        """Job types, sorted."""
+        return sorted({j for j, _ in self.thr})
+
+    @property
+    def models(self) -> list[str]:
+        """GPU models, sorted."""
+        return sorted({m for _, m in self.thr})
+
+
+@dataclass(frozen=True, slots=True)
+class SimGpu:
+    """One simulated device."""
+
+    gpu_id: str
+    model: str
+    memory_gib: float
+    numa_node: int | None
+    health: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One trace entry."""
+
+    index: int
+    arrival_s: float
+    job_type: str
+    work: float
+    num_gpus: int
+    priority: int = 0
+
+
+def _rows(path: Path | str, required: Sequence[str]) -> list[dict[str, str]]:
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidInput(f"{p}: no such file", field=str(p))
+    with p.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        missing = [c for c in required if c not in (reader.fieldnames or [])]
+        if missing:
+            raise InvalidInput(f"{p}: missing column(s) {', '.join(missing)}; header is {reader.fieldnames}",
+                               field=missing[0])
+        return list(reader)
+
+
+def _float(row: dict[str, str], key: str, where: str, default: float | None = None) -> float:
+    raw = (row.get(key) or "").strip()
+    if not raw:
+        if default is None:
+            raise InvalidInput(f"{where}: {key} is empty", field=key)
+        return default
+    try:
+        v = float(raw)
+    except ValueError as exc:
+        raise InvalidInput(f"{where}: {key}={raw!r} is not a number", field=key) from exc
+    if not math.isfinite(v):
+        raise InvalidInput(f"{where}: {key} must be finite", field=key)
+    return v
+
+
+def load_table(path: Path | str) -> Table:
+    """Read ``job_type,gpu_model,throughput[,memory_gib]``; a job type needs the most memory any of its rows says."""
+    thr: dict[tuple[str, str], float] = {}
+    need: dict[str, float] = {}
+    for i, r in enumerate(_rows(path, ("job_type", "gpu_model", "throughput")), start=2):
+        where = f"{path}:{i}"
+        t = _float(r, "throughput", where)
+        if t <= 0:
+            raise InvalidInput(f"{where}: throughput must be > 0", field="throughput")
+        key = (r["job_type"].strip(), r["gpu_model"].strip())
+        thr[key] = t
+        need[key[0]] = max(need.get(key[0], 0.0), _float(r, "memory_gib", where, 0.0))
+    if not thr:
+        raise InvalidInput(f"{path}: empty throughput table", field="throughputs")
+    return Table(thr, need)
+
+
+def load_host(path: Path | str) -> list[SimGpu]:
+    """Read ``gpu_id,gpu_model,memory_gib,numa_node[,health_factor]``."""
+    out = []
+    for i, r in enumerate(_rows(path, ("gpu_id", "gpu_model", "memory_gib", "numa_node")), start=2):
+        where = f"{path}:{i}"
+        node = (r.get("numa_node") or "").strip()
+        h = _float(r, "health_factor", where, 1.0)
+        if h <= 0:
+            raise InvalidInput(f"{where}: health_factor must be > 0", field="health_factor")
+        out.append(SimGpu(r["gpu_id"].strip(), r["gpu_model"].strip(), _float(r, "memory_gib", where),
+                          int(node) if node not in ("", "-1") else None, h))
+    if not out:
+        raise InvalidInput(f"{path}: a host needs at least one GPU", field="host")
+    if len({g.gpu_id for g in out}) != len(out):
+        raise InvalidInput(f"{path}: duplicate gpu_id", field="gpu_id")
+    return out
+
+
+def load_trace(path: Path | str) -> list[Job]:
+    """Read ``arrival_s,job_type,work,num_gpus[,priority]``, sorted by arrival."""
+    jobs = []
+    for i, r in enumerate(_rows(path, ("arrival_s", "job_type", "work", "num_gpus")), start=2):
+        where = f"{path}:{i}"
+        n = int(_float(r, "num_gpus", where))
+        work = _float(r, "work", where)
+        if n < 1 or work <= 0:
+            raise InvalidInput(f"{where}: num_gpus must be >= 1 and work > 0", field="num_gpus")
+        jobs.append((_float(r, "arrival_s", where), r["job_type"].strip(), work, n,
+                     int(_float(r, "priority", where, 0.0))))
+    jobs.sort(key=lambda j: j[0])
+    return [Job(k, *j) for k, j in enumerate(jobs)]
+
+
+def check_inputs(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job]) -> tuple[list[Job], list[str]]:
+    """Refuse inputs the table cannot score; drop (and say so) jobs no set of devices on this host could run."""
+    missing = sorted({(j, g.model) for j in {x.job_type for x in jobs} for g in host if (j, g.model) not in table.thr})
+    if missing:
+        raise InvalidInput(f"the throughput table has no row for {missing[0][0]} on {missing[0][1]} "
+                           f"({len(missing)} missing pair(s))", field="throughputs")
+    kept, notes = [], []
+    for j in jobs:
+        fits = sum(1 for g in host if g.memory_gib + 1e-9 >= table.need_gib.get(j.job_type, 0.0))
+        if fits >= j.num_gpus:
+            kept.append(j)
+    if len(kept) < len(jobs):
+        notes.append(f"{len(jobs) - len(kept)} job(s) dropped: more GPUs or memory than this host has")
+    return [replace(j, index=k) for k, j in enumerate(kept)], notes
+
+
+# -- scorers for the simple rules and the oracle (all go through the real place()) ---------------------------------
+
+class _RuleScorer:
+    """A fixed rule as a Scorer; it covers every request."""
+
+    def __init__(self, name: str, fn: Callable[[PlacementRequest, Sequence[DeviceView]], list[float]]) -> None:
+        self.name = name
+        self._fn = fn
+
+    def covers(self, request: PlacementRequest) -> bool:
+        """Rules need no training."""
+        return True
+
+    def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
+        """Apply the rule."""
+        return self._fn(request, devices)
+
+
+def rule_scorers(table: Table, host: Sequence[SimGpu], rng: random.Random) -> dict[str, Scorer]:
+    """The baseline policies and the oracle as Scorers."""
+    order = {g.gpu_id: i for i, g in enumerate(host)}
+    health = {g.gpu_id: g.health for g in host}
+    # "nominally best": one global ranking of models (geometric mean of their speed relative to the best model
+    # for each job type), blind to which job is being placed
+    rank: dict[str, float] = {}
+    for m in table.models:
+        rel = [table.thr[(j, m)] / max(table.thr[(j, x)] for x in table.models if (j, x) in table.thr)
+               for j in table.job_types if (j, m) in table.thr]
+        rank[m] = float(np.exp(np.mean(np.log(rel)))) if rel else 0.0
+    return {
+        "random": _RuleScorer("random", lambda r, ds: [rng.random() for _ in ds]),
+        "first-fit": _RuleScorer("first-fit", lambda r, ds: [-float(order[d.gpu_id]) for d in ds]),
+        "best-fit-memory": _RuleScorer("best-fit-memory", lambda r, ds: [
+            -((d.memory_gib or 0.0) - r.min_memory_gib) - 1e-6 * order[d.gpu_id] for d in ds]),
+        "fastest-model": _RuleScorer("fastest-model", lambda r, ds: [
+            rank.get(d.model, 0.0) - 1e-9 * order[d.gpu_id] for d in ds]),
+        "oracle": _RuleScorer("oracle", lambda r, ds: [
+            table.thr[(r.task_type, d.model)] * health[d.gpu_id] for d in ds]),
+    }
+
+
+# -- the learned policy's link to the real store and lifecycle -----------------------------------------------------
+
+class StoreRecorder:
+    """Writes simulated leases and samples through the real UsageStore and retrains with the real lifecycle."""
+
+    def __init__(self, host: Sequence[SimGpu], workdir: Path, *, seed: int, min_records: int) -> None:
+        from hostagent.store.repo import UsageStore  # only the learned policy needs the store
+
+        self.now = EPOCH
+        self.store = UsageStore(f"sqlite:///{workdir / 'usage.db'}", "sim-host", spool_path=workdir / "spool.db",
+                                clock=lambda: self.now)
+        self.store.upsert_gpus([{
+            "gpu_id": g.gpu_id, "address": f"0000:{0x10 + i:02x}:00.0", "vendor": "NVIDIA Corporation",
+            "model": g.model, "memory_bytes": int(g.memory_gib * GIB), "numa_node": g.numa_node,
+            "probe_score": g.health,
+        } for i, g in enumerate(host)])
+        self.rng = random.Random(seed * 7919 + 1)
+        self.min_records = min_records
+        self.trainings: list[dict[str, Any]] = []
+        self.active: tuple[str, ModelBundle] | None = None
+
+    def finished(self, job: Job, start: float, end: float, gpu_ids: Sequence[str], per_gpu_rate: float,
+                 request: PlacementRequest, reasons: Sequence[str]) -> None:
+        """Record the lease and the usage samples its guest would have sent (two writes, as the agent's mirror does)."""
+        self.now = EPOCH + end
+        lease_id = f"sim-{job.index}"
+        self.store.insert_lease({
+            "id": lease_id, "domain_uuid": f"00000000-0000-4000-8000-{job.index:012d}", "state": "RELEASED",
+            "created_at": EPOCH + job.arrival_s, "granted_at": EPOCH + start, "ended_at": EPOCH + end,
+            "end_reason": "released by guest", "granted_gpus": len(gpu_ids),
+            "request": {"gpus": request.count, "task_type": request.task_type, "priority": request.priority,
+                        "min_memory_gib": request.min_memory_gib, "numa_policy": request.numa_policy},
+            "devices": [{"gpu_id": g} for g in gpu_ids], "reasons": list(reasons)[:4],
+        })
+        samples = []
+        for k in range(SAMPLES_PER_LEASE):
+            ts = EPOCH + start + (end - start) * (k + 1) / (SAMPLES_PER_LEASE + 1)
+            for g in gpu_ids:
+                samples.append({"gpu_id": g, "ts": ts, "lease_id": lease_id, "source": "guest",
+                                "util_pct": min(100.0, max(0.0, self.rng.gauss(90.0, 5.0))),
+                                "work_rate": per_gpu_rate * math.exp(self.rng.gauss(0.0, WORK_RATE_NOISE))})
+        self.store.add_samples(samples)
+
+    def retrain(self) -> Scorer | None:
+        """Train from the store's records; return the active scorer (None while the cold-start rule must decide)."""
+        from hostagent.learn import lifecycle
+        from hostagent.learn.model import LearnedScorer
+
+        if self.active is None:
+            self.active = lifecycle.active_bundle(self.store)
+        res = lifecycle.train(self.store, min_records=self.min_records, now=self.now, current=self.active)
+        self.trainings.append({"at": self.now - EPOCH, **res.to_dict()})
+        if res.decision == "promoted" and res.bundle is not None and res.version is not None:
+            self.active = (res.version, res.bundle)  # the bytes just saved and activated in the store
+        if self.active is None:
+            return None
+        return LearnedScorer(self.active[1], name=self.active[0])
+
+    def close(self) -> None:
+        """Release the database."""
+        self.store.close()
+
+
+# -- the event loop -----------------------------------------------------------------------------------------------
+
+@dataclass
+class RunFigures:
+    """Per-job and per-decision figures of one run."""
+
+    jct: dict[int, float] = field(default_factory=dict)
+    regret: dict[int, float] = field(default_factory=dict)
+    rules: dict[str, int] = field(default_factory=dict)
+    memory_violations: int = 0
+    first_arrival: float = 0.0
+    last_end: float = 0.0
+    trainings: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _set_rate(table: Table, job: Job, gpus: Sequence[SimGpu]) -> float:
+    return len(gpus) * min(table.thr[(job.job_type, g.model)] * g.health for g in gpus)
+
+
+def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job], *, seed: int,
+               warmup_jobs: int, retrain_every: int, min_records: int, workdir: Path | None = None,
+               exploration: Exploration = Exploration(), warmup_epsilon: float = 0.3) -> RunFigures:
+    """Simulate one policy over the trace and return its figures."""
+    if policy not in POLICIES:
+        raise InvalidInput(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}", field="policies")
+    rng = random.Random(seed)
+    rules = rule_scorers(table, host, random.Random(seed * 31 + 7))
+    by_id = {g.gpu_id: g for g in host}
+    base_views = [DeviceView(gpu_id=g.gpu_id, model=g.model, vendor="NVIDIA Corporation",
+                             memory_bytes=int(g.memory_gib * GIB), numa_node=g.numa_node, probe_score=g.health)
+                  for g in host]
+    busy_views = [replace(v, free=False) for v in base_views]
+    free = [True] * len(host)
+    index = {g.gpu_id: i for i, g in enumerate(host)}
+    fig = RunFigures(first_arrival=jobs[0].arrival_s if jobs else 0.0)
+    recorder: StoreRecorder | None = None
+    scorer: Scorer | None = None if policy == "model" else rules[policy]
+    tmp: tempfile.TemporaryDirectory[str] | None = None
+    if policy == "model":
+        if workdir is None:
+            tmp = tempfile.TemporaryDirectory(prefix="hostagent-sim-")
+            workdir = Path(tmp.name)
+        recorder = StoreRecorder(host, workdir, seed=seed, min_records=min_records)
+    # (end, seq, job index, gpu ids, start, request, reasons)
+    running: list[tuple[float, int, int, tuple[str, ...], float, PlacementRequest, tuple[str, ...]]] = []
+    queue: deque[Job] = deque()
+    arrivals = deque(jobs)
+    completed = 0
+    next_train = warmup_jobs
+    seq = 0
+    try:
+        while arrivals or queue or running:
+            t_arr = arrivals[0].arrival_s if arrivals else math.inf
+            t_end = running[0][0] if running else math.inf
+            now = min(t_arr, t_end)
+            if now == math.inf:
+                break  # a queued job no free set can ever satisfy (cannot happen after check_inputs)
+            while running and running[0][0] <= now:
+                end, _, jidx, gpu_ids, start, req, why = heapq.heappop(running)
+                for g in gpu_ids:
+                    free[index[g]] = True
+                completed += 1
+                fig.last_end = max(fig.last_end, end)
+                if recorder is not None:
+                    job = jobs[jidx]
+                    recorder.finished(job, start, end, gpu_ids,
+                                      _set_rate(table, job, [by_id[g] for g in gpu_ids]) / len(gpu_ids), req, why)
+                    if completed >= next_train:
+                        scorer = recorder.retrain() or scorer
+                        next_train = completed + retrain_every
+            while arrivals and arrivals[0].arrival_s <= now:
+                queue.append(arrivals.popleft())
+            while queue:
+                job = queue[0]
+                need = table.need_gib.get(job.job_type, 0.0)
+                request = PlacementRequest(count=job.num_gpus, task_type=job.job_type, min_memory_gib=need,
+                                           priority=job.priority, numa_policy="preferred")
+                views = [base_views[i] if free[i] else busy_views[i] for i in range(len(host))]
+                ex = exploration if scorer is not None else replace(exploration, epsilon=warmup_epsilon)
+                decision = place(request, views, scorer=scorer, exploration=ex if policy == "model" else None,
+                                 rng=rng)
+                if not decision.chosen:
+                    break  # head of the queue waits for enough eligible devices to free up
+                queue.popleft()
+                chosen = [by_id[g] for g in decision.chosen]
+                for g in decision.chosen:
+                    free[index[g]] = False
+                fig.rules[decision.rule] = fig.rules.get(decision.rule, 0) + 1
+                fig.memory_violations += sum(1 for g in chosen if g.memory_gib + 1e-9 < need)
+                # regret against the best set among the devices that were free and eligible at this instant
+                rate = _set_rate(table, job, chosen)
+                best = _best_rate(table, job, host, free, index, decision.chosen, need)
+                fig.regret[job.index] = max(0.0, 1.0 - rate / best) if best > 0 else 0.0
+                end = now + job.work / rate
+                fig.jct[job.index] = end - job.arrival_s
+                heapq.heappush(running, (end, seq, job.index, decision.chosen, now, request, decision.reasons))
+                seq += 1
+    finally:
+        if recorder is not None:
+            fig.trainings = recorder.trainings
+            recorder.close()
+        if tmp is not None:
+            tmp.cleanup()
+    return fig
+
+
+def _best_rate(table: Table, job: Job, host: Sequence[SimGpu], free: Sequence[bool], index: dict[str, int],
+               chosen: Sequence[str], need: float) -> float:
+    """Rate of the fastest set of ``num_gpus`` devices that were free and fitted the job at decision time."""
+    rates = sorted((table.thr[(job.job_type, g.model)] * g.health for g in host
+                    if (free[index[g.gpu_id]] or g.gpu_id in chosen) and g.memory_gib + 1e-9 >= need),
+                   reverse=True)
+    if len(rates) < job.num_gpus:
+        return 0.0
+    return job.num_gpus * rates[job.num_gpus - 1]
+
+
+def summarise(policy: str, seed: int, fig: RunFigures, jobs: Sequence[Job], warmup_jobs: int) -> dict[str, Any]:
+    """The figures of one (policy, seed), over the jobs after the warm-up (the same jobs for every policy)."""
+    ids = [j.index for j in jobs if j.index >= warmup_jobs]
+    jct = np.array([fig.jct[i] for i in ids]) if ids else np.array([0.0])
+    reg = np.array([fig.regret[i] for i in ids]) if ids else np.array([0.0])
+    return {
+        "policy": policy, "seed": seed, "mean_jct_s": float(jct.mean()), "p99_jct_s": float(np.percentile(jct, 99)),
+        "makespan_s": float(fig.last_end - fig.first_arrival), "mean_regret": float(reg.mean()),
+        "memory_violations": int(fig.memory_violations),
+    }
+
+
+def simulate(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job], *, seeds: int = 3,
+             policies: Sequence[str] = POLICIES, warmup_jobs: int = 300, retrain_every: int = 500,
+             min_records: int = 100, exploration: Exploration = Exploration()) -> dict[str, Any]:
+    """Run every policy with every seed; return ``{"results": [...], "meta": {...}}``."""
+    jobs, notes = check_inputs(table, host, jobs)
+    if warmup_jobs >= len(jobs):
+        raise InvalidInput(f"--warmup-jobs {warmup_jobs} leaves no job to evaluate ({len(jobs)} jobs)",
+                           field="warmup_jobs")
+    results, extra = [], []
+    for seed in range(seeds):
+        for policy in policies:
+            t0 = time.perf_counter()
+            fig = run_policy(policy, table, host, jobs, seed=seed, warmup_jobs=warmup_jobs,
+                             retrain_every=retrain_every, min_records=min_records, exploration=exploration)
+            results.append(summarise(policy, seed, fig, jobs, warmup_jobs))
+            extra.append({"policy": policy, "seed": seed, "rules": fig.rules, "wall_s": time.perf_counter() - t0,
+                          "trainings": [{k: v for k, v in tr.items() if k != "metrics"}
+                                        | {"holdout_error": (tr.get("metrics") or {}).get("candidate", {}).get("error")}
+                                        for tr in fig.trainings]})
+    return {"results": results, "meta": {"jobs": len(jobs), "evaluated_jobs": len(jobs) - warmup_jobs,
+                                         "gpus": len(host), "notes": notes, "runs": extra}}
+
+
+def format_table(out: dict[str, Any]) -> str:
+    """A plain-text table: one line per (policy, seed), then the mean over seeds per policy."""
+    cols = ("policy", "seed", "mean_jct_s", "p99_jct_s", "makespan_s", "mean_regret", "memory_violations")
+    lines = [f"{'policy':<16}{'seed':>5}{'mean_jct_s':>14}{'p99_jct_s':>14}{'makespan_s':>14}"
+             f"{'mean_regret':>13}{'mem_viol':>10}"]
+
+    def line(r: dict[str, Any]) -> str:
+        return (f"{r['policy']:<16}{r['seed']!s:>5}{r['mean_jct_s']:>14.0f}{r['p99_jct_s']:>14.0f}"
+                f"{r['makespan_s']:>14.0f}{r['mean_regret']:>13.4f}{r['memory_violations']:>10}")
+    for r in out["results"]:
+        lines.append(line(r))
+    lines.append("-- mean over seeds --")
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in out["results"]:
+        by.setdefault(r["policy"], []).append(r)
+    oracle = by.get("oracle")
+    for p, rs in by.items():
+        m: dict[str, Any] = {c: float(np.mean([r[c] for r in rs])) for c in cols[2:]}
+        m.update(policy=p, seed="all")
+        m["memory_violations"] = int(sum(r["memory_violations"] for r in rs))
+        ratio = ""
+        if oracle:
+            ratio = f"   jct/oracle={m['mean_jct_s'] / float(np.mean([r['mean_jct_s'] for r in oracle])):.3f}"
+        lines.append(line(m) + ratio)
+    meta = out.get("meta", {})
+    lines.append(f"jobs={meta.get('jobs')} evaluated={meta.get('evaluated_jobs')} gpus={meta.get('gpus')} "
+                 + " ".join(meta.get("notes", [])))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point (``hostagent model simulate`` / ``python -m hostagent.learn.simulate``)."""
+    ap = argparse.ArgumentParser(prog="hostagent model simulate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--throughputs", required=True, help="CSV job_type,gpu_model,throughput[,memory_gib]")
+    ap.add_argument("--host", required=True, help="CSV gpu_id,gpu_model,memory_gib,numa_node[,health_factor]")
+    ap.add_argument("--trace", required=True, help="CSV arrival_s,job_type,work,num_gpus[,priority]")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--warmup-jobs", type=int, default=300)
+    ap.add_argument("--retrain-every", type=int, default=500, help="completed jobs between retrainings")
+    ap.add_argument("--min-records", type=int, default=100, help="records before the first model may be trained")
+    ap.add_argument("--epsilon", type=float, default=Exploration().epsilon, help="exploration rate once trained")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    try:
+        unknown = [p for p in policies if p not in POLICIES]
+        if unknown:
+            raise InvalidInput(f"unknown policy {unknown[0]!r}; choose from {', '.join(POLICIES)}", field="policies")
+        if args.seeds < 1:
+            raise InvalidInput("--seeds must be >= 1", field="seeds")
+        out = simulate(load_table(args.throughputs), load_host(args.host), load_trace(args.trace), seeds=args.seeds,
+                       policies=policies, warmup_jobs=args.warmup_jobs, retrain_every=args.retrain_every,
+                       min_records=args.min_records, exploration=Exploration(epsilon=args.epsilon))
+    except InvalidInput as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(format_table(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
