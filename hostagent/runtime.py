@@ -380,7 +380,7 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
 
 def make_app(runtime: Runtime) -> web.Application:
     """The aiohttp application with the runtime's lifecycle attached."""
-    from hostagent.web import metrics
+    from hostagent.web import dashboard, metrics
     from hostagent.web.app import add_api_routes, auth_middleware, error_middleware
     from hostagent.web.keys import RUNTIME
 
@@ -396,6 +396,7 @@ def make_app(runtime: Runtime) -> web.Application:
     app.cleanup_ctx.append(lifecycle)
     add_api_routes(app)
     metrics.install(app, runtime)
+    dashboard.install(app, runtime)
     return app
 
 

@@ -29,7 +29,7 @@ extras="guest"
 [ "$mode" = test ] && extras="guest,test"
 stamp=".venv/.hostagent-$mode-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  .venv/bin/python -m pip install -q --upgrade pip wheel >/dev/null
   .venv/bin/python -m pip install -q -e ".[$extras]"
   touch "$stamp"
 fi
