@@ -397,6 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hostagent` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["model", "simulate"]:  # the simulator parses its own arguments (argparse cannot forward them)
+        from hostagent.learn.simulate import main as simulate
+
+        return simulate(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -159,9 +159,9 @@ EXTRA: list[Callable[[Any, Adder, Adder], None]] = []
 
 
 def _builtin_extras() -> None:
-    from hostagent import cli_ops
+    from hostagent import cli_model, cli_ops
 
-    EXTRA.append(cli_ops.register)
+    EXTRA.extend([cli_ops.register, cli_model.register])
 
 
 _builtin_extras()

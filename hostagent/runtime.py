@@ -226,7 +226,9 @@ class Runtime:
         loop_tasks = [self.manager.run_queue(), self._periodic(5.0, self.manager.expire_due),
                       self._periodic(max(5.0, self.settings.libvirt.detach_timeout_s), self.manager.retry_pending)]
         if self.store is not None:
-            loop_tasks += [self._mirror_loop(), self._periodic(3600.0, self._prune)]
+            await self._load_model()
+            loop_tasks += [self._mirror_loop(), self._periodic(3600.0, self._prune),
+                           self._periodic(self.settings.placement.retrain_interval_s, self._retrain)]
         self.tasks = [asyncio.create_task(c) for c in loop_tasks]
         self.manager._wake_queue.set()
         if self.reaper is not None:
@@ -291,6 +293,27 @@ class Runtime:
             done.append(ev.seq)
         self.journal.mark_mirrored(done)
         return len(done)
+
+    async def _load_model(self) -> None:
+        """Use the store's active placement model, if any (else the cold-start rule decides)."""
+        from hostagent.learn.lifecycle import load_active
+
+        try:
+            scorer = await self.run(load_active, self.store.store)
+        except HostAgentError as exc:
+            log.warning("cannot load the placement model: %s; using the cold-start rule", exc.message)
+            return
+        if self.placer is not None:
+            self.placer.use(scorer, getattr(scorer, "name", None))
+
+    async def _retrain(self) -> None:
+        """Scheduled retraining: a new model replaces the current one only if it does at least as well."""
+        from hostagent.learn.lifecycle import train
+
+        pl = self.settings.placement
+        result = await self.run(train, self.store.store, target=pl.outcome, min_records=pl.min_records)
+        log.info("retraining: %s", result.to_dict().get("decision"))
+        await self._load_model()
 
     async def _prune(self) -> None:
         st = self.settings.store

@@ -1,0 +1,85 @@
+"""`hostagent model ...`: train, evaluate, show, rollback the placement model; run the offline simulator."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def _store(args: argparse.Namespace) -> tuple[Any, Any]:
+    from hostagent.cli import settings_for
+    from hostagent.store.repo import UsageStore
+
+    s = settings_for(args)
+    return s, UsageStore(s.store_url, s.agent.host_id, spool_path=s.spool_path, auto_upgrade=s.store.auto_upgrade)
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    """train | evaluate | show | rollback."""
+    from hostagent.cli import emit, table
+    from hostagent.learn import lifecycle
+
+    settings, store = _store(args)
+    try:
+        if args.model_command == "train":
+            res = lifecycle.train(store, target=args.target or settings.placement.outcome,
+                                  min_records=args.min_records or settings.placement.min_records)
+            data = res.to_dict()
+            emit(args, data, lambda d: print(f"{d.get('decision')}: version {d.get('version') or '-'}\n"
+                                             + "\n".join(f"  {k}: {v}" for k, v in d.get("figures", {}).items())))
+            return 0
+        if args.model_command == "evaluate":
+            data = lifecycle.evaluate(store, args.version)
+            emit(args, data, lambda d: print("\n".join(f"{k:>16}: {v}" for k, v in d.items())))
+            return 0
+        if args.model_command == "show":
+            rows = lifecycle.show(store, limit=args.limit)
+            emit(args, {"versions": rows}, lambda d: table(
+                [dict(r, active="*" if r["active"] else "") for r in d["versions"]] or [{"version": "(none yet)"}],
+                [("active", "ACT"), ("version", "VERSION"), ("decision", "DECISION"), ("trained_on", "RECORDS"),
+                 ("error", "ERROR"), ("rank_accuracy", "RANK ACC"), ("reason", "REASON")]))
+            return 0
+        data = lifecycle.rollback(store, args.version)
+        emit(args, data, lambda d: print(f"active model: {d['active']} (was {d['previous']}); "
+                                         "a running agent picks it up at its next retraining check"))
+        return 0
+    finally:
+        store.close()
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Forward to the simulator's own argument parser."""
+    from hostagent.learn.simulate import main
+
+    return main(args.sim_args)
+
+
+def register(sub: Any, common: Any, client: Any) -> None:
+    """Add `model` subcommands."""
+    p = sub.add_parser("model", help="placement model: train, evaluate, show, rollback, simulate")
+    msub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    q = msub.add_parser("train", help="train on the store's records; promote only if at least as good")
+    common(q, host=False)
+    q.add_argument("--db", help="store URL (default from config)")
+    q.add_argument("--target", choices=["work_rate", "utilization", "completion"], help="outcome to predict")
+    q.add_argument("--min-records", type=int, help="labelled records needed (default placement.min_records)")
+    q.set_defaults(func=cmd_model)
+    q = msub.add_parser("evaluate", help="figures of a version (default: the active one) on recent records")
+    common(q, host=False)
+    q.add_argument("--db", help="store URL (default from config)")
+    q.add_argument("version", nargs="?")
+    q.set_defaults(func=cmd_model)
+    q = msub.add_parser("show", help="model versions with their figures and decisions")
+    common(q, host=False)
+    q.add_argument("--db", help="store URL (default from config)")
+    q.add_argument("--limit", type=int, default=20)
+    q.set_defaults(func=cmd_model)
+    q = msub.add_parser("rollback", help="activate a version (default: the previously promoted one)")
+    common(q, host=False)
+    q.add_argument("--db", help="store URL (default from config)")
+    q.add_argument("version", nargs="?")
+    q.set_defaults(func=cmd_model)
+    q = msub.add_parser("simulate", add_help=False,
+                        help="offline evaluation harness (see `hostagent model simulate --help`)")
+    q.add_argument("sim_args", nargs=argparse.REMAINDER)
+    q.set_defaults(func=cmd_simulate)

@@ -1,0 +1,255 @@
+"""Runs INSIDE the QEMU test guest: libvirtd + an inner QEMU domain, and a real live attach of vfio-pci devices.
+
+Three phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt.py to judge:
+
+  adapter     the two-function e1000e group behind the guest's root port: `hostagent vfio bind`, then
+              LibvirtHypervisor.attach_hostdevs (LIVE, each function on its own inner root port) into a running
+              inner domain, the live XML, detach_hostdevs against a guest with no OS (it never acknowledges:
+              libvirt gives up after ~5 s, no DEVICE_REMOVED, QEMU keeps the vfio fds), destroy,
+              `hostagent vfio release`.
+  lease       the agent's LeaseManager over the real SysfsHost and LibvirtHypervisor, on the one-function
+              e1000e: request -> ACTIVE, release -> DETACH_PENDING (the device must stay on vfio-pci), destroy
+              the domain -> the STOPPED event finishes the release -> RELEASED, back on e1000e.
+  lease_pair  the same request for the two-function group with the shipped layout (both functions on one guest
+              slot, multifunction='on'), which libvirt cannot hot-plug: records how the agent fails.
+Only facts are recorded here; the test decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import libvirt  # type: ignore[import-untyped,unused-ignore]
+
+from hostagent.domain.hostdev import GuestPciAddress, HostdevPci, alias_for, parse_domain_hostdevs
+from hostagent.domain.inventory import Gpu, gpu_id_for
+from hostagent.domain.lease import LeaseRequest
+from hostagent.domain.pci import PciAddress
+from hostagent.host.adapter import SysfsHost
+from hostagent.host.discovery import discover
+from hostagent.host.sysfs import Sysfs
+from hostagent.services.leases import LeaseManager, LeasePolicy
+from hostagent.store.journal import Journal
+from hostagent.virt.libvirt_adapter import LibvirtHypervisor
+from hostagent.virt.port import DomainEvent
+from tests.e2e.guest_vfio import cli
+from tests.support.libvirtd import tiny_domain_xml
+
+URI = "qemu:///system"
+GUEST_BUS = 1  # the inner domain's first pcie-root-port (libvirt gives it index 1)
+DETACH_TIMEOUT_S = 8.0  # libvirt's own wait for an unacknowledged detach is ~5 s
+
+
+def drivers(addresses: list[str]) -> dict[str, str | None]:
+    """The driver bound to each address now, from sysfs."""
+    out = {}
+    for a in addresses:
+        link = Path("/sys/bus/pci/devices", a, "driver")
+        out[a] = os.path.basename(os.readlink(link)) if link.is_symlink() else None
+    return out
+
+
+def vfio_holders(group: int) -> list[str]:
+    """'pid comm' of every process with /dev/vfio/<group> open."""
+    node = f"/dev/vfio/{group}"
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == node for fd in fds):
+                found.append(f"{pid} {Path(f'/proc/{pid}/comm').read_text().strip()}")
+        except OSError:
+            continue
+    return found
+
+
+def wait_libvirtd(timeout_s: float = 120.0) -> dict[str, Any]:
+    """Wait until the guest's libvirtd (started by the test's shell script) answers, QEMU probing included."""
+    t0 = time.monotonic()
+    last = ""
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            conn = libvirt.open(URI)
+            conn.getCapabilities()  # the first call also waits for QEMU capability probing
+            conn.close()
+            return {"ready_s": round(time.monotonic() - t0, 2)}
+        except libvirt.libvirtError as exc:
+            last = str(exc)
+            time.sleep(0.5)
+    return {"ready_s": None, "error": last}
+
+
+def inner_domain(conn: Any, name: str) -> tuple[Any, float]:
+    """Start a transient tiny inner domain (no OS: it will never acknowledge a detach)."""
+    t0 = time.monotonic()
+    dom = conn.createXML(tiny_domain_xml(name, root_ports=2), 0)
+    return dom, round(time.monotonic() - t0, 2)
+
+
+async def wait_for(predicate: Any, timeout_s: float) -> bool:
+    """Poll an async-safe predicate on the loop until true or timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.1)
+    return bool(predicate())
+
+
+async def adapter_phase(conn: Any, hv: LibvirtHypervisor, pair: list[str], events: list[Any]) -> dict[str, Any]:
+    """vfio bind via the CLI, live attach/detach via LibvirtHypervisor, destroy, give back via the CLI."""
+    rec: dict[str, Any] = {"drivers_before": drivers(pair)}
+    rec["bind"] = await asyncio.to_thread(cli, "vfio", "bind", pair[0], "--json")
+    group = (rec["bind"]["json"] or {}).get("group", -1)
+    rec["group"] = group
+    rec["drivers_after_bind"] = drivers(pair)
+    dom, rec["domain_start_s"] = await asyncio.to_thread(inner_domain, conn, "inner-adapter")
+    uuid = dom.UUIDString()
+    # libvirt hot-plugs only function 0 of a guest slot, so each function gets its own root port (bus 1, 2).
+    hds = [HostdevPci(source=PciAddress.parse(a), guest=GuestPciAddress(0, GUEST_BUS + i, 0, 0),
+                      alias=alias_for(PciAddress.parse(a))) for i, a in enumerate(pair)]
+    rec["hostdev_xml"] = [h.to_xml() for h in hds]
+    t0 = time.monotonic()
+    try:
+        await hv.attach_hostdevs(uuid, hds)
+        rec["attach_error"] = None
+    except Exception as exc:  # recorded, judged by the test
+        rec["attach_error"] = f"{type(exc).__name__}: {exc}"
+    rec["attach_s"] = round(time.monotonic() - t0, 2)
+    live = await hv.domain_xml(uuid, live=True)
+    rec["live_sources"] = [str(h.source) for h in parse_domain_hostdevs(live)]
+    rec["live_guest"] = [f"{h.guest.bus}:{h.guest.slot}.{h.guest.function}" for h in parse_domain_hostdevs(live)
+                         if h.guest is not None]
+    rec["holders_after_attach"] = vfio_holders(group)
+    seen = len(events)
+    t0 = time.monotonic()
+    result = await hv.detach_hostdevs(uuid, hds, DETACH_TIMEOUT_S)
+    rec["detach_s"] = round(time.monotonic() - t0, 2)
+    rec["detach"] = {"confirmed": result.confirmed, "removed": [str(h.source) for h in result.removed],
+                     "pending": [str(h.source) for h in result.pending], "errors": list(result.errors)}
+    rec["events_during_detach"] = [(e.kind.value, e.detail) for e in events[seen:]]
+    rec["live_sources_after_detach"] = [str(h.source) for h in parse_domain_hostdevs(
+        await hv.domain_xml(uuid, live=True))]
+    rec["drivers_after_detach"] = drivers(pair)
+    rec["holders_after_detach"] = vfio_holders(group)
+    seen = len(events)
+    await asyncio.to_thread(dom.destroy)
+    rec["stopped_event"] = await wait_for(lambda: any(e.kind.value == "stopped" for e in events[seen:]), 15)
+    rec["holders_after_destroy"] = vfio_holders(group)
+    rec["release"] = await asyncio.to_thread(cli, "vfio", "release", pair[0], "--json")
+    rec["drivers_after_release"] = drivers(pair)
+    return rec
+
+
+async def lease_phase(conn: Any, hv: LibvirtHypervisor, address: str, name: str) -> dict[str, Any]:
+    """The agent's own lease flow over the real host and libvirt, including DETACH_PENDING."""
+    inv = await asyncio.to_thread(discover, Sysfs("/sys"), vendors=())
+    group = inv.group_of(address)
+    assert group is not None, f"{address} has no IOMMU group"
+    pair = [str(a) for a in group.addresses]
+    rec: dict[str, Any] = {"functions": pair, "drivers_before": drivers(pair)}
+    # A NIC pair stands in for a GPU and its audio function: the lease code only cares about the group.
+    gpu = Gpu(id=gpu_id_for(group.functions[0].address), primary=group.functions[0], functions=group.functions,
+              group=group)
+    # The shipped layout: one guest slot per GPU (multifunction when it has several functions) on a root port.
+    # (SysfsHost returns BindResult, duck-compatible with HostOpResult; runtime.py wires it the same way.)
+    manager = LeaseManager(gpus=[gpu], host=SysfsHost(Sysfs("/sys")), hypervisor=hv,  # type: ignore[arg-type]
+                           journal=Journal(Path(f"/tmp/{name}.db")),
+                           policy=LeasePolicy(guest_bus=GUEST_BUS, detach_timeout_s=DETACH_TIMEOUT_S))
+    transitions: list[tuple[str, str | None]] = []
+    manager.listeners.append(lambda lease, detail: transitions.append(
+        (lease.state.value if lease is not None else "-", detail)))
+    # What the runtime does with libvirt events (hostagent.runtime.Runtime._on_domain_event).
+    def on_event(ev: DomainEvent) -> None:
+        asyncio.ensure_future(manager.on_domain_event(ev.kind.value, ev.uuid, ev.detail))
+
+    unsubscribe = hv.subscribe(on_event)
+    try:
+        dom, rec["domain_start_s"] = await asyncio.to_thread(inner_domain, conn, f"inner-{name}")
+        uuid = dom.UUIDString()
+        t0 = time.monotonic()
+        lease = await manager.request(uuid, LeaseRequest(gpus=1), actor="e2e")
+        rec["grant_s"] = round(time.monotonic() - t0, 2)
+        rec["granted_state"] = lease.state.value
+        rec["granted_error"] = getattr(lease, "error", None)
+        rec["drivers_active"] = drivers(pair)
+        rec["live_sources_active"] = [str(h.source) for h in await hv.attached_hostdevs(uuid)]
+        rec["holders_active"] = vfio_holders(group.number)
+        if lease.state.value != "ACTIVE":
+            # A failed grant: record where everything stands, then end the domain and see what follows.
+            rec["gpu_state_failed"] = manager.gpu_state(gpu.id).value
+            rec["quarantined_failed"] = dict(manager.quarantined)
+            await asyncio.to_thread(dom.destroy)
+            await asyncio.sleep(3)
+            rec["drivers_after_destroy"] = drivers(pair)
+            rec["transitions"] = transitions
+            return rec
+        t0 = time.monotonic()
+        lease = await manager.release(lease.id, actor="e2e", reason="e2e release")
+        rec["release_s"] = round(time.monotonic() - t0, 2)
+        rec["released_state"] = lease.state.value
+        rec["gpu_state_pending"] = manager.gpu_state(gpu.id).value
+        rec["drivers_pending"] = drivers(pair)
+        rec["holders_pending"] = vfio_holders(group.number)
+        await asyncio.sleep(2)  # nothing may give the device back while QEMU still holds it
+        rec["drivers_pending_later"] = drivers(pair)
+        t0 = time.monotonic()
+        await asyncio.to_thread(dom.destroy)
+        rec["finished"] = await wait_for(lambda: lease.id not in manager.leases, 60)
+        rec["finish_s"] = round(time.monotonic() - t0, 2)
+        rec["gpu_state_final"] = manager.gpu_state(gpu.id).value
+        rec["quarantined"] = dict(manager.quarantined)
+        rec["drivers_final"] = drivers(pair)
+        rec["transitions"] = transitions
+    finally:
+        unsubscribe()
+    return rec
+
+
+async def run(single: str, pair: list[str], out: Path) -> dict[str, Any]:
+    """Start libvirtd, then every phase; each phase's facts end up in the result even when one fails.
+
+    Blocking work (the CLI, virDomainCreateXML, destroy) goes to threads: libvirtd drops a client whose event
+    loop does not answer its keepalive pings for ~25 s, and under TCG a CLI call or a domain start takes 10-15 s.
+    """
+    facts: dict[str, Any] = {"kernel": os.uname().release, "libvirtd": await asyncio.to_thread(wait_libvirtd)}
+    if facts["libvirtd"]["ready_s"] is None:
+        return facts
+    conn = libvirt.open(URI)
+    hv = LibvirtHypervisor(URI)
+    events: list[Any] = []
+    hv.subscribe(events.append)
+    await hv.connect()
+    try:
+        phases: list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]] = [
+            ("adapter", lambda: adapter_phase(conn, hv, pair, events)),
+            ("lease", lambda: lease_phase(conn, hv, single, "lease")),
+            ("lease_pair", lambda: lease_phase(conn, hv, pair[0], "lease_pair")),
+        ]
+        for name, phase in phases:
+            t0 = time.monotonic()
+            try:
+                facts[name] = await phase()
+            except Exception as exc:
+                facts[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            facts[name]["phase_s"] = round(time.monotonic() - t0, 2)
+            (out / "nested.json").write_text(json.dumps(facts, indent=1))
+    finally:
+        await hv.close()
+        conn.close()
+    return facts
+
+
+if __name__ == "__main__":
+    target = Path(os.environ.get("OUT", "."))
+    t_start = time.monotonic()
+    result = asyncio.run(run(sys.argv[1], sys.argv[2:4], target))
+    result["script_s"] = round(time.monotonic() - t_start, 2)
+    (target / "nested.json").write_text(json.dumps(result, indent=1))
