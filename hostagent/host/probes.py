@@ -1,0 +1,476 @@
+"""GPU probe runners: short measurements on a GPU that is on its host driver, between leases.
+
+Each runner measures what its library can reach and nothing else; `unavailable()` says why it cannot run on this
+host, so a probe with no runner reports that instead of inventing numbers. Runners are blocking: the probe
+service calls them from a worker thread.
+
+- `SysfsHealthRunner`: PCIe link negotiated vs capable, AER error counters (always available).
+- `NvmlRunner` (nvidia-ml-py): temperature, ECC errors, retired pages / row remapping, throttle reasons, PCIe link.
+- `NvidiaSmiRunner`: the same signals from `nvidia-smi` when the NVML binding cannot load.
+- `TorchRunner` / `CupyRunner`: matrix-multiply throughput (TFLOP/s) and device memory bandwidth (GB/s).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from hostagent.domain.inventory import Gpu
+from hostagent.domain.placement import link_gen_from_speed
+from hostagent.host.sysfs import Sysfs
+
+log = logging.getLogger("hostagent.probes")
+
+COMPUTE = "compute"
+HEALTH = "health"
+MATMUL = "matmul_tflops"
+BANDWIDTH = "mem_bandwidth_gbps"
+
+
+@dataclass(frozen=True)
+class RunnerResult:
+    """One run of one runner on one GPU."""
+
+    runner: str
+    metrics: dict[str, float] = field(default_factory=dict)  # measured throughputs (higher is better)
+    health: dict[str, Any] = field(default_factory=dict)  # raw signals as read
+    problems: tuple[str, ...] = ()  # uncorrectable conditions: the GPU must not be leased
+    warnings: tuple[str, ...] = ()  # worth an operator's look, not a reason to quarantine
+    error: str | None = None  # the runner could not measure this GPU
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"runner": self.runner, "metrics": self.metrics, "health": self.health,
+                "problems": list(self.problems), "warnings": list(self.warnings), "error": self.error}
+
+
+class ProbeRunner(Protocol):
+    """A pluggable probe: what it measures (`kind`), whether it can run here, and one short run."""
+
+    name: str
+    kind: str  # compute | health
+
+    def unavailable(self) -> str | None:
+        """Why this runner cannot run on this host, or None when it can."""
+
+    def run(self, gpu: Gpu, budget_s: float) -> RunnerResult:
+        """Measure one GPU within about `budget_s` seconds (blocking)."""
+
+
+def _nvml_bus_id(gpu: Gpu) -> str:
+    a = gpu.address
+    return f"{a.domain:08x}:{a.bus:02x}:{a.slot:02x}.{a.function:x}"
+
+
+# -- sysfs -------------------------------------------------------------------------------------------------------
+
+def _aer_counts(text: str | None) -> dict[str, int]:
+    """Parse an `aer_dev_*` file: 'NAME COUNT' lines, TOTAL_ERR_* included."""
+    out: dict[str, int] = {}
+    for line in (text or "").splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            out[parts[0]] = int(parts[1])
+    return out
+
+
+class SysfsHealthRunner:
+    """PCIe link and AER counters from sysfs: available on every host, fake trees included."""
+
+    name = "sysfs"
+    kind = HEALTH
+
+    def __init__(self, sysfs: Sysfs) -> None:
+        self.sysfs = sysfs
+
+    def unavailable(self) -> str | None:
+        """Always available (it reads what the kernel exports)."""
+        return None
+
+    def run(self, gpu: Gpu, budget_s: float) -> RunnerResult:
+        """Read the primary function's link and AER counters."""
+        base = f"bus/pci/devices/{gpu.address}"
+        speed, max_speed = self.sysfs.read_str(f"{base}/current_link_speed"), self.sysfs.read_str(f"{base}/max_link_speed")
+        width, max_width = self.sysfs.read_int(f"{base}/current_link_width"), self.sysfs.read_int(f"{base}/max_link_width")
+        health: dict[str, Any] = {"link_speed": speed, "max_link_speed": max_speed, "link_width": width,
+                                  "max_link_width": max_width}
+        warnings: list[str] = []
+        problems: list[str] = []
+        if width is not None and max_width is not None and width < max_width:
+            warnings.append(f"PCIe link trained at x{width}, capable of x{max_width}")
+        gen, max_gen = link_gen_from_speed(speed), link_gen_from_speed(max_speed)
+        if gen is not None and max_gen is not None and gen < max_gen:
+            # NVIDIA boards drop the link speed when idle, so this alone is only a note
+            warnings.append(f"PCIe link at gen {gen}, capable of gen {max_gen} (normal while the GPU idles)")
+        for kind in ("fatal", "nonfatal", "correctable"):
+            counts = _aer_counts(self.sysfs.read_str(f"{base}/aer_dev_{kind}"))
+            if counts:
+                total = counts.get(f"TOTAL_ERR_{'COR' if kind == 'correctable' else kind.upper()}", sum(counts.values()))
+                health[f"aer_{kind}"] = total
+                if kind == "fatal" and total:
+                    problems.append(f"PCIe AER reports {total} fatal error(s)")
+                elif kind == "nonfatal" and total:
+                    warnings.append(f"PCIe AER reports {total} non-fatal error(s)")
+        return RunnerResult(self.name, health=health, problems=tuple(problems), warnings=tuple(warnings))
+
+
+# -- NVML --------------------------------------------------------------------------------------------------------
+
+class NvmlRunner:
+    """Health signals through NVML (the nvidia-ml-py binding); needs the NVIDIA driver's libnvidia-ml.
+
+    NVML is initialised for each call and shut down after it: while initialised it holds the GPUs' device files
+    open, and the next lease could not unbind the host driver.
+    """
+
+    name = "nvml"
+    kind = HEALTH
+
+    def unavailable(self) -> str | None:
+        """None when NVML initialises."""
+        try:
+            import pynvml
+        except ImportError:
+            return "the NVML binding is not installed (pip install nvidia-ml-py)"
+        try:
+            pynvml.nvmlInit()
+        except Exception as exc:  # pynvml raises NVMLError subclasses named after the NVML status
+            return f"NVML did not initialise: {exc} (is the NVIDIA driver installed and loaded?)"
+        pynvml.nvmlShutdown()
+        return None
+
+    def run(self, gpu: Gpu, budget_s: float) -> RunnerResult:
+        """Initialise NVML, read one GPU, shut NVML down."""
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return self._read(pynvml, gpu)
+        finally:
+            pynvml.nvmlShutdown()
+
+    def _read(self, nv: Any, gpu: Gpu) -> RunnerResult:
+        """Read temperature, ECC, retired pages or remapped rows, throttle reasons and the PCIe link."""
+        try:
+            h = nv.nvmlDeviceGetHandleByPciBusId(_nvml_bus_id(gpu).encode())
+        except nv.NVMLError as exc:
+            return RunnerResult(self.name, error=f"NVML does not see {gpu.address}: {exc} (is it on vfio-pci?)")
+        health: dict[str, Any] = {}
+        problems: list[str] = []
+        warnings: list[str] = []
+
+        def read(key: str, fn: Callable[[], Any]) -> Any:
+            try:
+                health[key] = fn()
+            except nv.NVMLError:  # not supported on this board or driver: leave the signal out
+                return None
+            return health[key]
+
+        read("temperature_c", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+        unc = read("ecc_uncorrected_volatile", lambda: nv.nvmlDeviceGetTotalEccErrors(
+            h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC))
+        read("ecc_uncorrected_aggregate", lambda: nv.nvmlDeviceGetTotalEccErrors(
+            h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_AGGREGATE_ECC))
+        read("ecc_corrected_volatile", lambda: nv.nvmlDeviceGetTotalEccErrors(
+            h, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC))
+        if unc:
+            problems.append(f"{unc} uncorrectable ECC error(s) since the driver loaded")
+        pending = read("retired_pages_pending", lambda: bool(nv.nvmlDeviceGetRetiredPagesPendingStatus(h)))
+        if pending:
+            problems.append("retired pages are pending: the GPU needs a reset before it is trusted again")
+        rows = read("remapped_rows", lambda: dict(zip(("correctable", "uncorrectable", "pending", "failure"),
+                                                      nv.nvmlDeviceGetRemappedRows(h))))
+        if rows and rows.get("failure"):
+            problems.append("row remapping failed: the GPU's memory has uncorrectable faults")
+        elif rows and rows.get("pending"):
+            problems.append("row remapping is pending: the GPU needs a reset before it is trusted again")
+        reasons = read("throttle_reasons", lambda: int(nv.nvmlDeviceGetCurrentClocksThrottleReasons(h)))
+        if reasons:
+            names = [n for n, bit in (("hw-slowdown", nv.nvmlClocksThrottleReasonHwSlowdown),
+                                      ("hw-thermal", nv.nvmlClocksThrottleReasonHwThermalSlowdown),
+                                      ("sw-thermal", nv.nvmlClocksThrottleReasonSwThermalSlowdown),
+                                      ("power-brake", nv.nvmlClocksThrottleReasonHwPowerBrakeSlowdown))
+                     if reasons & bit]
+            if names:
+                warnings.append(f"clocks throttled: {', '.join(names)}")
+            health["throttle_names"] = names
+        gen, max_gen = (read("pcie_gen", lambda: nv.nvmlDeviceGetCurrPcieLinkGeneration(h)),
+                        read("pcie_max_gen", lambda: nv.nvmlDeviceGetMaxPcieLinkGeneration(h)))
+        width, max_width = (read("pcie_width", lambda: nv.nvmlDeviceGetCurrPcieLinkWidth(h)),
+                            read("pcie_max_width", lambda: nv.nvmlDeviceGetMaxPcieLinkWidth(h)))
+        if width and max_width and width < max_width:
+            warnings.append(f"PCIe link trained at x{width}, capable of x{max_width}")
+        if gen and max_gen and gen < max_gen:
+            warnings.append(f"PCIe link at gen {gen}, capable of gen {max_gen} (normal while the GPU idles)")
+        return RunnerResult(self.name, health=health, problems=tuple(problems), warnings=tuple(warnings))
+
+
+# -- nvidia-smi --------------------------------------------------------------------------------------------------
+
+SMI_FIELDS = ("pci.bus_id", "temperature.gpu", "ecc.errors.uncorrected.volatile.total", "retired_pages.pending",
+              "clocks_throttle_reasons.hw_slowdown", "pcie.link.gen.current", "pcie.link.gen.max",
+              "pcie.link.width.current", "pcie.link.width.max")
+
+
+def parse_smi_row(row: str) -> dict[str, Any]:
+    """One `nvidia-smi --query-gpu=SMI_FIELDS --format=csv,noheader,nounits` line as typed values."""
+    values = [v.strip() for v in row.split(",")]
+    out: dict[str, Any] = {}
+    for key, v in zip(SMI_FIELDS, values):
+        if v in ("[N/A]", "N/A", "[Not Supported]", ""):
+            continue
+        if key == "pci.bus_id":
+            out[key] = v.lower()
+        elif v.isdigit():
+            out[key] = int(v)
+        else:
+            out[key] = v
+    return out
+
+
+class NvidiaSmiRunner:
+    """The NVML signals through the `nvidia-smi` tool, for hosts where the Python binding cannot load."""
+
+    name = "nvidia-smi"
+    kind = HEALTH
+
+    def __init__(self, executable: str = "nvidia-smi", timeout_s: float = 15.0) -> None:
+        self.executable = executable
+        self.timeout_s = timeout_s
+
+    def unavailable(self) -> str | None:
+        """None when nvidia-smi is on PATH."""
+        return None if shutil.which(self.executable) else f"{self.executable} is not installed"
+
+    def run(self, gpu: Gpu, budget_s: float) -> RunnerResult:
+        """Query one GPU by bus id."""
+        cmd = [self.executable, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits",
+               f"--id={_nvml_bus_id(gpu)}"]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return RunnerResult(self.name, error=f"nvidia-smi failed: {exc}")
+        if out.returncode != 0 or not out.stdout.strip():
+            return RunnerResult(self.name, error=f"nvidia-smi: {(out.stderr or out.stdout).strip()[:200]}")
+        row = parse_smi_row(out.stdout.strip().splitlines()[0])
+        problems, warnings = [], []
+        if row.get("ecc.errors.uncorrected.volatile.total"):
+            problems.append(f"{row['ecc.errors.uncorrected.volatile.total']} uncorrectable ECC error(s) since the driver loaded")
+        if str(row.get("retired_pages.pending", "")).lower() == "yes":
+            problems.append("retired pages are pending: the GPU needs a reset before it is trusted again")
+        if str(row.get("clocks_throttle_reasons.hw_slowdown", "")).lower() == "active":
+            warnings.append("clocks throttled: hw-slowdown")
+        w, mw = row.get("pcie.link.width.current"), row.get("pcie.link.width.max")
+        if isinstance(w, int) and isinstance(mw, int) and w < mw:
+            warnings.append(f"PCIe link trained at x{w}, capable of x{mw}")
+        return RunnerResult(self.name, health=row, problems=tuple(problems), warnings=tuple(warnings))
+
+
+# -- compute (torch / cupy) --------------------------------------------------------------------------------------
+
+MATMUL_N = 4096
+COPY_BYTES = 256 * 1024**2
+
+
+def _timed_loop(step: Callable[[], None], sync: Callable[[], None], budget_s: float, min_iters: int = 3) -> tuple[int, float]:
+    """Run `step` until about budget_s has passed (at least min_iters); returns (iterations, seconds)."""
+    step()
+    sync()  # warm-up: kernels compiled, clocks up
+    n, t0 = 0, time.perf_counter()
+    while n < min_iters or time.perf_counter() - t0 < budget_s:
+        step()
+        n += 1
+        if n % 4 == 0:
+            sync()
+    sync()
+    return n, time.perf_counter() - t0
+
+
+class TorchRunner:
+    """FP16 matrix multiply and device-to-device copy through PyTorch's CUDA backend."""
+
+    name = "torch"
+    kind = COMPUTE
+
+    def unavailable(self) -> str | None:
+        """None when PyTorch is installed and sees a CUDA device."""
+        try:
+            import torch
+        except ImportError:
+            return "PyTorch is not installed"
+        if not torch.cuda.is_available():
+            return "PyTorch sees no CUDA device"
+        return None
+
+    def _index(self, torch: Any, gpu: Gpu) -> int | None:
+        a = gpu.address
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            if (getattr(p, "pci_domain_id", 0), getattr(p, "pci_bus_id", -1), getattr(p, "pci_device_id", -1)) == (
+                    a.domain, a.bus, a.slot):
+                return i
+        return None
+
+    def run(self, gpu: Gpu, budget_s: float) -> RunnerResult:
+        """Measure in a child process (its CUDA context must not outlive the probe: it would pin the driver)."""
+        return run_in_child(self.name, gpu, budget_s)
+
+    def measure(self, gpu: Gpu, budget_s: float) -> RunnerResult:
+        """Measure TFLOP/s and GB/s on the CUDA device at the GPU's address (in this process)."""
+        import torch
+
+        idx = self._index(torch, gpu)
+        if idx is None:
+            return RunnerResult(self.name, error=f"no CUDA device at {gpu.address} (is it on its host driver?)")
+        dev = torch.device("cuda", idx)
+        with torch.cuda.device(dev):
+            a = torch.randn(MATMUL_N, MATMUL_N, device=dev, dtype=torch.float16)
+            b = torch.randn(MATMUL_N, MATMUL_N, device=dev, dtype=torch.float16)
+            n, secs = _timed_loop(lambda: torch.mm(a, b), torch.cuda.synchronize, budget_s / 2)
+            tflops = 2 * MATMUL_N**3 * n / secs / 1e12
+            src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(src)
+            m, csecs = _timed_loop(lambda: dst.copy_(src), torch.cuda.synchronize, budget_s / 2)
+            gbps = 2 * COPY_BYTES * m / csecs / 1e9  # a copy reads and writes every byte
+        return RunnerResult(self.name, metrics={MATMUL: round(tflops, 3), BANDWIDTH: round(gbps, 2)},
+                            health={"device_name": torch.cuda.get_device_name(idx), "matmul_iters": n,
+                                    "copy_iters": m})
+
+
+class CupyRunner:
+    """The same two measurements through CuPy."""
+
+    name = "cupy"
+    kind = COMPUTE
+
+    def unavailable(self) -> str | None:
+        """None when CuPy is installed and sees a CUDA device."""
+        try:
+            import cupy
+        except ImportError:
+            return "CuPy is not installed"
+        try:
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                return "CuPy sees no CUDA device"
+        except Exception as exc:  # CUDARuntimeError when the driver is missing
+            return f"CuPy cannot reach CUDA: {exc}"
+        return None
+
+    def run(self, gpu: Gpu, budget_s: float) -> RunnerResult:
+        """Measure in a child process (its CUDA context must not outlive the probe: it would pin the driver)."""
+        return run_in_child(self.name, gpu, budget_s)
+
+    def measure(self, gpu: Gpu, budget_s: float) -> RunnerResult:
+        """Measure TFLOP/s and GB/s on the CUDA device at the GPU's address (in this process)."""
+        import cupy
+
+        want = f"{gpu.address.domain:04x}:{gpu.address.bus:02x}:{gpu.address.slot:02x}"
+        idx = next((i for i in range(cupy.cuda.runtime.getDeviceCount())
+                    if cupy.cuda.Device(i).pci_bus_id.lower().startswith(want)), None)
+        if idx is None:
+            return RunnerResult(self.name, error=f"no CUDA device at {gpu.address} (is it on its host driver?)")
+        with cupy.cuda.Device(idx) as d:
+            a = cupy.random.standard_normal((MATMUL_N, MATMUL_N), dtype=cupy.float32).astype(cupy.float16)
+            b = cupy.random.standard_normal((MATMUL_N, MATMUL_N), dtype=cupy.float32).astype(cupy.float16)
+            n, secs = _timed_loop(lambda: cupy.matmul(a, b), d.synchronize, budget_s / 2)
+            src = cupy.empty(COPY_BYTES, dtype=cupy.uint8)
+            dst = cupy.empty_like(src)
+            m, csecs = _timed_loop(lambda: dst.__setitem__(slice(None), src), d.synchronize, budget_s / 2)
+        return RunnerResult(self.name, metrics={MATMUL: round(2 * MATMUL_N**3 * n / secs / 1e12, 3),
+                                                BANDWIDTH: round(2 * COPY_BYTES * m / csecs / 1e9, 2)},
+                            health={"matmul_iters": n, "copy_iters": m})
+
+
+def run_in_child(runner: str, gpu: Gpu, budget_s: float, timeout_s: float | None = None) -> RunnerResult:
+    """Run a compute runner's `measure` in `python -m hostagent.host.probes RUNNER ADDRESS BUDGET` and read its JSON.
+
+    A CUDA context in the agent itself would keep the host driver busy, and the next lease could not unbind it.
+    """
+    cmd = [sys.executable, "-m", "hostagent.host.probes", runner, str(gpu.address), f"{budget_s:g}"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                             timeout=timeout_s if timeout_s is not None else 60 + 4 * budget_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return RunnerResult(runner, error=f"{runner} probe process failed: {exc}")
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        return RunnerResult(runner, error=f"{runner} probe process exited {out.returncode}: "
+                                          f"{(out.stderr or out.stdout).strip()[-300:]}")
+    d = json.loads(lines[-1])
+    return RunnerResult(d["runner"], metrics=d["metrics"], health=d["health"], problems=tuple(d["problems"]),
+                        warnings=tuple(d["warnings"]), error=d["error"])
+
+
+def _child_main(argv: Sequence[str]) -> int:
+    """The child side of `run_in_child`: measure one GPU (found by address under /sys) and print JSON."""
+    from hostagent.host.discovery import discover
+    from hostagent.host.sysfs import Sysfs as RealSysfs
+
+    runner_name, address, budget = argv[0], argv[1], float(argv[2])
+    runners: dict[str, type[TorchRunner] | type[CupyRunner]] = {"torch": TorchRunner, "cupy": CupyRunner}
+    inv = discover(RealSysfs("/sys"), vendors=("10de", "1002"))
+    gpu = next((g for g in inv.gpus if str(g.address) == address), None)
+    if gpu is None:
+        res = RunnerResult(runner_name, error=f"no GPU at {address} in /sys")
+    else:
+        res = runners[runner_name]().measure(gpu, budget)
+    print(json.dumps(res.to_dict()))
+    return 0
+
+
+# -- choosing runners --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunnerStatus:
+    """Whether a runner can run here, for operators."""
+
+    name: str
+    kind: str
+    available: bool
+    reason: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"name": self.name, "kind": self.kind, "available": self.available, "reason": self.reason}
+
+
+def select_runners(candidates: Sequence[ProbeRunner]) -> tuple[list[ProbeRunner], list[RunnerStatus]]:
+    """The runners to use (every available health runner except nvidia-smi when NVML works; the first available
+    compute runner) and the status of every candidate."""
+    chosen: list[ProbeRunner] = []
+    status: list[RunnerStatus] = []
+    have_compute = have_nvml = False
+    for r in candidates:
+        why = r.unavailable()
+        if why is None and r.kind == COMPUTE and have_compute:
+            why = "another compute runner was chosen first"
+        if why is None and r.name == "nvidia-smi" and have_nvml:
+            why = "NVML is available; nvidia-smi would read the same signals"
+        status.append(RunnerStatus(r.name, r.kind, why is None, why))
+        if why is None:
+            chosen.append(r)
+            have_compute = have_compute or r.kind == COMPUTE
+            have_nvml = have_nvml or r.name == "nvml"
+    return chosen, status
+
+
+def default_runners(sysfs: Sysfs) -> list[ProbeRunner]:
+    """Every runner this module knows, in order of preference."""
+    return [SysfsHealthRunner(sysfs), NvmlRunner(), NvidiaSmiRunner(), TorchRunner(), CupyRunner()]
+
+
+def median_or_none(values: Sequence[float]) -> float | None:
+    """Median, None for no values."""
+    return statistics.median(values) if values else None
+
+
+if __name__ == "__main__":
+    raise SystemExit(_child_main(sys.argv[1:]))

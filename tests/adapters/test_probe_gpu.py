@@ -1,0 +1,53 @@
+"""The real probe runners on a real NVIDIA GPU (marker `gpu`): skipped, with the reason, where there is none."""
+
+from __future__ import annotations
+
+import pytest
+
+from hostagent.host.discovery import discover
+from hostagent.host.probes import BANDWIDTH, MATMUL, CupyRunner, NvidiaSmiRunner, NvmlRunner, TorchRunner
+from hostagent.host.sysfs import Sysfs
+
+pytestmark = pytest.mark.gpu
+
+
+def _nvidia_gpu():  # type: ignore[no-untyped-def]
+    why = NvmlRunner().unavailable()
+    if why is not None:
+        pytest.skip(f"no NVIDIA GPU here: {why}")
+    inv = discover(Sysfs("/sys"), vendors=("10de",))
+    gpus = [g for g in inv.gpus if g.primary.driver == "nvidia"]
+    if not gpus:
+        pytest.skip("NVML works but no GPU in sysfs is on the nvidia driver")
+    return gpus[0]
+
+
+def test_nvml_reads_health_signals() -> None:
+    gpu = _nvidia_gpu()
+    res = NvmlRunner().run(gpu, 1.0)
+    assert res.error is None, res.error
+    assert 0 < res.health["temperature_c"] < 120
+    assert res.health["pcie_max_width"] >= res.health["pcie_width"] >= 1
+    assert isinstance(res.problems, tuple)
+
+
+def test_nvidia_smi_agrees_with_nvml() -> None:
+    gpu = _nvidia_gpu()
+    smi = NvidiaSmiRunner()
+    if smi.unavailable():
+        pytest.skip(smi.unavailable())
+    res = smi.run(gpu, 1.0)
+    assert res.error is None, res.error
+    assert res.health["pcie.link.width.max"] == NvmlRunner().run(gpu, 1.0).health["pcie_max_width"]
+
+
+@pytest.mark.parametrize("runner", [TorchRunner(), CupyRunner()], ids=["torch", "cupy"])
+def test_compute_runner_measures_throughput(runner) -> None:  # type: ignore[no-untyped-def]
+    gpu = _nvidia_gpu()
+    why = runner.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    res = runner.run(gpu, 1.0)
+    assert res.error is None, res.error
+    assert res.metrics[MATMUL] > 1.0  # TFLOP/s: any datacenter GPU does far more in FP16
+    assert res.metrics[BANDWIDTH] > 50.0  # GB/s
