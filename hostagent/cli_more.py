@@ -159,9 +159,9 @@ EXTRA: list[Callable[[Any, Adder, Adder], None]] = []
 
 
 def _builtin_extras() -> None:
-    from hostagent import cli_model, cli_ops
+    from hostagent import cli_model, cli_ops, cli_topology
 
-    EXTRA.extend([cli_ops.register, cli_model.register])
+    EXTRA.extend([cli_ops.register, cli_model.register, cli_topology.register])
 
 
 _builtin_extras()

@@ -48,7 +48,7 @@ class HostSettings:
     step_timeout_s: float = 10.0
     rom_bar_off: bool = False
     driver_vfio: bool = True
-    guest_multifunction: bool = True  # one guest slot per GPU (multifunction); false: one slot per function
+    guest_layout: str = "auto"  # auto (libvirt picks hot-pluggable addresses) | multifunction | per-function
     pinned: tuple[str, ...] = ()  # PCI addresses an operator keeps on vfio-pci outside any lease
     nvlink_hints: str = ""  # path of a file naming NVLink peers
 
@@ -186,6 +186,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "agent.log_format": ("auto", "json", "text"),
     "agent.log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "leases.numa_policy": ("required", "preferred", "any"),
+    "host.guest_layout": ("auto", "multifunction", "per-function"),
     "reclaim.no_heartbeat": ("host-signal", "never-idle"),
     "placement.outcome": ("work_rate", "utilization", "completion"),
 }

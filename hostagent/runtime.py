@@ -68,7 +68,7 @@ def lease_policy(settings: Settings) -> LeasePolicy:
         keep_on_domain_stop=lz.keep_on_domain_stop, detach_timeout_s=settings.libvirt.detach_timeout_s,
         detach_retries=settings.libvirt.detach_retries, guest_bus=settings.libvirt.guest_bus,
         rom_bar_off=settings.host.rom_bar_off, driver_vfio=settings.host.driver_vfio,
-        guest_multifunction=settings.host.guest_multifunction,
+        guest_layout=settings.host.guest_layout,
         vm_quota=Quota(lz.max_gpus_per_vm, lz.max_gpu_hours_per_day_per_vm), project_quotas=projects,
         pinned=frozenset(settings.host.pinned),
     )
@@ -419,6 +419,10 @@ def make_app(runtime: Runtime) -> web.Application:
     app.cleanup_ctx.append(lifecycle)
     add_api_routes(app)
     metrics.install(app, runtime)
+    from hostagent.web import topology
+
+    parts = topology.install(app, runtime, wire_place=False, scorer=lambda: runtime.placer.scorer)
+    runtime.placer.topology_place = parts.placer
     dashboard.install(app, runtime)
     return app
 

@@ -23,7 +23,7 @@ from hostagent.domain.errors import (
     InvalidInput,
     NotFound,
 )
-from hostagent.domain.hostdev import HostdevPci, free_guest_slots, hostdevs_for_gpu
+from hostagent.domain.hostdev import HostdevPci, alias_for, free_guest_slots, hostdevs_for_gpu
 from hostagent.domain.inventory import Gpu, GpuState
 from hostagent.domain.lease import (
     Lease,
@@ -63,7 +63,7 @@ class LeasePolicy:
     guest_bus: int = 0
     rom_bar_off: bool = False
     driver_vfio: bool = True
-    guest_multifunction: bool = True
+    guest_layout: str = "auto"  # auto | multifunction | per-function
     vm_quota: Quota = Quota()
     project_quotas: tuple[tuple[str, Quota, tuple[str, ...]], ...] = ()  # (project, quota, domain uuids/names)
     pinned: frozenset[str] = frozenset()
@@ -283,7 +283,17 @@ class LeaseManager:
                 return lease
             lease = await self._write(lease, None, actor, "requested")
             crash_point("after-requested")
-            lease = await self._claim(lease, free, verdict.count, actor, verdict.reason)
+            try:
+                lease = await self._claim(lease, free, verdict.count, actor, verdict.reason)
+            except Conflict as exc:  # placement found no acceptable set (e.g. numa_policy=required)
+                if request.accept_deferred and len(waiting) < self.policy.queue_max:
+                    lease = await self._move(lease, S.QUEUED, actor, f"placement: {exc.message}", queued_at=now,
+                                             reasons=(exc.message,))
+                    self._wake_queue.set()
+                    return lease
+                await self._move(lease, S.FAILED, actor, "placement refused", error=exc.message,
+                                 ended_at=self.clock(), end_reason="refused")
+                raise
         return await self._bind_and_attach(lease, actor)
 
     async def _claim(self, lease: Lease, free: Sequence[Gpu], count: int, actor: str, why: str) -> Lease:
@@ -346,9 +356,13 @@ class LeaseManager:
                     bound.append(dev)
                     crash_point("bind-device-done")
                 lease = await self._move(lease, S.ATTACHING, actor, "all functions on vfio-pci")
-                xml_live = await self._timed_hv("domain_xml", self.hv.domain_xml(lease.domain_uuid, live=True))
-                per_dev = [1 if self.policy.guest_multifunction else len(d.functions) for d in lease.devices]
-                slots = list(free_guest_slots(xml_live, self.policy.guest_bus, sum(per_dev)))
+                layout = self.policy.guest_layout
+                per_dev = [0 if layout == "auto" else 1 if layout == "multifunction" else len(d.functions)
+                           for d in lease.devices]
+                slots: list[int] = []
+                if sum(per_dev):
+                    xml_live = await self._timed_hv("domain_xml", self.hv.domain_xml(lease.domain_uuid, live=True))
+                    slots = list(free_guest_slots(xml_live, self.policy.guest_bus, sum(per_dev)))
                 devices = []
                 all_hostdevs: list[HostdevPci] = []
                 for dev, n in zip(lease.devices, per_dev, strict=True):
@@ -362,9 +376,14 @@ class LeaseManager:
                 crash_point("before-attach")
                 await self._timed_hv("attach", self.hv.attach_hostdevs(lease.domain_uuid, all_hostdevs))
                 crash_point("after-attach-call")
-                now = self.clock()
-                return await self._move(lease, S.ACTIVE, actor, "attached and verified in the domain XML",
-                                        granted_at=now)
+                changes: dict[str, Any] = {"granted_at": self.clock()}
+                if layout == "auto":  # record the guest addresses libvirt chose
+                    placed = {str(h.source): _guest_addr(h)
+                              for h in await self.hv.attached_hostdevs(lease.domain_uuid)}
+                    changes["devices"] = tuple(LeaseDevice(d.gpu_id, d.functions, d.original_drivers, d.iommu_group,
+                                                           tuple(placed.get(a, "") for a in d.functions))
+                                               for d in lease.devices)
+                return await self._move(lease, S.ACTIVE, actor, "attached and verified in the domain XML", **changes)
             except HostAgentError as exc:
                 return await self._rollback(lease, bound, actor, exc)
 
@@ -512,8 +531,11 @@ class LeaseManager:
                 if len(free) < need and not (head.request.accept_partial and free):
                     return granted  # the head waits; nothing jumps it
                 count = min(need, len(free))
-                lease = await self._claim(head, free, count, "queue",
-                                          f"granted from the queue after {self.clock() - (head.queued_at or head.created_at):.0f} s")
+                try:
+                    lease = await self._claim(head, free, count, "queue",
+                                              f"granted from the queue after {self.clock() - (head.queued_at or head.created_at):.0f} s")
+                except Conflict:
+                    return granted  # no acceptable set yet (e.g. numa_policy=required): the head keeps waiting
             granted.append(await self._bind_and_attach(lease, "queue"))
 
     async def _safe(self, aw: Awaitable[Any]) -> Any:
@@ -577,9 +599,12 @@ class LeaseManager:
 
 
 def render_hostdevs(functions: Sequence[str], bus: int, slots: Sequence[int], policy: LeasePolicy) -> list[HostdevPci]:
-    """Hostdevs for one GPU: all functions on one multifunction slot, or one slot per function."""
+    """Hostdevs for one GPU: guest addresses left to libvirt (auto), one multifunction slot, or a slot each."""
     addrs = [PciAddress.parse(a) for a in functions]
-    if policy.guest_multifunction:
+    if policy.guest_layout == "auto":
+        return [HostdevPci(source=a, guest=None, alias=alias_for(a), driver_vfio=policy.driver_vfio,
+                           rom_bar_off=policy.rom_bar_off) for a in addrs]
+    if policy.guest_layout == "multifunction":
         return list(hostdevs_for_gpu(addrs, bus, slots[0], rom_bar_off=policy.rom_bar_off,
                                      driver_vfio=policy.driver_vfio))
     out: list[HostdevPci] = []

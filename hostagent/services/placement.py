@@ -32,6 +32,9 @@ class Placer:
         self.model_version: str | None = None
         self.default_numa_policy = default_numa_policy
         self.last_decisions: list[dict[str, Any]] = []  # recent decisions for the dashboard (bounded)
+        # The topology-aware set choice (same switch < root complex < NUMA node < sockets, packing); set by
+        # the topology wiring. Without it the greedy choice of domain.placement decides.
+        self.topology_place: Callable[[LeaseRequest, Sequence[Gpu], int, str], Placement] | None = None
 
     def use(self, scorer: Scorer | None, version: str | None) -> None:
         """Switch to a newly trained (or rolled back) model."""
@@ -54,14 +57,27 @@ class Placer:
             preq = dataclasses.replace(preq, numa_policy=self.default_numa_policy)
         decision = place(preq, views, scorer=self.scorer, exploration=self.exploration, rng=self.rng,
                          distance=self.distance)
-        record = {**decision.to_dict(), "model_version": self.model_version, "task_type": request.task_type}
-        self.last_decisions = (self.last_decisions + [record])[-200:]
         if not decision.chosen:
+            self._remember(decision.to_dict(), request)
             raise Conflict("; ".join(decision.reasons) or "no GPU passed the placement filters", field="gpus")
-        return Placement(
-            gpu_ids=decision.chosen, reasons=decision.reasons,
-            candidates=tuple({"gpu_id": g, "score": round(s, 6)} for g, s in decision.candidates),
-            dropped=tuple({"gpu_id": d.gpu_id, "reason": d.reason} for d in decision.dropped),
-            distance=None if decision.distance is None else round(float(decision.distance), 3),
-            rule=decision.rule,
-        )
+        dropped = tuple({"gpu_id": d.gpu_id, "reason": d.reason} for d in decision.dropped)
+        if self.topology_place is not None and decision.rule != "explore":
+            # Same filters and scores; the topology placer picks the set (distance, packing) and says why.
+            chosen = self.topology_place(request, candidates, count, domain_uuid)
+            placement = dataclasses.replace(chosen, dropped=dropped)
+        else:
+            placement = Placement(
+                gpu_ids=decision.chosen, reasons=decision.reasons,
+                candidates=tuple({"gpu_id": g, "score": round(s, 6)} for g, s in decision.candidates),
+                dropped=dropped,
+                distance=None if decision.distance is None else round(float(decision.distance), 3),
+                rule=decision.rule,
+            )
+        self._remember({"chosen": list(placement.gpu_ids), "rule": placement.rule,
+                        "candidates": list(placement.candidates), "dropped": list(dropped),
+                        "reasons": list(placement.reasons), "distance": placement.distance}, request)
+        return placement
+
+    def _remember(self, record: dict[str, Any], request: LeaseRequest) -> None:
+        record = {**record, "model_version": self.model_version, "task_type": request.task_type}
+        self.last_decisions = (self.last_decisions + [record])[-200:]

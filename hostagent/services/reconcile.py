@@ -194,7 +194,7 @@ class Reconciler:
         if missing:
             hds = []
             for d in missing:
-                guest = [PciAddress.parse(a) for a in d.guest_addresses] or [PciAddress(0, self.m.policy.guest_bus, 1, 0)]
+                guest = [PciAddress.parse(a) for a in d.guest_addresses if a] or [PciAddress(0, self.m.policy.guest_bus, 1, 0)]
                 slots = sorted({g.slot for g in guest})
                 hds.extend(render_hostdevs(d.functions, guest[0].bus, slots, self.m.policy))
             try:

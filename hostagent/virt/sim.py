@@ -84,6 +84,7 @@ class SimulatedHypervisor:
         refuse_detach: Iterable[str] = (),
         fail_attach_after: int | None = None,
         refuse_multifunction_unplug: bool = False,
+        refuse_nonzero_function_hotplug: bool = False,
         path: Path | str | None = None,
     ) -> None:
         self.attach_latency_s = attach_latency_s
@@ -95,6 +96,8 @@ class SimulatedHypervisor:
         # libvirt (9.x) refuses to hot-unplug a device whose guest address is multifunction; off by default so
         # the demo can give multi-function GPUs back, on to reproduce libvirt exactly.
         self.refuse_multifunction_unplug = refuse_multifunction_unplug
+        # libvirt 9 refuses a live attach whose guest address has function != 0 (seen on real libvirtd)
+        self.refuse_nonzero_function_hotplug = refuse_nonzero_function_hotplug
         self.path = Path(path) if path is not None else None
         self._domains: dict[str, _Domain] = {}
         self._subscribers: list[EventCallback] = []
@@ -424,6 +427,9 @@ class SimulatedHypervisor:
                                   domain=dom.name, address=str(hd.source))
         if hd.alias is not None and el.find(f"devices/*/alias[@name={_xpath_literal(hd.alias)}]") is not None:
             raise HypervisorError(f"non unique alias detected: {hd.alias}", domain=dom.name, alias=hd.alias)
+        if live and hd.guest is not None and hd.guest.function != 0 and self.refuse_nonzero_function_hotplug:
+            raise HypervisorError("Only PCI device addresses with function=0 are supported", domain=dom.name,
+                                  address=str(hd.source))
         if hd.guest is not None:
             g = hd.guest
             for addr in el.iterfind("devices/*/address[@type='pci']"):

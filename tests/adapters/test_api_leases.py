@@ -326,28 +326,41 @@ async def test_200_clients_race_for_8_gpus(tmp_path: Path, aiohttp_client: Any) 
     assert len(vfio_functions(rig)) == 8
 
 
-@pytest.mark.parametrize("multifunction", [True, False])
-async def test_multi_function_gpu_layout_and_live_release(tmp_path: Path, aiohttp_client: Any,
-                                                          multifunction: bool) -> None:
-    # libvirt cannot hot-unplug a multifunction guest slot (the simulator is told to behave the same way).
-    rig = await start_rig(make_rig(tmp_path, scenario="workstation", host={"guest_multifunction": multifunction},
-                                   hv_kwargs={"refuse_multifunction_unplug": True}), aiohttp_client)
-    body = await lease(rig, model="2080 Ti")
+@pytest.mark.parametrize("layout", ["auto", "per-function", "multifunction"])
+async def test_multi_function_gpu_layouts_on_a_running_vm(tmp_path: Path, aiohttp_client: Any, layout: str) -> None:
+    # The simulator behaves like libvirt 9: no live attach of function != 0, no live unplug of a multifunction slot.
+    rig = await start_rig(make_rig(tmp_path, scenario="workstation", host={"guest_layout": layout},
+                                   hv_kwargs={"refuse_multifunction_unplug": True,
+                                              "refuse_nonzero_function_hotplug": True}), aiohttp_client)
+    r = await rig.client.post("/v1/leases", json={"model": "2080 Ti"}, headers=rig.auth("vm-a"))
+    body = await r.json()
+    if layout == "multifunction":
+        # cannot be hot-plugged: the grant fails and rolls back completely
+        assert r.status == 500 and body["lease"]["state"] == "FAILED"
+        assert "function=0" in body["lease"]["error"]
+        assert vfio_functions(rig) == set()
+        assert await rig.hv.attached_hostdevs(rig.uuids["vm-a"]) == ()
+        return
+    assert r.status == 201, body
     dev = body["devices"][0]
-    assert len(dev["functions"]) == 4
-    slots = {a.rsplit(":", 1)[1].split(".")[0] for a in dev["guest_addresses"]}
-    assert len(slots) == (1 if multifunction else 4)
-    xml = await rig.hv.domain_xml(rig.uuids["vm-a"])
-    assert ("multifunction='on'" in xml or 'multifunction="on"' in xml) == multifunction
+    assert len(dev["functions"]) == 4 and all(dev["guest_addresses"])
+    assert len(set(dev["guest_addresses"])) == 4  # each function on its own hot-pluggable slot
+    attached = {str(h.source): h for h in await rig.hv.attached_hostdevs(rig.uuids["vm-a"])}
+    assert set(attached) == set(dev["functions"])
     r = await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
-    state = (await r.json())["state"]
-    if multifunction:
-        assert r.status == 202 and state == "DETACH_PENDING"
-        assert set(dev["functions"]) <= vfio_functions(rig)  # kept on vfio-pci while the guest runs
-        rig.hv.shutdown("vm-a")
-        done = await wait_state(rig, body["id"], "vm-a", "RELEASED")
-        assert done["state"] == "RELEASED"
-    else:
-        assert r.status == 200 and state == "RELEASED"
+    assert r.status == 200 and (await r.json())["state"] == "RELEASED"
     assert not set(dev["functions"]) & vfio_functions(rig)
     assert {rig.sysfs_driver(f) for f in dev["functions"]} == {"nvidia", "snd_hda_intel", "xhci_hcd", "nvidia-gpu"}
+
+
+async def test_multifunction_layout_for_a_shut_off_vm(tmp_path: Path, aiohttp_client: Any) -> None:
+    rig = await start_rig(make_rig(tmp_path, scenario="workstation", host={"guest_layout": "multifunction"},
+                                   hv_kwargs={"refuse_nonzero_function_hotplug": True}), aiohttp_client)
+    rig.hv.shutdown("vm-a")
+    r = await rig.client.post("/v1/leases", json={"model": "2080 Ti"}, headers=rig.auth("vm-a"))
+    body = await r.json()
+    assert r.status == 201, body
+    slots = {a.rsplit(":", 1)[1].split(".")[0] for a in body["devices"][0]["guest_addresses"]}
+    assert len(slots) == 1  # one guest slot, functions together
+    xml = await rig.hv.domain_xml(rig.uuids["vm-a"], live=False)
+    assert "multifunction='on'" in xml or 'multifunction="on"' in xml
