@@ -398,6 +398,15 @@ class LeaseManager:
         """Undo a failed grant in reverse order; FAILED with the error. Devices that will not come back are quarantined."""
         log.warning("lease %s failed: %s; rolling back", lease.id, exc.message, extra={"lease_id": lease.id})
         notes = []
+        if exc.details.get("rollback_confirmed") is False:
+            # The hypervisor attached part of the set and could not confirm its undo: the guest (QEMU) may still
+            # hold the functions, so they stay on vfio-pci, flagged for an operator, never given back blind.
+            for dev in bound:
+                self.attention[dev.gpu_id] = f"attach to {lease.domain_name} failed and its undo was not confirmed"
+                notes.append(f"kept {dev.gpu_id} on vfio-pci: the undo detach was not confirmed")
+                await self._run(self.journal.event, "attention", actor=actor, lease_id=lease.id, gpu_id=dev.gpu_id,
+                                detail=self.attention[dev.gpu_id])
+            bound = []
         for dev in reversed(bound):
             gpu = self.gpus[dev.gpu_id]
             async with self._group_lock(dev.iommu_group):

@@ -10,8 +10,8 @@ Three phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvir
   lease       the agent's LeaseManager over the real SysfsHost and LibvirtHypervisor, on the one-function
               e1000e: request -> ACTIVE, release -> DETACH_PENDING (the device must stay on vfio-pci), destroy
               the domain -> the STOPPED event finishes the release -> RELEASED, back on e1000e.
-  lease_pair  the same request for the two-function group with the shipped layout (both functions on one guest
-              slot, multifunction='on'), which libvirt cannot hot-plug: records how the agent fails.
+  lease_pair  the same lifecycle for the two-function group with the default guest_layout=auto (libvirt places
+              each function on its own hot-pluggable root port).
 Only facts are recorded here; the test decides.
 """
 

@@ -1,0 +1,137 @@
+"""The reaper over the simulated hypervisor and the fake kernel, with a controllable clock."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hostagent.domain.lease import LeaseState
+from hostagent.domain.reclaim import Action
+from hostagent.host.fakesysfs import record_interrupts
+from tests.support.agent import AgentRig, Clock, make_rig, start_rig
+
+S = LeaseState
+RECLAIM = {"enabled": True, "check_interval_s": 60.0, "grace_s": 120.0, "min_lease_age_s": 0.0,
+           "notice_window_s": 30.0, "idle_util_pct": 5.0}
+
+
+@pytest.fixture
+async def rig(tmp_path: Path, aiohttp_client: Any) -> AgentRig:
+    clock = Clock(time.time())
+    r = make_rig(tmp_path, clock=clock, reclaim=dict(RECLAIM, check_interval_s=3600.0))
+    r.extra["clock"] = clock
+    r.runtime.use_store = False  # samples carry the test clock's times, which the store would call future
+    # the scheduler's own tick is far away (1 h); the test drives the checks with the clock
+    return await start_rig(r, aiohttp_client)
+
+
+async def lease(rig: AgentRig, vm: str = "vm-a") -> dict[str, Any]:
+    r = await rig.client.post("/v1/leases", json={"gpus": 1}, headers=rig.auth(vm))
+    assert r.status == 201
+    return await r.json()
+
+
+async def check(rig: AgentRig, lease_id: str, advance: float, util: float | None = None) -> Action | None:
+    """Advance the clock; with `util`, the guest reported 3 samples of it during that time; then one check."""
+    clock: Clock = rig.extra["clock"]
+    clock.advance(advance)
+    if util is not None:
+        lz = rig.runtime.manager.leases[lease_id]
+        gpu = lz.devices[0].gpu_id
+        await rig.runtime.accept_samples(lz, [{"ts": clock.now - i * advance / 4, "gpu_id": gpu, "util_pct": util,
+                                               "mem_used_bytes": 0, "work_rate": None} for i in range(3)])
+    irq = rig.runtime.host.vfio_interrupts()
+    return await rig.runtime.reaper.check(lease_id, clock.now, irq)
+
+
+async def test_busy_lease_is_never_touched(rig: AgentRig) -> None:
+    body = await lease(rig)
+    for _ in range(5):
+        assert await check(rig, body["id"], 200, util=85.0) in (Action.NONE, Action.CLEAR)
+    current = rig.runtime.manager.leases[body["id"]]
+    assert current.state is S.ACTIVE and current.strike_at is None and current.notice is None
+
+
+async def test_idle_lease_is_warned_then_reclaimed_and_given_back(rig: AgentRig) -> None:
+    body = await lease(rig)
+    gpu, fn = body["devices"][0]["gpu_id"], body["devices"][0]["functions"][0]
+    h = rig.auth("vm-a")
+    assert await check(rig, body["id"], 61, util=1.0) is Action.STRIKE_ONE
+    view = await (await rig.client.get(f"/v1/leases/{body['id']}", headers=h)).json()
+    assert view["warnings"][0]["code"] == "idle_strike_one" and view["reclaim"]["recheck_at"]
+    hb = await rig.client.post(f"/v1/leases/{body['id']}/heartbeat", json={"samples": []}, headers=h)
+    assert (await hb.json())["warnings"][0]["code"] == "idle_strike_one"  # the guest hears it in the reply
+    assert await check(rig, body["id"], 60, util=0.0) is Action.NONE  # grace not over: no early reclaim
+    assert await check(rig, body["id"], 61, util=0.0) is Action.RECLAIM  # strike two: the notice
+    view = await (await rig.client.get(f"/v1/leases/{body['id']}", headers=h)).json()
+    assert view["state"] == "ACTIVE" and view["reclaim"]["notice"] == "reclaim"
+    assert any(w["code"] == "reclaim_notice" for w in view["warnings"])
+    assert await check(rig, body["id"], 31) is Action.RECLAIM  # the guest did not release in the window
+    done = await (await rig.client.get(f"/v1/leases/{body['id']}", headers=h)).json()
+    assert done["state"] == "RELEASED" and done["end_reason"] == "reclaimed: idle"
+    assert rig.sysfs_driver(fn) == "nvidia"
+    gpu_view = await (await rig.client.get(f"/v1/gpus/{gpu}")).json()
+    assert gpu_view["state"] == "free"
+    kinds = [e["kind"] for e in (await (await rig.client.get(f"/v1/events?lease_id={body['id']}",
+                                                               headers=rig.auth("operator"))).json())["events"]]
+    assert {"strike-one", "strike-two", "reclaim", "reclaim-outcome"} <= set(kinds)
+
+
+async def test_activity_between_strikes_clears(rig: AgentRig) -> None:
+    body = await lease(rig)
+    gpu = body["devices"][0]["gpu_id"]
+    assert await check(rig, body["id"], 61, util=0.0) is Action.STRIKE_ONE
+    # a busy heartbeat between the strikes clears strike one at once
+    r = await rig.client.post(f"/v1/leases/{body['id']}/heartbeat", headers=rig.auth("vm-a"), json={
+        "samples": [{"ts": time.time(), "gpu": gpu, "util_pct": 70, "mem_used_bytes": 0}]})
+    assert r.status == 200
+    assert rig.runtime.manager.leases[body["id"]].strike_at is None
+
+
+async def test_host_interrupts_count_as_activity_without_heartbeats(rig: AgentRig) -> None:
+    body = await lease(rig)
+    fn = body["devices"][0]["functions"][0]
+    assert await check(rig, body["id"], 61) is Action.NONE  # first reading: no baseline, not judged idle
+    record_interrupts(rig.settings.proc_root, fn, 1000)
+    assert await check(rig, body["id"], 61) is Action.NONE  # rising vfio interrupts: busy
+    verdict = rig.runtime.reaper.last_verdicts[body["id"]]
+    assert verdict[1] == "busy" and "vfio interrupts" in verdict[2]
+    assert await check(rig, body["id"], 61) is Action.STRIKE_ONE  # quiet host, no heartbeats: idle, said so
+    assert "host interrupts alone" in rig.runtime.reaper.last_verdicts[body["id"]][2]
+
+
+async def test_refused_detach_leaves_detach_pending(rig: AgentRig) -> None:
+    body = await lease(rig)
+    fn = body["devices"][0]["functions"][0]
+    rig.hv.set_refuse_detach("vm-a")
+    assert await check(rig, body["id"], 61, util=0.0) is Action.STRIKE_ONE
+    assert await check(rig, body["id"], 121, util=0.0) is Action.RECLAIM
+    assert await check(rig, body["id"], 31) is Action.RECLAIM
+    lz = rig.runtime.manager.leases[body["id"]]
+    assert lz.state is S.DETACH_PENDING and rig.sysfs_driver(fn) == "vfio-pci"  # never rebound under the guest
+    status = await (await rig.client.get("/v1/reaper", headers=rig.auth("operator"))).json()
+    assert [x["state"] for x in status["leases"]] == ["DETACH_PENDING"]
+
+
+async def test_operator_pause_exempts_a_lease(rig: AgentRig) -> None:
+    body = await lease(rig)
+    r = await rig.client.post(f"/v1/leases/{body['id']}/reclaim", json={"paused": True}, headers=rig.auth("operator"))
+    assert r.status == 200 and (await r.json())["reclaim"]["paused"] is True
+    for _ in range(3):
+        assert await check(rig, body["id"], 200, util=0.0) is Action.NONE
+    assert rig.runtime.manager.leases[body["id"]].state is S.ACTIVE
+
+
+async def test_reaper_status_cli(rig: AgentRig, capsys: pytest.CaptureFixture[str]) -> None:
+    from hostagent.cli import main
+
+    body = await lease(rig)
+    await check(rig, body["id"], 61, util=0.0)
+    url = str(rig.client.make_url("")).rstrip("/")
+    code = await asyncio.to_thread(main, ["reaper", "status", "--url", url, "--token", rig.operator])
+    out = capsys.readouterr().out
+    assert code == 0 and body["id"] in out and "one" in out and "guest: all 3 samples" in out
