@@ -159,9 +159,9 @@ EXTRA: list[Callable[[Any, Adder, Adder], None]] = []
 
 
 def _builtin_extras() -> None:
-    from hostagent import cli_model, cli_ops, cli_topology
+    from hostagent import cli_bench, cli_model, cli_ops, cli_topology
 
-    EXTRA.extend([cli_ops.register, cli_model.register, cli_topology.register])
+    EXTRA.extend([cli_ops.register, cli_model.register, cli_topology.register, cli_bench.register])
 
 
 _builtin_extras()

@@ -165,6 +165,9 @@ class Runtime:
     async def lease_usage(self, lease_id: str) -> dict[str, Any]:
         """Usage so far: from the store when present, else the in-memory window."""
         window = list(self.recent_samples.get(lease_id, ()))
+        live = self.manager.leases.get(lease_id)
+        if live is not None and live.state in (LeaseState.REQUESTED, LeaseState.QUEUED):
+            return {"samples": 0}  # nothing to ask the store for yet (guests poll queued leases often)
         if self.store is not None:
             with contextlib.suppress(HostAgentError):
                 summary = await self.store.lease_usage_summary(lease_id)
@@ -191,6 +194,14 @@ class Runtime:
             if busy:
                 await self.reaper.activity_seen(lease.id, f"heartbeat with {len(busy)} busy sample(s)")
         return len(samples)
+
+    def _forget_ended(self, lease: Lease | None, detail: str | None) -> None:
+        """Drop per-lease memory once a lease has ended (its samples are in the store)."""
+        if lease is not None and lease.state.terminal:
+            self.recent_samples.pop(lease.id, None)
+            self.last_heartbeat.pop(lease.id, None)
+            if self.reaper is not None:
+                self.reaper.last_verdicts.pop(lease.id, None)
 
     def samples_since(self, lease_id: str, since: float) -> list[dict[str, Any]]:
         """Guest samples of a lease newer than `since` (the reaper's window)."""
@@ -225,9 +236,10 @@ class Runtime:
         await self._open_store()
         loop_tasks = [self.manager.run_queue(), self._periodic(5.0, self.manager.expire_due),
                       self._periodic(max(5.0, self.settings.libvirt.detach_timeout_s), self.manager.retry_pending)]
+        self.manager.listeners.append(self._forget_ended)
         if self.store is not None:
-            await self._load_model()
-            loop_tasks += [self._mirror_loop(), self._periodic(3600.0, self._prune),
+            # scikit-learn is a heavy import: load the model after readiness, the cold-start rule decides until then
+            loop_tasks += [self._load_model(), self._mirror_loop(), self._periodic(3600.0, self._prune),
                            self._periodic(self.settings.placement.retrain_interval_s, self._retrain)]
         self.tasks = [asyncio.create_task(c) for c in loop_tasks]
         self.manager._wake_queue.set()

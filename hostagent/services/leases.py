@@ -21,6 +21,7 @@ from hostagent.domain.errors import (
     HostError,
     HypervisorError,
     InvalidInput,
+    InvalidTransition,
     NotFound,
 )
 from hostagent.domain.hostdev import HostdevPci, alias_for, free_guest_slots, hostdevs_for_gpu
@@ -129,9 +130,13 @@ class LeaseManager:
     async def _write(self, lease: Lease, prev: LeaseState | None, actor: str, detail: str | None = None,
                      error: str | None = None) -> Lease:
         """Journal (durably) then publish in memory and to listeners."""
+        if prev is not None and lease.id not in self.leases:
+            # Ended (or never loaded) while this step was in flight: an ended lease never comes back.
+            raise InvalidTransition(f"lease {lease.id} has already ended", field="id")
         await self._run(self.journal.record, lease, from_state=prev, actor=actor, detail=detail, error=error)
         if lease.state.terminal:
             self.leases.pop(lease.id, None)
+            self._lease_locks.pop(lease.id, None)
             for gid in lease.gpu_ids:
                 if self.claims.get(gid) == lease.id:
                     del self.claims[gid]
@@ -338,7 +343,12 @@ class LeaseManager:
         try:
             return await self._run(fn, *args)
         finally:
-            self.step_timings.append((kind, time.perf_counter() - t0))
+            self._timing(kind, time.perf_counter() - t0)
+
+    def _timing(self, kind: str, seconds: float) -> None:
+        self.step_timings.append((kind, seconds))
+        if len(self.step_timings) > 20_000:  # bounded: consumers (metrics, benchmarks) read recent entries
+            del self.step_timings[:10_000]
 
     async def _bind_and_attach(self, lease: Lease, actor: str) -> Lease:
         """BINDING -> ATTACHING -> ACTIVE, or roll back to FAILED with every device given back."""
@@ -392,7 +402,7 @@ class LeaseManager:
         try:
             return await aw
         finally:
-            self.step_timings.append((kind, time.perf_counter() - t0))
+            self._timing(kind, time.perf_counter() - t0)
 
     async def _rollback(self, lease: Lease, bound: Sequence[LeaseDevice], actor: str, exc: HostAgentError) -> Lease:
         """Undo a failed grant in reverse order; FAILED with the error. Devices that will not come back are quarantined."""
@@ -540,11 +550,15 @@ class LeaseManager:
                 if len(free) < need and not (head.request.accept_partial and free):
                     return granted  # the head waits; nothing jumps it
                 count = min(need, len(free))
-                try:
-                    lease = await self._claim(head, free, count, "queue",
-                                              f"granted from the queue after {self.clock() - (head.queued_at or head.created_at):.0f} s")
-                except Conflict:
-                    return granted  # no acceptable set yet (e.g. numa_policy=required): the head keeps waiting
+                async with self.lease_lock(head.id):  # a concurrent release of the queued lease wins cleanly
+                    current = self.leases.get(head.id)
+                    if current is None or current.state is not S.QUEUED:
+                        continue
+                    try:
+                        lease = await self._claim(current, free, count, "queue",
+                                                  f"granted from the queue after {self.clock() - (current.queued_at or current.created_at):.0f} s")
+                    except Conflict:
+                        return granted  # no acceptable set yet (e.g. numa_policy=required): the head keeps waiting
             granted.append(await self._bind_and_attach(lease, "queue"))
 
     async def _safe(self, aw: Awaitable[Any]) -> Any:

@@ -89,3 +89,38 @@ async def test_slow_client_gets_408_and_others_are_served(tmp_path: Path, aiohtt
     s.close()
     assert b" 408 " in data.split(b"\r\n")[0] and b"request_timeout" in data
     assert rig.runtime.manager.leases == {}  # nothing changed
+
+
+async def test_release_of_a_queued_lease_racing_its_grant_never_resurrects_it(tmp_path: Path,
+                                                                               aiohttp_client: Any) -> None:
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    journal = rig.runtime.journal
+    record = journal.record
+
+    def slow_record(lease: Any, **kw: Any) -> None:
+        if lease.state.value == "BINDING":
+            time.sleep(0.3)  # a slow fsync right where the queue drain claims the head
+        record(lease, **kw)
+
+    journal.record = slow_record  # type: ignore[method-assign]
+    big = await (await rig.client.post("/v1/leases", json={"gpus": 8}, headers=rig.auth("vm-a"))).json()
+    queued = await (await rig.client.post("/v1/leases", json={"gpus": 1, "accept_deferred": True},
+                                          headers=rig.auth("vm-b"))).json()
+    assert queued["state"] == "QUEUED"
+    await rig.client.delete(f"/v1/leases/{big['id']}", headers=rig.auth("vm-a"))  # wakes the drain
+    await asyncio.sleep(0.1)  # the drain is now inside its slow BINDING write for the queued lease
+    r = await rig.client.delete(f"/v1/leases/{queued['id']}", headers=rig.auth("vm-b"))
+    assert r.status in (200, 409)
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if not rig.runtime.manager.leases:
+            break
+    final = await (await rig.client.get(f"/v1/leases/{queued['id']}", headers=rig.auth("vm-b"))).json()
+    if r.status == 200:  # the release won: the lease stays ended and holds nothing
+        assert final["state"] == "RELEASED"
+        assert queued["id"] not in rig.runtime.manager.leases
+        assert not rig.runtime.manager.claims
+    else:  # the grant won first: the guest was told to retry; the lease is ACTIVE and owns its GPU
+        assert final["state"] == "ACTIVE"
+    gpus = (await (await rig.client.get("/v1/gpus")).json())["gpus"]
+    assert sum(g["state"] == "leased" for g in gpus) == len(rig.runtime.manager.claims)

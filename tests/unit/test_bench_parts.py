@@ -1,0 +1,152 @@
+"""Benchmark plumbing (not benchmarks): figures, the page generator, the `hostagent bench` command, timed ports."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from hostagent import cli_bench, cli_more
+from hostagent.bench.rig import TimedPort
+from hostagent.bench.stats import percentile, slope
+
+ROOT = Path(__file__).parents[2]
+
+
+def load_bench_all() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_all_under_test", ROOT / "scripts" / "bench_all.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 100) == 5.0
+    assert percentile(values, 25) == 2.0
+    assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) != percentile([], 50)  # NaN
+
+
+def test_slope_of_a_line_and_of_flat_data() -> None:
+    xs = [0.0, 1.0, 2.0, 3.0]
+    assert slope(xs, [3.0 + 2.5 * x for x in xs]) == pytest.approx(2.5)
+    assert slope(xs, [4.0, 4.0, 4.0, 4.0]) == 0.0
+    assert slope([1.0], [2.0]) == 0.0
+    assert slope([2.0, 2.0], [1.0, 5.0]) == 0.0
+
+
+def _fake_scripts(tmp: Path) -> Path:
+    scripts = tmp / "scripts"
+    scripts.mkdir()
+    (scripts / "ok_a.py").write_text('"""Alpha figures.\n\nMore."""\nprint("alpha 42 ms")\n')
+    (scripts / "ok_b.py").write_text('"""Beta."""\nimport sys\nprint("beta 7 req/s")\nsys.exit(1)\n')
+    (scripts / "crash.py").write_text('"""Crashes."""\nprint("half")\nraise RuntimeError("boom")\n')
+    return scripts
+
+
+def _patch(mod: ModuleType, monkeypatch: pytest.MonkeyPatch, scripts: Path, *benches: Any) -> None:
+    monkeypatch.setattr(mod, "SCRIPTS", scripts)
+    monkeypatch.setattr(mod, "REPO", scripts.parent)
+    monkeypatch.setattr(mod, "BENCHES", benches)
+    monkeypatch.setattr(mod, "SECTION_ORDER", ("Alpha", "Beta", "Gamma", "Missing"))
+
+
+def test_page_is_regenerated_section_by_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    mod = load_bench_all()
+    scripts = _fake_scripts(tmp_path)
+    B = mod.Bench
+    _patch(mod, monkeypatch, scripts, B("a", "Alpha", "ok_a.py"), B("b", "Beta", "ok_b.py"),
+           B("c", "Gamma", "crash.py"), B("m", "Missing", "absent.py"))
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Old title\n\nold header\n\n## Alpha\n\nold alpha\n<!-- notes -->\nkeep me\n<!-- /notes -->\n\n"
+                    "## Gamma\n\nold gamma figures\n\n## Someone else's\n\ntheir text\n")
+    monkeypatch.setattr(sys, "argv", ["bench_all.py", "--write", str(page)])
+    assert mod.main() == 1  # the crash and the missing script are problems
+    text = page.read_text()
+    assert text.startswith("# Benchmarks\n")
+    assert "old header" not in text
+    assert "| CPUs |" in text and "| memory |" in text and "load average" in text
+    sections = mod.split_page(text)[1]
+    assert list(sections) == ["Alpha", "Beta", "Gamma", "Someone else's"]
+    assert "alpha 42 ms" in sections["Alpha"] and "Alpha figures." in sections["Alpha"]
+    assert "old alpha" not in sections["Alpha"] and "keep me" in sections["Alpha"]
+    assert "beta 7 req/s" in sections["Beta"] and "exited with status 1" in sections["Beta"]
+    assert sections["Gamma"] == "old gamma figures"  # crashed: the previous figures stay
+    assert sections["Someone else's"] == "their text"
+    assert "Missing" not in sections
+    err = capsys.readouterr().err
+    assert "crash.py: crashed" in err and "boom" in err and "absent.py does not exist" in err
+
+
+def test_only_runs_whole_sections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = load_bench_all()
+    scripts = _fake_scripts(tmp_path)
+    B = mod.Bench
+    _patch(mod, monkeypatch, scripts, B("a", "Alpha", "ok_a.py"), B("a2", "Alpha", "ok_b.py"),
+           B("b", "Beta", "crash.py"))
+    page = tmp_path / "benchmarks.md"
+    monkeypatch.setattr(sys, "argv", ["bench_all.py", "--write", str(page), "--only", "a"])
+    assert mod.main() == 0
+    sections = mod.split_page(page.read_text())[1]
+    assert list(sections) == ["Alpha"]
+    assert "alpha 42 ms" in sections["Alpha"] and "beta 7 req/s" in sections["Alpha"]  # a2 shares the section
+    monkeypatch.setattr(sys, "argv", ["bench_all.py", "--only", "nope"])
+    with pytest.raises(SystemExit):
+        mod.main()
+
+
+def test_bench_command_passes_every_argument_to_the_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hostagent.cli import build_parser, main
+
+    assert cli_bench.register in cli_more.EXTRA  # wired by the CLI itself
+    args = build_parser().parse_args(["bench", "load", "--duration", "5", "--help"])
+    assert args.benchmark == "load" and args.script_args == ["--duration", "5", "--help"]
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    out = tmp_path / "argv.txt"
+    (scripts / "bench_restart.py").write_text(f"import sys\nopen({str(out)!r}, 'w').write(' '.join(sys.argv[1:]))\n"
+                                              "sys.exit(3)\n")
+    monkeypatch.setattr(cli_bench, "SCRIPTS_DIR", scripts)
+    assert main(["bench", "restart", "--rounds", "2", "--quick"]) == 3
+    assert out.read_text() == "--rounds 2 --quick"
+    assert main(["bench", "place"]) == 1  # no such script in this tree: a clear error, not a traceback
+    for name in cli_bench.BENCHMARKS:
+        assert (ROOT / "scripts" / cli_bench.BENCHMARKS[name][0]).name.startswith("bench_")
+
+
+class _Port:
+    def sync_op(self, x: int) -> int:
+        return x * 2
+
+    async def async_op(self, x: int) -> int:
+        await asyncio.sleep(0.001)
+        return x + 1
+
+    def untimed(self) -> str:
+        return "u"
+
+    value = 5
+
+
+async def test_timed_port_records_calls_and_passes_results_through() -> None:
+    port = TimedPort(_Port(), "p", only=frozenset({"sync_op", "async_op"}))
+    mark = port.mark()
+    assert port.sync_op(4) == 8
+    assert await port.async_op(1) == 2
+    assert await asyncio.to_thread(port.sync_op, 1) == 2
+    assert port.untimed() == "u" and port.value == 5
+    calls = port.since(mark)
+    assert [name for name, _ in calls] == ["p.sync_op", "p.async_op", "p.sync_op"]
+    assert all(s >= 0 for _, s in calls) and calls[1][1] >= 0.001
