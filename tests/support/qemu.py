@@ -55,7 +55,8 @@ _STAGE2 = r"""#!/bin/sh
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export HOME=/root LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 share=@SHARE@
-mount -t tmpfs -o mode=1777 tmpfs /tmp
+# No tmpfs over /tmp: the root overlay already makes it writable (in RAM), and the checkout under test, its
+# .venv and the kernel's modules may live under /tmp on the host (CI clones there).
 mkdir -p /dev/pts /dev/shm
 mount -t devpts devpts /dev/pts
 mount -t tmpfs -o mode=1777 tmpfs /dev/shm
