@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
@@ -63,3 +66,47 @@ def is_unavailable(exc: BaseException) -> bool:
         return "locked" in text or "unable to open" in text or "disk i/o" in text
     # PyMySQL raises these outside a DBAPIError wrapper when the socket dies mid-handshake.
     return isinstance(exc, (ConnectionError, TimeoutError, BrokenPipeError))
+
+
+class HeldConnection:
+    """One connection kept out of the pool for a single busy user (the sample writer, the roller), one
+    transaction at a time; the caller serializes its use.
+
+    A pooled checkout per transaction costs a ping (pool_pre_ping) and a rollback when the connection goes back:
+    two round trips more than the work itself. A held connection is handed back to the pool, and a fresh (pinged)
+    one taken, after ``idle_s`` without use (the server may have dropped it meanwhile) or after any error.
+    """
+
+    def __init__(self, engine: Engine, *, idle_s: float = 30.0) -> None:
+        self.engine = engine
+        self.idle_s = idle_s
+        self._conn: Connection | None = None
+        self._used = 0.0
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """A transaction on the held connection: committed on success, rolled back (and the connection dropped)
+        on any error."""
+        now = time.monotonic()
+        if self._conn is not None and (now - self._used > self.idle_s or self._conn.invalidated):
+            self.close()
+        if self._conn is None:
+            self._conn = self.engine.connect()
+        conn = self._conn
+        try:
+            with conn.begin():
+                yield conn
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._used = time.monotonic()
+
+    def close(self) -> None:
+        """Give the connection back to the pool (a later begin() takes another)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # closing a connection the server already dropped: nothing left to release
+                pass

@@ -6,7 +6,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sized
 from concurrent.futures import Executor
 from typing import Any
 
@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 class SampleIngestor:
     """Accept samples at once (validated), write them in batches of one executemany each, in a worker thread.
 
-    ``write`` is a blocking function taking a list of Samples (``UsageStore.add_samples``); during an outage it
+    ``write`` is a blocking function taking a list of Samples (``UsageStore.write_samples``); ``flush()`` ends with
+    ``write([])``, after which that store's background rollups include every sample written. During an outage it
     spools, so a flush never waits on MySQL for long. ``submit`` refuses with Overloaded only when the queue is
     full; nothing accepted is ever dropped.
     """
@@ -55,19 +56,25 @@ class SampleIngestor:
         """Validate and queue samples; returns how many. InvalidInput for bad ones, Overloaded when full."""
         if self._closing:
             raise StoreUnavailable("sample ingestion is shutting down", field="samples")
+        if isinstance(samples, Sized) and samples:
+            # refuse a full queue before validating: a guest told to retry would have it validated twice
+            self._check_room(len(samples))
         batch = validate_samples(samples, now=self._clock() if now is None else now, max_skew_s=self._skew,
                                  default_lease_id=lease_id or "")
         if not batch:
             return 0
-        if self._depth + self._inflight + len(batch) > self.max_queue:
-            self.overloaded += 1
-            raise Overloaded(f"sample queue full ({self._depth + self._inflight} of {self.max_queue}); retry later",
-                             field="samples", retry_after_s=max(1, round(self.interval_s)))
+        self._check_room(len(batch))
         self._groups.append(batch)
         self._depth += len(batch)
         if self._depth >= self.batch:
             self._wake.set()
         return len(batch)
+
+    def _check_room(self, n: int) -> None:
+        if self._depth + self._inflight + n > self.max_queue:
+            self.overloaded += 1
+            raise Overloaded(f"sample queue full ({self._depth + self._inflight} of {self.max_queue}); retry later",
+                             field="samples", retry_after_s=max(1, round(self.interval_s)))
 
     # -- flushing ------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -98,10 +105,14 @@ class SampleIngestor:
                 backoff = min(30.0, backoff * 2)
 
     async def flush(self) -> int:
-        """Write everything queued now; returns how many samples were written."""
+        """Write everything queued now, and wait until the store's rollups include it; returns how many samples
+        were written."""
         total = 0
         while self._depth:
             total += await self._flush_once()
+        # An empty batch is the flush marker: a store that rolls up in the background (UsageStore.write_samples)
+        # returns from it once its rollups include everything written before, so reads after a flush are exact.
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._write, [])
         return total
 
     async def _flush_once(self) -> int:

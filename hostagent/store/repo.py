@@ -5,6 +5,10 @@ Writes that describe what happened (host, GPUs, leases, events, samples, reclaim
 :meth:`UsageStore._write`: applied at once when the database answers, else appended to the local spool and
 replayed in order, idempotently, by :meth:`UsageStore.replay_spool`. Reads raise ``StoreUnavailable`` during an
 outage. Tokens and model versions are not spooled: an operator action fails loudly instead.
+
+Samples are inserted with INSERT IGNORE alone; a background thread then folds them into the rollups past a
+per-host watermark (:mod:`hostagent.store.rollup`), overlapping the next insert. Methods that read rollups wait for
+it first, as does an empty ``write_samples([])`` (the ingestor's flush), so reads after a write are exact.
 """
 
 from __future__ import annotations
@@ -27,20 +31,12 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from hostagent.domain.errors import HostAgentError, InvalidInput, NotFound, StoreUnavailable
 from hostagent.domain.inventory import Gpu
 from hostagent.store import schema as t
-from hostagent.store.engine import is_unavailable, make_engine
+from hostagent.store.engine import HeldConnection, is_unavailable, make_engine
 from hostagent.store.migrate import upgrade
-from hostagent.store.samples import (
-    MAX_SKEW_S,
-    ROLLUP_ADD,
-    ROLLUP_GREATEST,
-    ROLLUP_KEYS,
-    ROLLUP_LEAST,
-    Sample,
-    rollup_rows,
-    validate_samples,
-)
+from hostagent.store.rollup import pending, roll_up_step, rollup_engine
+from hostagent.store.samples import MAX_SKEW_S, Sample, validate_samples
 from hostagent.store.spool import Spool
-from hostagent.store.upsert import upsert
+from hostagent.store.upsert import insert_ignore, upsert
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,6 +47,10 @@ REQUEST_FIELDS = ("gpus", "task_type", "data_scale", "precision", "min_memory_gi
 LEASE_MUTABLE = frozenset(c.name for c in t.leases.c) - {"id", "host_id", "created_at"}
 GPU_COLUMNS = frozenset(c.name for c in t.gpus.c) - {"host_id", "first_seen", "last_seen"}
 TOKEN_ROLES = ("guest", "operator", "reader")
+ROLL_EVERY_WRITES = 8  # the roller folds at least this many sample writes at once...
+ROLL_AFTER_S = 0.5  # ...or what it has after this long (rollup readers lag the raw rows by about this much)
+SAMPLE_COLUMNS = ("host_id", "gpu_id", "ts_ms", "lease_id", "source", "util_pct", "mem_used_bytes", "work_rate",
+                  "vfio_irq_rate")
 EXPORT_KINDS = ("leases", "lease_events", "samples", "rollups_minute", "rollups_hour", "reclaim_events",
                 "probe_results")
 
@@ -94,6 +94,7 @@ class UsageStore:
         self.hostname = hostname or socket.gethostname()
         self.agent_version = agent_version
         self.max_skew_s = max_skew_s
+        self.io_timeout = io_timeout
         self.auto_upgrade = auto_upgrade
         self.engine = make_engine(url, connect_timeout=connect_timeout, io_timeout=io_timeout)
         self.spool = Spool(spool_path)
@@ -103,14 +104,39 @@ class UsageStore:
         self._schema_ready = not auto_upgrade
         self._known_leases: set[str] = set()
         self._known_gpus: set[str] = set()
-        self.figures: dict[str, int] = {"samples_inserted": 0, "samples_duplicate": 0, "ops_spooled": 0,
-                                        "ops_replayed": 0, "outages": 0}
+        # Rollups follow the sample inserts in a background thread ("the roller", on its own connection), so the
+        # next batch's insert overlaps the last one's rollup. _written counts committed sample writes, _rolled how
+        # many of those the rollups are known to include; readers of rollups wait for the two to meet.
+        self._rlock = threading.Lock()  # one rollup step at a time: each reads the watermark, then moves it
+        self._roll_cv = threading.Condition()
+        self._written = 0
+        self._rolled = 0
+        self._settling = 0  # callers waiting in settle_rollups
+        self._roller: threading.Thread | None = None
+        self._closing = False
+        # The writer and the roller each keep one connection: checking one out of the pool per batch costs a ping
+        # and a rollback-on-return, two more round trips for every heartbeat batch.
+        self._writer = HeldConnection(self.engine)
+        self._roller_conn = HeldConnection(rollup_engine(self.engine))
+        self.figures: dict[str, int] = {"samples_inserted": 0, "samples_duplicate": 0, "samples_rolled_up": 0,
+                                        "rollup_errors": 0, "ops_spooled": 0, "ops_replayed": 0, "outages": 0}
         self._ensure_schema()
         self.upsert_host()
+        if not self.degraded:
+            self.roll_up()  # rows that a crash left between their insert and their rollup step
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Dispose of the engine and the spool (pending spooled writes stay on disk for the next start)."""
+        """Stop the roller, dispose of the engine and the spool (spooled writes stay on disk for the next start)."""
+        with self._roll_cv:
+            self._closing = True
+            self._roll_cv.notify_all()
+        if self._roller is not None:
+            self._roller.join()
+        with self._wlock:
+            self._writer.close()
+        with self._rlock:
+            self._roller_conn.close()
         self.engine.dispose()
         self.spool.close()
 
@@ -157,7 +183,7 @@ class UsageStore:
         with self._wlock:
             if not self.degraded:
                 try:
-                    with self.engine.begin() as conn:
+                    with self._writer.begin() as conn:
                         return self._apply(conn, op, payload)
                 except SQLAlchemyError as exc:
                     if not is_unavailable(exc):
@@ -185,7 +211,7 @@ class UsageStore:
                         return False
                 for item in self.spool.peek(max_ops):
                     try:
-                        with self.engine.begin() as conn:
+                        with self._writer.begin() as conn:
                             self._apply(conn, item.op, item.payload)
                     except (SQLAlchemyError, ConnectionError, TimeoutError) as exc:
                         if isinstance(exc, SQLAlchemyError) and not is_unavailable(exc):
@@ -200,6 +226,9 @@ class UsageStore:
                     self.spool.done(item.seq)
                     self.figures["ops_replayed"] += 1
             except StoreUnavailable:
+                return False
+            # the replayed samples, and any that an outage kept from their rollup step
+            if self._roll_up_now(probe_ok=True) is None:
                 return False
             if self.spool.depth == 0:
                 if self._down:
@@ -524,51 +553,137 @@ class UsageStore:
         """Validate a whole batch, then write it (or spool it) in one transaction; returns how many were accepted.
 
         Out-of-range values or timestamps too far in the future raise InvalidInput; an unknown lease or GPU raises
-        NotFound; in both cases nothing is written. A sample already stored (a replay) is skipped.
+        NotFound; in both cases nothing is written. A sample already stored (a replay) is skipped. The rollups
+        include the batch when this returns (unless the store is unreachable: then the replay rolls it up).
         """
         batch = validate_samples(samples, now=self._clock() if now is None else now, max_skew_s=self.max_skew_s)
-        return self.write_samples(batch, check_refs=check_refs)
+        n = self.write_samples(batch, check_refs=check_refs)
+        if n:
+            self.settle_rollups()
+        return n
 
     def write_samples(self, batch: Sequence[Sample], *, check_refs: bool = True) -> int:
-        """Write Samples that ``validate_samples`` already produced (the ingestor's path); see add_samples."""
+        """Write Samples that ``validate_samples`` already produced (the ingestor's path); see add_samples.
+
+        The rollups of the batch are made in the background, overlapping the next write. An empty batch is the
+        ingestor's flush marker: it waits until the rollups include every sample written before it.
+        """
         if not batch:
+            self.settle_rollups()
             return 0
         if check_refs:
             self._require_gpus({s.gpu_id for s in batch}, field="samples.gpu_id")
             self._require_leases({s.lease_id for s in batch}, field="samples.lease_id")
-        self._write("samples", list(batch))
+        with self._wlock:
+            self._write("samples", batch if isinstance(batch, list) else list(batch))
+            applied = not self.degraded  # else it went to the spool, and the replay rolls it up
+        if applied:
+            self._wrote_samples()
         return len(batch)
 
-    def _apply_samples(self, conn: Connection, rows: list[dict[str, Any]]) -> int:
-        samples = [r if isinstance(r, Sample) else Sample(**r) for r in rows]
-        c = t.usage_samples.c
-        # Only rows really inserted may be added to the rollups, or a replay would count twice: look first.
-        lo = min(s.ts_ms for s in samples)
-        hi = max(s.ts_ms for s in samples)
-        gpu_ids = sorted({s.gpu_id for s in samples})
-        existing = {tuple(r) for r in conn.execute(
-            select(c.gpu_id, c.ts_ms, c.lease_id, c.source)
-            .where(c.host_id == self.host_id, c.gpu_id.in_(gpu_ids), c.ts_ms.between(lo, hi)))}
-        fresh = []
-        for s in samples:  # skip rows already stored, and repeats inside the batch (a retried heartbeat)
-            if s.key not in existing:
-                existing.add(s.key)
-                fresh.append(s)
-        self.figures["samples_duplicate"] += len(samples) - len(fresh)
-        if not fresh:
-            return 0
+    def _apply_samples(self, conn: Connection, rows: list[dict[str, Any]] | list[Sample]) -> int:
+        # INSERT IGNORE: a sample already stored (a replay, a retried heartbeat) is skipped by its unique key, and
+        # since only inserted rows get an id past the watermark, the rollup step never counts it twice.
         host = self.host_id
-        conn.execute(insert(t.usage_samples), [
-            {"host_id": host, "gpu_id": s.gpu_id, "ts_ms": s.ts_ms, "lease_id": s.lease_id, "source": s.source,
-             "util_pct": s.util_pct, "mem_used_bytes": s.mem_used_bytes, "work_rate": s.work_rate,
-             "vfio_irq_rate": s.vfio_irq_rate} for s in fresh])
-        upsert(conn, t.usage_rollups, rollup_rows(self.host_id, fresh), keys=ROLLUP_KEYS, add=ROLLUP_ADD,
-               least=ROLLUP_LEAST, greatest=ROLLUP_GREATEST)
-        self.figures["samples_inserted"] += len(fresh)
-        return len(fresh)
+        values = [(host, s.gpu_id, s.ts_ms, s.lease_id, s.source, s.util_pct, s.mem_used_bytes, s.work_rate,
+                   s.vfio_irq_rate) for s in (r if isinstance(r, Sample) else Sample(**r) for r in rows)]
+        inserted = insert_ignore(conn, t.usage_samples, SAMPLE_COLUMNS, values)
+        self.figures["samples_duplicate"] += len(values) - inserted
+        self.figures["samples_inserted"] += inserted
+        return inserted
+
+    # -- rollups -------------------------------------------------------------------------------------------------
+    def roll_up(self) -> int:
+        """Fold every stored sample of this host not yet in the rollups into them, now; returns how many."""
+        return self._roll_up_now() or 0
+
+    def settle_rollups(self, timeout: float | None = None) -> bool:
+        """Wait until the rollups include every sample written so far; False when an outage (or ``timeout``,
+        by default the store's I/O timeout) came first."""
+        with self._roll_cv:
+            target = self._written
+            self._settling += 1
+            self._roll_cv.notify_all()  # the roller goes at once instead of waiting for more batches
+            try:
+                self._roll_cv.wait_for(lambda: self._rolled >= target or self._down or self._closing,
+                                       self.io_timeout if timeout is None else timeout)
+            finally:
+                self._settling -= 1
+            return self._rolled >= target
+
+    def _wrote_samples(self) -> None:
+        """Count a committed sample write and wake the roller (started on the first one)."""
+        with self._roll_cv:
+            self._written += 1
+            if self._roller is None and not self._closing:
+                self._roller = threading.Thread(target=self._roll_forever, name="usage-rollup", daemon=True)
+                self._roller.start()
+            self._roll_cv.notify_all()
+
+    def _roll_forever(self) -> None:
+        while True:
+            with self._roll_cv:
+                # Idle while caught up, and during an outage (the replay that ends it rolls up itself). Under load,
+                # let a few batches gather first: one step over many rows costs the server much less per row than
+                # a step per batch. A reader waiting for the rollups (settle_rollups) cuts the wait short.
+                self._roll_cv.wait_for(lambda: self._closing or (self._rolled < self._written and not self._down))
+                self._roll_cv.wait_for(lambda: self._closing or self._settling > 0 or self._down
+                                       or self._written - self._rolled >= ROLL_EVERY_WRITES, ROLL_AFTER_S)
+                if self._closing:
+                    return
+            self._roll_up_now()
+
+    def _roll_up_now(self, *, probe_ok: bool = False) -> int | None:
+        """Run rollup steps until none is pending; None when an outage stopped them (the store is marked down)."""
+        if self._down and not probe_ok:
+            return None
+        with self._roll_cv:
+            target = self._written  # every write counted here is committed, so the steps below will see it
+        with self._rlock:
+            total = self._roll_up_steps()
+        if total is not None:
+            with self._roll_cv:
+                self._rolled = max(self._rolled, target)
+                self._roll_cv.notify_all()
+        return total
+
+    def _roll_up_steps(self) -> int | None:
+        total = 0
+        try:
+            while True:
+                with self._roller_conn.begin() as conn:
+                    n, more = roll_up_step(conn, self.host_id, now=self._clock())
+                total += n
+                self.figures["samples_rolled_up"] += n
+                if not more:
+                    return total
+        except SQLAlchemyError as exc:
+            if is_unavailable(exc):
+                self._mark_down(exc)
+                self._wake_waiters()
+                return None
+            log.error("rolling up usage samples failed; rollups lag until the next step: %s", exc)
+        except (ConnectionError, TimeoutError) as exc:
+            self._mark_down(exc)
+            self._wake_waiters()
+            return None
+        except Exception:  # a bug must not stop the roller for good, nor hang the readers waiting on it
+            log.exception("rolling up usage samples failed; rollups lag until the next step")
+        # the raw rows are safe and the watermark did not move: the next step tries them again
+        self.figures["rollup_errors"] += 1
+        return total
+
+    def _wake_waiters(self) -> None:
+        with self._roll_cv:
+            self._roll_cv.notify_all()
+
+    def rollup_pending(self) -> int:
+        """Stored samples of this host not yet counted in the rollups."""
+        return self._read(lambda c: pending(c, self.host_id))
 
     def lease_usage_summary(self, lease_id: str) -> dict[str, Any]:
         """Usage of a lease so far, per GPU and in total, from the hourly rollups (no raw scan)."""
+        self.settle_rollups()
         r = t.usage_rollups.c
 
         def q(c: Connection) -> dict[str, Any]:
@@ -599,6 +714,7 @@ class UsageStore:
                  "util_mean": row.util_pct, "util_min": row.util_pct, "util_max": row.util_pct,
                  "mem_mean": row.mem_used_bytes, "mem_max": row.mem_used_bytes, "work_rate": row.work_rate,
                  "vfio_irq_rate": row.vfio_irq_rate} for row in c.execute(q)])
+        self.settle_rollups()
         base = t.RES_MINUTE if res < t.RES_HOUR else t.RES_HOUR
         r = t.usage_rollups.c
         bucket = (r.bucket - r.bucket % res).label("b") if res != base else r.bucket.label("b")
@@ -622,6 +738,7 @@ class UsageStore:
               chunk_s: int = 6 * 3600) -> dict[str, int]:
         """Delete raw samples and minute rollups past their retention (hourly rollups stay); returns counts."""
         now = self._clock() if now is None else now
+        self.settle_rollups()  # a raw row must be in the rollups before it may go
         raw_cut = int((now - raw_older_than_s) * 1000)
         minute_cut = int(now - minute_older_than_s)
         s = t.usage_samples.c
@@ -651,6 +768,7 @@ class UsageStore:
     def training_records(self, *, since: float | None = None, until: float | None = None, finished_only: bool = True,
                          all_hosts: bool = True) -> list[dict[str, Any]]:
         """One record per lease: the request, what was granted, the devices' models and the usage it made."""
+        self.settle_rollups()
         r = t.usage_rollups.c
         usage = (_agg(select(r.host_id, r.lease_id)).where(r.resolution == t.RES_HOUR, r.lease_id != "")
                  .group_by(r.host_id, r.lease_id).subquery("u"))
@@ -694,6 +812,8 @@ class UsageStore:
         if kind not in EXPORT_KINDS:
             raise InvalidInput(f"kind must be one of {', '.join(EXPORT_KINDS)}", field="kind")
         q = _export_query(kind, self.host_id, since, until)
+        if kind.startswith("rollups"):
+            self.settle_rollups()
         if isinstance(out, (str, Path)):
             with open(out, "w", newline="") as fh:
                 return self.export_csv(kind, since, until, fh)

@@ -166,6 +166,11 @@ usage_samples = Table(
     UniqueConstraint("host_id", "gpu_id", "ts_ms", "lease_id", "source"),
     Index(None, "host_id", "lease_id", "ts_ms"),
     Index(None, "ts_ms"),
+    # the rollup step reads "this host's rows past its watermark" (see usage_rollup_marks)
+    Index(None, "host_id", "id"),
+    # SQLite would reuse the ids of deleted (pruned) rows without AUTOINCREMENT, and a reused id at or below a
+    # watermark would never reach the rollups; MySQL's AUTO_INCREMENT never goes back
+    sqlite_autoincrement=True,
 )
 
 usage_rollups = Table(
@@ -192,6 +197,16 @@ usage_rollups = Table(
     Column("last_ms", BigInteger, nullable=False),
     Index(None, "host_id", "lease_id", "resolution", "bucket"),
     Index(None, "resolution", "bucket"),
+)
+
+# How far each host's raw samples are folded into usage_rollups: every usage_samples row of the host with an id up
+# to last_id is counted there, none above it. The rollup step moves it in the same transaction as its rollup
+# upsert, so each sample is counted exactly once whatever crashes or replays happen in between.
+usage_rollup_marks = Table(
+    "usage_rollup_marks", metadata,
+    Column("host_id", String(HOST), primary_key=True),
+    Column("last_id", BigInteger, nullable=False),
+    Column("updated_at", Double, nullable=False),
 )
 
 reclaim_events = Table(

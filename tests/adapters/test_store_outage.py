@@ -72,7 +72,7 @@ async def test_cut_under_heartbeat_load_every_sample_lands_exactly_once(db: str,
                                    replay_min_s=0.05, replay_max_s=0.5)
     await f.upsert_gpus([{"gpu_id": g, "address": f"0000:{i + 1:02x}:00.0"} for i, g in enumerate(GPUS)])
     await f.insert_lease(lease_doc("L1", created_at=T0, gpus=GPUS))
-    ing = SampleIngestor(f.store.add_samples, batch=100, interval_s=0.05)
+    ing = SampleIngestor(f.store.write_samples, batch=100, interval_s=0.05)  # the agent's path: background rollups
     ing.start()
     sent = 0
 

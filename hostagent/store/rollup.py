@@ -1,0 +1,152 @@
+"""Rollups kept out of the sample insert: fold a host's raw samples past its id watermark into usage_rollups.
+
+Inserting a heartbeat batch is one ``INSERT IGNORE`` and nothing else. This step then aggregates, on the database
+server, the host's rows with ``last_id < id <= high`` per (GPU, bucket, lease) for each resolution, adds them into
+``usage_rollups`` and moves the host's watermark to ``high`` in the same transaction. Hence exactly once: a crash
+before the commit leaves both as they were (the next step folds the same rows), a replayed sample is ignored by the
+insert and never gets a new id, and a committed step never sees its rows again.
+
+It relies on a host's sample ids growing in commit order, which holds because one ``UsageStore`` writes a host's
+samples one transaction at a time (its writer lock) and ids are never reused (AUTO_INCREMENT; AUTOINCREMENT on
+SQLite). Two agents writing samples under the same host id at once are not supported.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import BigInteger, Connection, CursorResult, Engine, Integer, bindparam, case, func, literal, select
+from sqlalchemy.engine import Dialect
+
+from hostagent.store import schema as t
+from hostagent.store.samples import (
+    IDLE_UTIL_PCT,
+    RESOLUTIONS,
+    ROLLUP_ADD,
+    ROLLUP_GREATEST,
+    ROLLUP_KEYS,
+    ROLLUP_LEAST,
+)
+from hostagent.store.upsert import upsert_select, upsert_statement
+
+STEP_ROWS = 50_000  # at most this many raw rows per transaction, so a long replay does not make one huge one
+
+ROLLUP_COLUMNS = ("host_id", "gpu_id", "resolution", "bucket", "lease_id", "n", "util_n", "util_sum", "util_min",
+                  "util_max", "idle_n", "mem_n", "mem_sum", "mem_max", "work_n", "work_sum", "irq_n", "irq_sum",
+                  "first_ms", "last_ms")
+
+
+def rollup_engine(engine: Engine) -> Engine:
+    """The engine for rollup steps: on MySQL, READ COMMITTED, so that reading the new samples is a consistent read
+    that takes no next-key locks (under REPEATABLE READ, INSERT ... SELECT would lock the gap past the newest
+    sample and stall the concurrent insert of the next batch until the step commits)."""
+    if engine.dialect.name in ("mysql", "mariadb"):
+        return engine.execution_options(isolation_level="READ COMMITTED")
+    return engine  # SQLite has one writer at a time anyway; its readers never block it (WAL)
+
+
+def watermark(conn: Connection, host_id: str, *, lock: bool = False) -> int:
+    """The highest sample id of ``host_id`` already in the rollups (0 before its first step)."""
+    return int(_run(conn, "mark_lock" if lock else "mark", host_id=host_id).scalar() or 0)
+
+
+def pending(conn: Connection, host_id: str) -> int:
+    """How many raw samples of ``host_id`` wait to be folded into the rollups."""
+    s = t.usage_samples.c
+    return int(conn.execute(select(func.count()).where(s.host_id == host_id,
+                                                       s.id > watermark(conn, host_id))).scalar_one())
+
+
+def roll_up_step(conn: Connection, host_id: str, *, now: float, limit: int = STEP_ROWS) -> tuple[int, bool]:
+    """Fold pending samples of ``host_id`` (at most ``limit``) into the rollups and move the watermark past them;
+    returns how many, and whether more are pending. Run it inside one transaction (the caller's ``begin()``)."""
+    low = watermark(conn, host_id, lock=True)  # MySQL: a second agent on the same host id waits here
+    bounds: Any = _run(conn, "bounds", host_id=host_id, low=low).one()
+    first, last = bounds
+    if first is None:
+        return 0, False
+    # At most ``limit`` ids, hence at most that many rows (other hosts' rows take ids in between too).
+    high = min(int(last), int(first) + limit - 1)
+    n = int(_run(conn, "count", host_id=host_id, low=low, high=high).scalar_one())
+    for res in RESOLUTIONS:
+        _run(conn, f"fold/{res}", host_id=host_id, low=low, high=high)
+    _run(conn, "move", host_id=host_id, last_id=high, updated_at=now)
+    return n, high < int(last)
+
+
+# -- statements, compiled once per dialect ----------------------------------------------------------------------
+# A step runs after every flushed batch; building and compiling these Core statements each time cost more client
+# CPU than the rest of the step. Their text and parameter order are made once and run with exec_driver_sql.
+
+def _run(conn: Connection, name: str, **params: Any) -> CursorResult[Any]:
+    sql, order, defaults = _compiled(conn.dialect, name)
+    return conn.exec_driver_sql(sql, tuple(params[k] if k in params else defaults[k] for k in order))
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(dialect: Dialect, name: str) -> tuple[str, tuple[str, ...], dict[str, Any]]:
+    kind, _, arg = name.partition("/")
+    compiled = _BUILDERS[kind](dialect, arg).compile(dialect=dialect)
+    return str(compiled), tuple(compiled.positiontup or ()), dict(compiled.params)
+
+
+def _mark(dialect: Dialect, arg: str, *, lock: bool = False) -> Any:
+    m = t.usage_rollup_marks.c
+    q = select(m.last_id).where(m.host_id == bindparam("host_id"))
+    return q.with_for_update() if lock else q  # FOR UPDATE renders as nothing on SQLite
+
+
+def _bounds(dialect: Dialect, arg: str) -> Any:
+    s = t.usage_samples.c
+    # MIN/MAX over the (host_id, id) index: two index dives, however many rows the host has
+    return select(func.min(s.id), func.max(s.id)).where(s.host_id == bindparam("host_id"), s.id > bindparam("low"))
+
+
+def _host_range(q: Any) -> Any:
+    """``q`` restricted to the host's rows ``low < id <= high``, read through the (host_id, id) index."""
+    s = t.usage_samples.c
+    q = q.where(s.host_id == bindparam("host_id"), s.id > bindparam("low"), s.id <= bindparam("high"))
+    # MariaDB's optimizer sometimes takes that index as a 'ref' on host_id alone, scanning the host's whole
+    # history for each step; FORCE INDEX makes it the range it is.
+    for name in ("mysql", "mariadb"):
+        q = q.with_hint(t.usage_samples, "FORCE INDEX (ix_usage_samples_host_id_id)", name)
+    return q
+
+
+def _count(dialect: Dialect, arg: str) -> Any:
+    return _host_range(select(func.count()).select_from(t.usage_samples))
+
+
+def _fold(dialect: Dialect, arg: str) -> Any:
+    """Per (GPU, bucket, lease) sums of the rows ``low < id <= high``, added into the rollups: the same figures as
+    ``samples.rollup_rows`` makes in Python."""
+    res = int(arg)
+    s = t.usage_samples.c
+    # ts_ms minus its remainder is a multiple of 1000, so a plain "/" is exact integer arithmetic on both backends
+    # (no FLOOR over MySQL's DECIMAL quotient); the same buckets as ``sec - sec % res`` in rollup_rows
+    bucket = (s.ts_ms - s.ts_ms % (1000 * res)).self_group().op("/", return_type=BigInteger)(1000)
+    total = func.coalesce
+    source = _host_range(select(
+        s.host_id, s.gpu_id, literal(res, Integer), bucket, s.lease_id,
+        func.count(), func.count(s.util_pct), total(func.sum(s.util_pct), 0.0), func.min(s.util_pct),
+        func.max(s.util_pct), total(func.sum(case((s.util_pct < IDLE_UTIL_PCT, 1), else_=0)), 0),
+        func.count(s.mem_used_bytes), total(func.sum(s.mem_used_bytes * 1.0), 0.0),  # * 1.0: no BIGINT overflow
+        func.max(s.mem_used_bytes), func.count(s.work_rate), total(func.sum(s.work_rate), 0.0),
+        func.count(s.vfio_irq_rate), total(func.sum(s.vfio_irq_rate), 0.0), func.min(s.ts_ms), func.max(s.ts_ms),
+    )).group_by(s.host_id, s.gpu_id, bucket, s.lease_id)
+    return upsert_select(dialect, t.usage_rollups, ROLLUP_COLUMNS, source, keys=ROLLUP_KEYS, add=ROLLUP_ADD,
+                         least=ROLLUP_LEAST, greatest=ROLLUP_GREATEST)
+
+
+def _move(dialect: Dialect, arg: str) -> Any:
+    return upsert_statement(dialect, t.usage_rollup_marks, keys=["host_id"], replace=["last_id", "updated_at"],
+                            values={"host_id": bindparam("host_id"), "last_id": bindparam("last_id"),
+                                    "updated_at": bindparam("updated_at")})
+
+
+_BUILDERS: dict[str, Callable[[Dialect, str], Any]] = {
+    "mark": _mark, "mark_lock": functools.partial(_mark, lock=True), "bounds": _bounds, "count": _count,
+    "fold": _fold, "move": _move,
+}
