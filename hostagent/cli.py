@@ -77,21 +77,7 @@ def settings_for(args: argparse.Namespace) -> Settings:
 
 def gpu_row(g: Any, state: str | None = None) -> dict[str, Any]:
     """A GPU as a JSON/table row (matches GET /v1/gpus)."""
-    return {
-        "id": g.id,
-        "address": str(g.address),
-        "vendor": g.vendor,
-        "model": g.model,
-        "memory_bytes": g.memory_bytes,
-        "memory_source": g.memory_source,
-        "numa_node": g.numa_node,
-        "iommu_group": g.iommu_group,
-        "viable": g.viable,
-        "unviable_reason": g.unviable_reason,
-        "functions": [{"address": str(f.address), "class": f.class_hex, "driver": f.driver, "name": f.name}
-                      for f in g.functions],
-        "state": state or ("free" if g.viable else "unavailable"),
-    }
+    return {**g.to_dict(), "state": state or ("free" if g.viable else "unavailable")}
 
 
 def _gib(n: int | None) -> str:

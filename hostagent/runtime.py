@@ -118,24 +118,7 @@ class Runtime:
         g: Gpu = self.manager.gpus[gpu_id]
         lease = self.manager.lease_of(gpu_id)
         return {
-            "id": g.id,
-            "address": str(g.address),
-            "vendor": g.vendor,
-            "vendor_id": f"{g.primary.vendor_id:04x}",
-            "device_id": f"{g.primary.device_id:04x}",
-            "model": g.model,
-            "memory_bytes": g.memory_bytes,
-            "memory_source": g.memory_source,
-            "numa_node": g.numa_node,
-            "iommu_group": g.iommu_group,
-            "viable": g.viable,
-            "unviable_reason": g.unviable_reason,
-            "link": {"speed": g.primary.link_speed, "width": g.primary.link_width,
-                     "max_speed": g.primary.max_link_speed, "max_width": g.primary.max_link_width},
-            "functions": [
-                {"address": str(f.address), "class": f.class_hex, "driver": f.driver, "name": f.name}
-                for f in g.functions
-            ],
+            **g.to_dict(),
             "state": self.manager.gpu_state(gpu_id).value,
             "quarantine_reason": self.manager.quarantined.get(gpu_id),
             "attention": self.manager.attention.get(gpu_id),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from hostagent.domain.pci import PciAddress
 
@@ -176,3 +177,25 @@ class Gpu:
         if self.group is None:
             return "IOMMU is off or the device has no IOMMU group: enable intel_iommu=on / amd_iommu=on"
         return self.group.reason
+
+    def to_dict(self) -> dict[str, Any]:
+        """The inventory part of a GPU's JSON (the CLI and GET /v1/gpus add its state)."""
+        p = self.primary
+        return {
+            "id": self.id,
+            "address": str(self.address),
+            "vendor": self.vendor,
+            "vendor_id": f"{p.vendor_id:04x}",
+            "device_id": f"{p.device_id:04x}",
+            "model": self.model,
+            "memory_bytes": self.memory_bytes,
+            "memory_source": self.memory_source,
+            "numa_node": self.numa_node,
+            "iommu_group": self.iommu_group,
+            "viable": self.viable,
+            "unviable_reason": self.unviable_reason,
+            "link": {"speed": p.link_speed, "width": p.link_width, "max_speed": p.max_link_speed,
+                     "max_width": p.max_link_width},
+            "functions": [{"address": str(f.address), "class": f.class_hex, "driver": f.driver, "name": f.name}
+                          for f in self.functions],
+        }
