@@ -47,7 +47,7 @@ BENCHES = (
     Bench("ingest", "Ingest", "bench_ingest.py", ("--samples", "20000"), 900),
     Bench("rollup", "Ingest", "bench_rollup_query.py", ("--small",), 1800),
     Bench("place", "Placement", "bench_place.py", ("--decisions", "500"), 900),
-    Bench("dashboard", "Dashboard", "bench_dashboard.py", ("--quick",), 900),
+    Bench("dashboard", "Dashboard", "bench_dashboard.py", ("--small",), 900),
 )
 SECTION_ORDER = ("Load", "Agent overhead per lease", "Restart to ready", "Ingest", "Placement", "Dashboard")
 
