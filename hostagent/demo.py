@@ -81,9 +81,9 @@ def run_demo(args: argparse.Namespace) -> int:
         f"  operator token  : {creds['operator']['token']}",
         "",
         "Try:",
-        f"  curl -s {{url}}/v1/gpus",
+        "  curl -s {url}/v1/gpus",
         f"  curl -s -X POST -H 'Authorization: Bearer {vm['token']}' -H 'Content-Type: application/json' \\",
-        f"       -d '{{\"gpus\": 1, \"task_type\": \"training\"}}' {{url}}/v1/leases",
+        "       -d '{\"gpus\": 1, \"task_type\": \"training\"}' {url}/v1/leases",
         "  dashboard: {url}/  (log in with the operator token)",
         "Ctrl-C stops it.",
     ])

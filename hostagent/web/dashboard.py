@@ -36,7 +36,6 @@ from hostagent.web.dashboard_auth import (
     safe_next,
 )
 from hostagent.web.dashboard_data import RANGES, DashboardData, csv_cell
-from hostagent.web.keys import RUNTIME
 
 log = logging.getLogger("hostagent.dashboard")
 

@@ -173,7 +173,7 @@ async def test_heartbeat_validation_writes_nothing_partial(rig: AgentRig) -> Non
     assert r.status == 200 and reply["accepted"] == 1 and reply["state"] == "ACTIVE"
     detail = await (await rig.client.get(f"/v1/leases/{body['id']}", headers=h)).json()
     assert detail["usage"]["samples"] >= 1
-    r = await rig.client.post(f"/v1/leases/nope/heartbeat", json={"samples": []}, headers=h)
+    r = await rig.client.post("/v1/leases/nope/heartbeat", json={"samples": []}, headers=h)
     assert r.status == 404
 
 
