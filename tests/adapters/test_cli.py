@@ -138,3 +138,25 @@ def test_help_is_useful(capsys: pytest.CaptureFixture[str]) -> None:
             main([cmd, "--help"])
         assert exc.value.code == 0
         assert len(capsys.readouterr().out.splitlines()) > 4
+
+
+@pytest.mark.parametrize("scenario", ["dgx8", "workstation", "shared-rootport", "iommu-off", "demo16"])
+def test_gpus_json_validates_against_the_documented_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           scenario: str) -> None:
+    import jsonschema
+
+    schema = json.loads((Path(__file__).parents[2] / "docs/schemas/gpus.schema.json").read_text())
+    sys_root = build_tree(tmp_path / scenario, scenario).sys_root
+    code, out, _ = run(capsys, "gpus", "--sysfs-root", str(sys_root), "--json")
+    assert code == 0
+    jsonschema.validate(json.loads(out), schema, cls=jsonschema.Draft202012Validator)
+
+
+async def test_api_gpus_validate_against_the_same_schema(tmp_path: Path, aiohttp_client: Any) -> None:
+    import jsonschema
+
+    schema = json.loads((Path(__file__).parents[2] / "docs/schemas/gpus.schema.json").read_text())
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    await rig.client.post("/v1/leases", json={"gpus": 2}, headers=rig.auth("vm-a"))
+    body = await (await rig.client.get("/v1/gpus")).json()
+    jsonschema.validate(body, schema, cls=jsonschema.Draft202012Validator)
