@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import importlib
 import logging
 import threading
 import time
@@ -291,10 +292,10 @@ class Runtime:
 
     async def _load_model(self) -> None:
         """Use the store's active placement model, if any (else the cold-start rule decides)."""
-        from hostagent.learn.lifecycle import load_active
-
+        # scikit-learn takes over a second to import: never on the event loop
+        lifecycle = await self.run(importlib.import_module, "hostagent.learn.lifecycle")
         try:
-            scorer = await self.run(load_active, self.store.store)
+            scorer = await self.run(lifecycle.load_active, self.store.store)
         except HostAgentError as exc:
             log.warning("cannot load the placement model: %s; using the cold-start rule", exc.message)
             return

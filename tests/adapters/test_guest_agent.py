@@ -92,9 +92,9 @@ async def test_run_leases_reports_usage_and_releases(live: LiveAgent, tmp_path: 
     assert env["CUDA_VISIBLE_DEVICES"] == f"GPU-{lease.id}-0"  # only the leased GPU, by NVML UUID
     body = await operator_get(live, lease.id)
     assert body["usage"]["samples"] >= 5  # 2 s of sampling every 0.1 s
-    window = list(live.runtime.recent_samples[lease.id])
-    assert {s["gpu_id"] for s in window} == set(lease.gpu_ids)
-    assert all(s["util_pct"] == 55.0 and s["mem_used_bytes"] == 2**30 for s in window)
+    per_gpu = body["usage"]["gpus"]  # what the host's usage store recorded for the lease
+    assert set(per_gpu) == set(lease.gpu_ids)
+    assert all(u["util_mean"] == 55.0 and u["util_min"] == 55.0 and u["mem_max"] == 2**30 for u in per_gpu.values())
     assert nvml.inits >= 1 and nvml.reads >= 5
 
 
