@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -28,13 +29,26 @@ def source_copy(tmp: Path) -> Path:
     return dst
 
 
+def lent_env(**extra: str) -> dict[str, str]:
+    """This test environment's packages for the installed venv.
+
+    --offline installs nothing but hostagent itself; everything else (setuptools and wheel to build it, aiohttp
+    and the rest to run it) must already be importable. A venv made with --system-site-packages from inside this
+    test venv sees the base interpreter's site-packages, not the test venv's, so they are lent through
+    PYTHONPATH (which, unlike a site dir, does not read .pth files: the test venv's editable hostagent stays out).
+    """
+    site = sysconfig.get_paths()
+    path = os.pathsep.join(dict.fromkeys((site["purelib"], site["platlib"])))
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def run(root: Path, tmp: Path, vendor: str = "GenuineIntel", cmdline: str = "BOOT_IMAGE=/vmlinuz ro quiet"
         ) -> subprocess.CompletedProcess[str]:
     cpu = tmp / f"cpuinfo-{vendor}"
     cpu.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\n")
     cmd = tmp / "cmdline"
     cmd.write_text(cmdline + "\n")
-    env = dict(os.environ, HOSTAGENT_CPUINFO=str(cpu), HOSTAGENT_CMDLINE=str(cmd), PYTHON=sys.executable)
+    env = lent_env(HOSTAGENT_CPUINFO=str(cpu), HOSTAGENT_CMDLINE=str(cmd), PYTHON=sys.executable)
     script = source_copy(tmp) / "scripts" / "install.sh"
     p = subprocess.run(["bash", str(script), "--root", str(root), "--no-apt", "--no-systemctl",
                         "--system-site-packages", "--offline"], capture_output=True, text=True, env=env, timeout=500)
@@ -62,7 +76,7 @@ def test_install_into_a_root_twice(tmp_path: Path) -> None:
     link = root / "usr/local/bin/hostagent"
     assert os.readlink(link) == "/opt/hostagent/bin/hostagent"  # the final path, as on the real machine
     exe = root / "opt/hostagent/bin/hostagent"
-    help_ = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
+    help_ = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60, env=lent_env())
     assert help_.returncode == 0 and "serve" in help_.stdout
     unit = root / "etc/systemd/system/hostagent.service"
     assert unit.read_text() == (ROOT / "systemd/hostagent.service").read_text()
@@ -77,7 +91,7 @@ def test_install_into_a_root_twice(tmp_path: Path) -> None:
     check = subprocess.run([str(root / "opt/hostagent/bin/python"), "-c",
                             "import hostagent.web.dashboard as d; print(d.TEMPLATES); "
                             "assert (d.TEMPLATES / 'overview.html').is_file() and (d.STATIC / 'uPlot.iife.min.js').is_file()"],
-                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path, env=lent_env())
     assert check.returncode == 0 and str(root) in check.stdout, check.stdout + check.stderr
 
     conf.write_text(conf.read_text() + "\n# edited by the operator\n")
