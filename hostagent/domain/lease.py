@@ -69,6 +69,15 @@ def check_transition(current: LeaseState, target: LeaseState) -> None:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One transition of a lease's history (None -> REQUESTED for a new lease), as the journal records it."""
+
+    from_state: LeaseState | None
+    to_state: LeaseState
+    detail: str | None = None
+
+
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "fp64", "tf32")
 NUMA_POLICIES = ("required", "preferred", "any")
 MAX_GPUS_PER_REQUEST = 64

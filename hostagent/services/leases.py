@@ -33,6 +33,7 @@ from hostagent.domain.lease import (
     LeaseState,
     Quota,
     QuotaUse,
+    Step,
     Verdict,
     Waiting,
     arbitrate,
@@ -128,12 +129,14 @@ class LeaseManager:
 
     # -- persistence ---------------------------------------------------------------------------------------------
     async def _write(self, lease: Lease, prev: LeaseState | None, actor: str, detail: str | None = None,
-                     error: str | None = None) -> Lease:
-        """Journal (durably) then publish in memory and to listeners."""
-        if prev is not None and lease.id not in self.leases:
+                     error: str | None = None, earlier: Sequence[Step] = ()) -> Lease:
+        """Journal (durably, `earlier` steps in the same transaction) then publish in memory and to listeners."""
+        born = prev is None or (bool(earlier) and earlier[0].from_state is None)
+        if not born and lease.id not in self.leases:
             # Ended (or never loaded) while this step was in flight: an ended lease never comes back.
             raise InvalidTransition(f"lease {lease.id} has already ended", field="id")
-        await self._run(self.journal.record, lease, from_state=prev, actor=actor, detail=detail, error=error)
+        await self._run(self.journal.record, lease, from_state=prev, actor=actor, detail=detail, error=error,
+                        earlier=tuple(earlier))
         if lease.state.terminal:
             self.leases.pop(lease.id, None)
             self._lease_locks.pop(lease.id, None)
@@ -150,12 +153,15 @@ class LeaseManager:
         return lease
 
     async def _move(self, lease: Lease, target: LeaseState, actor: str, detail: str | None = None,
-                    error: str | None = None, **changes: Any) -> Lease:
-        """Transition + journal + crash point named after the new state (an error is kept on the lease too)."""
+                    error: str | None = None, earlier: Sequence[Step] = (), **changes: Any) -> Lease:
+        """Transition + journal + crash point named after the new state (an error is kept on the lease too).
+
+        `earlier`: steps already taken in memory but not yet journaled, written in the same transaction.
+        """
         if error is not None:
             changes.setdefault("error", error)
         new = lease.transition(target, **changes)
-        new = await self._write(new, lease.state, actor, detail, error)
+        new = await self._write(new, lease.state, actor, detail, error, earlier)
         crash_point(f"after-{target.value.lower()}")
         return new
 
@@ -270,7 +276,10 @@ class LeaseManager:
         now = self.clock()
         async with self._decide:
             self._quota_check(dom.uuid, dom.name, request)
+            # The new lease is journaled with its first real step (QUEUED, BINDING or FAILED): one fsync, and a
+            # crash before it leaves nothing to repair because nothing was done yet.
             lease = new_lease(f"l-{uuid.uuid4().hex[:12]}", dom.uuid, dom.name, request, now)
+            born = (Step(None, S.REQUESTED, "requested"),)
             feasible = self._feasible(request)
             free = [g for g in feasible if self._is_free(g.id)]
             waiting = [Waiting(x.id, x.request.priority, x.queued_at or x.created_at, x.request.gpus)
@@ -281,27 +290,25 @@ class LeaseManager:
             if verdict.verdict is Verdict.DEFER:
                 if len(waiting) >= self.policy.queue_max:
                     raise Conflict("the lease queue is full; retry later", field="accept_deferred")
-                lease = await self._write(lease, None, actor, "requested")
-                lease = await self._move(lease, S.QUEUED, actor, verdict.reason, queued_at=now,
+                lease = await self._move(lease, S.QUEUED, actor, verdict.reason, earlier=born, queued_at=now,
                                          reasons=(verdict.reason,))
                 self._wake_queue.set()
                 return lease
-            lease = await self._write(lease, None, actor, "requested")
-            crash_point("after-requested")
             try:
-                lease = await self._claim(lease, free, verdict.count, actor, verdict.reason)
+                lease = await self._claim(lease, free, verdict.count, actor, verdict.reason, born)
             except Conflict as exc:  # placement found no acceptable set (e.g. numa_policy=required)
                 if request.accept_deferred and len(waiting) < self.policy.queue_max:
-                    lease = await self._move(lease, S.QUEUED, actor, f"placement: {exc.message}", queued_at=now,
-                                             reasons=(exc.message,))
+                    lease = await self._move(lease, S.QUEUED, actor, f"placement: {exc.message}", earlier=born,
+                                             queued_at=now, reasons=(exc.message,))
                     self._wake_queue.set()
                     return lease
-                await self._move(lease, S.FAILED, actor, "placement refused", error=exc.message,
+                await self._move(lease, S.FAILED, actor, "placement refused", error=exc.message, earlier=born,
                                  ended_at=self.clock(), end_reason="refused")
                 raise
         return await self._bind_and_attach(lease, actor)
 
-    async def _claim(self, lease: Lease, free: Sequence[Gpu], count: int, actor: str, why: str) -> Lease:
+    async def _claim(self, lease: Lease, free: Sequence[Gpu], count: int, actor: str, why: str,
+                     earlier: Sequence[Step] = ()) -> Lease:
         """Place, claim devices in memory and journal BINDING with the original drivers (under the decide lock)."""
         placement = self.place(lease.request, free, count, lease.domain_uuid)
         chosen = [self.gpus[i] for i in placement.gpu_ids]
@@ -322,7 +329,7 @@ class LeaseManager:
                       "dropped": [dict(d) for d in placement.dropped], "distance": placement.distance}
             return await self._move(
                 lease, S.BINDING, actor, f"placed on {', '.join(placement.gpu_ids)} ({placement.rule})",
-                devices=tuple(devices), granted_gpus=len(devices), reasons=reasons, distance=placement.distance,
+                earlier=earlier, devices=tuple(devices), granted_gpus=len(devices), reasons=reasons, distance=placement.distance,
                 expires_at=self.clock() + duration, placement=tuple(sorted(record.items())),
             )
         except BaseException:
@@ -365,7 +372,6 @@ class LeaseManager:
                         raise HostError(f"binding {gpu.id} to vfio-pci failed: {res.error}", gpu=gpu.id)
                     bound.append(dev)
                     crash_point("bind-device-done")
-                lease = await self._move(lease, S.ATTACHING, actor, "all functions on vfio-pci")
                 layout = self.policy.guest_layout
                 per_dev = [0 if layout == "auto" else 1 if layout == "multifunction" else len(d.functions)
                            for d in lease.devices]
@@ -381,8 +387,8 @@ class LeaseManager:
                     all_hostdevs.extend(hds)
                     devices.append(LeaseDevice(dev.gpu_id, dev.functions, dev.original_drivers, dev.iommu_group,
                                                tuple(_guest_addr(h) for h in hds)))
-                lease = await self._write(lease.with_changes(devices=tuple(devices)), lease.state, actor,
-                                          "guest addresses chosen")
+                lease = await self._move(lease, S.ATTACHING, actor,
+                                         "all functions on vfio-pci; guest addresses chosen", devices=tuple(devices))
                 crash_point("before-attach")
                 await self._timed_hv("attach", self.hv.attach_hostdevs(lease.domain_uuid, all_hostdevs))
                 crash_point("after-attach-call")
@@ -444,10 +450,12 @@ class LeaseManager:
             if lease.state in (S.BINDING, S.ATTACHING):
                 raise Conflict(f"lease {lease_id} is being set up ({lease.state.value}); retry in a moment",
                                field="id")
-            if lease.state is S.ACTIVE:
-                lease = await self._move(lease, S.RELEASING, actor, reason, end_reason=reason)
+            earlier: tuple[Step, ...] = ()
+            if lease.state is S.ACTIVE:  # RELEASING and DETACHING go to the journal together (one fsync)
+                earlier = (Step(S.ACTIVE, S.RELEASING, reason),)
+                lease = lease.transition(S.RELEASING, end_reason=reason)
             if lease.state is S.RELEASING:
-                lease = await self._move(lease, S.DETACHING, actor, "detaching from the domain")
+                lease = await self._move(lease, S.DETACHING, actor, "detaching from the domain", earlier=earlier)
             return await self._finish_release(lease, actor, final)
 
     async def _finish_release(self, lease: Lease, actor: str, final: LeaseState) -> Lease:

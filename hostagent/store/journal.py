@@ -1,6 +1,7 @@
 """The local crash-safe lease journal: SQLite in WAL mode with synchronous=FULL, plus the boot id.
 
-Every lease transition is written here (and fsync'd) before the step it announces runs; the usage store gets a
+Every lease transition is written here (and fsync'd) before the step it announces runs (a step that changes
+nothing outside the agent, like REQUESTED, shares the next one's transaction); the usage store gets a
 mirror afterwards. On start the journal says what was intended; sysfs and libvirt say what is true.
 """
 
@@ -10,12 +11,12 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hostagent.domain.lease import Lease, LeaseState
+from hostagent.domain.lease import Lease, LeaseState, Step
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -95,9 +96,17 @@ class Journal:
 
     # -- leases --------------------------------------------------------------------------------------------------
     def record(self, lease: Lease, *, from_state: LeaseState | None, actor: str, detail: str | None = None,
-               error: str | None = None) -> None:
-        """Persist the lease and its transition event in one durable transaction."""
+               error: str | None = None, earlier: Sequence[Step] = ()) -> None:
+        """Persist the lease and its transition event in one durable transaction (one fsync).
+
+        `earlier` are transitions the lease went through on the way to this one without being journaled on their
+        own (e.g. REQUESTED on the way to BINDING): each gets its event, in order, in the same transaction.
+        """
         now = self._clock()
+        gpus = ",".join(lease.gpu_ids) or None
+        events = [(s.from_state, s.to_state, s.detail, None) for s in earlier]
+        if from_state != lease.state or detail or error:
+            events.append((from_state, lease.state, detail, error))
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -106,14 +115,12 @@ class Journal:
                     (lease.id, lease.state.value, lease.domain_uuid, lease.request.idempotency_key,
                      json.dumps(lease.to_dict()), now),
                 )
-                if from_state != lease.state or detail or error:
-                    self._db.execute(
-                        "INSERT INTO events(lease_id, gpu_id, ts, kind, from_state, to_state, actor, detail, error)"
-                        " VALUES(?,?,?,?,?,?,?,?,?)",
-                        (lease.id, ",".join(lease.gpu_ids) or None, now,
-                         "transition" if from_state != lease.state else "update",
-                         from_state.value if from_state else None, lease.state.value, actor, detail, error),
-                    )
+                self._db.executemany(
+                    "INSERT INTO events(lease_id, gpu_id, ts, kind, from_state, to_state, actor, detail, error)"
+                    " VALUES(?,?,?,?,?,?,?,?,?)",
+                    [(lease.id, gpus, now, "transition" if frm != to else "update", frm.value if frm else None,
+                      to.value, actor, det, err) for frm, to, det, err in events],
+                )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")

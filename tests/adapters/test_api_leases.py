@@ -289,11 +289,25 @@ async def test_quarantine_clear_is_operator_only(rig: AgentRig) -> None:
 
 
 async def test_events_record_every_transition(rig: AgentRig) -> None:
+    journal = rig.runtime.manager.journal
+    commits: list[str] = []  # one durable transaction (one fsync) per journal.record call
+    record = journal.record
+
+    def counted(lease: Any, **kw: Any) -> None:
+        record(lease, **kw)
+        commits.append(lease.state.value)
+
+    journal.record = counted  # type: ignore[method-assign]
     body = await lease(rig)
     await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
     events = (await (await rig.client.get(f"/v1/events?lease_id={body['id']}", headers=rig.auth("operator"))).json())
-    states = [e["to_state"] for e in events["events"] if e["kind"] == "transition"]
+    moves = [(e["from_state"], e["to_state"]) for e in events["events"] if e["kind"] == "transition"]
+    states = [to for _, to in moves]
     assert states == ["REQUESTED", "BINDING", "ATTACHING", "ACTIVE", "RELEASING", "DETACHING", "REBINDING", "RELEASED"]
+    assert [frm for frm, _ in moves] == [None, *states[:-1]]  # an unbroken chain, in order
+    # Steps that change nothing outside the agent share a transaction with the next one: REQUESTED with
+    # BINDING, RELEASING with DETACHING (and the guest addresses with ATTACHING).
+    assert commits == ["BINDING", "ATTACHING", "ACTIVE", "DETACHING", "REBINDING", "RELEASED"]
 
 
 async def test_metrics_exposed(rig: AgentRig) -> None:

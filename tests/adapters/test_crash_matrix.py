@@ -17,11 +17,11 @@ from tests.support.crash import AgentProcess, check_invariants, make_agent_proce
 ROOT = Path(__file__).parents[2]
 
 GRANT_POINTS = [
-    "after-requested", "bind:unbind", "bind:override", "bind:probe", "bind:read-back", "bind-device-done",
+    "bind:unbind", "bind:override", "bind:probe", "bind:read-back", "bind-device-done",
     "after-binding", "after-attaching", "before-attach", "after-attach-call", "after-active",
 ]
 RELEASE_POINTS = [
-    "after-releasing", "after-detaching", "after-detach-confirmed", "after-rebinding", "give-back:unbind-vfio",
+    "after-detaching", "after-detach-confirmed", "after-rebinding", "give-back:unbind-vfio",
     "give-back:clear-override", "give-back:probe", "give-back:read-back", "after-released",
 ]
 RECLAIM_POINTS = ["reaper:strike-one", "reaper:strike-two", "reaper:reclaim"]
