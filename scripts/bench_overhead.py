@@ -9,7 +9,8 @@ live attach 1.3 s (measured on real libvirtd live attach) with the guest acknowl
 CONFIG attach 50 ms (a private libvirtd's CONFIG attach of a 4-function GPU measured p50 47 ms, p90 84 ms).
 Baseline in the same run: the time inside the host and hypervisor calls (the lease driver's own step_timings
 and, stricter, every port call), which is what any agent must spend. Targets: overhead under 1 % of the attach
-path, p99 under 5 ms.
+path, p99 under 5 ms. Wall time is taken twice: by the client (its own aiohttp work, which shares this event loop,
+included) and inside the agent, from the outermost middleware's entry to the handler's response.
 
     python scripts/bench_overhead.py [--leases 100] [--config-leases 300] [--quick] [--profile]
 """
@@ -26,6 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -49,12 +51,18 @@ class PathFigures:
     steps: list[float] = field(default_factory=list)  # sum of manager.step_timings
     ports: list[float] = field(default_factory=list)  # every host + hypervisor call
     journal: list[float] = field(default_factory=list)  # journal.record (fsync'd writes)
+    handler: list[float] = field(default_factory=list)  # inside the agent: request in -> response out
     writes: list[int] = field(default_factory=list)
 
     @property
     def overhead(self) -> list[float]:
         """Wall minus every host and hypervisor call."""
         return [w - p for w, p in zip(self.wall, self.ports, strict=True)]
+
+    @property
+    def overhead_in_agent(self) -> list[float]:
+        """Time inside the agent's HTTP stack and handlers minus every host and hypervisor call."""
+        return [h - p for h, p in zip(self.handler, self.ports, strict=True)]
 
     @property
     def overhead_steps(self) -> list[float]:
@@ -73,7 +81,19 @@ async def run_case(leases: int, warmup: int, hv_kwargs: dict[str, float],
         agent = build_agent(Path(tmp), scenario="demo16", vms=("vm-bench",), hv_kwargs=hv_kwargs,
                             libvirt={"detach_timeout_s": 10.0})
         rt = agent.runtime
-        runner = web.AppRunner(make_app(rt), access_log=None)
+        app = make_app(rt)
+        served: list[float] = []  # seconds per request inside the agent, outermost middleware
+
+        @web.middleware
+        async def in_agent(request: web.Request, handler: Any) -> web.StreamResponse:
+            t0 = time.perf_counter()
+            try:
+                return await handler(request)
+            finally:
+                served.append(time.perf_counter() - t0)
+
+        app.middlewares.insert(0, in_agent)
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -108,8 +128,10 @@ async def run_case(leases: int, warmup: int, hv_kwargs: dict[str, float],
                         profile.disable()
                     if not measured:
                         continue
-                    for fig, a, b, wall in ((attach, marks, mid, t1 - t0), (release, mid, end, t2 - t1)):
+                    for fig, a, b, wall, inside in ((attach, marks, mid, t1 - t0, served[-2]),
+                                                    (release, mid, end, t2 - t1, served[-1])):
                         fig.wall.append(wall)
+                        fig.handler.append(inside)
                         fig.steps.append(sum(sec for _, sec in rt.manager.step_timings[a[0]:b[0]]))
                         fig.ports.append(_sum(agent.host_port.calls[a[1]:b[1]]) + _sum(agent.hv_port.calls[a[2]:b[2]]))
                         writes = [c for c in agent.journal_port.calls[a[3]:b[3]] if c[0] == "journal.record"]
@@ -122,38 +144,44 @@ async def run_case(leases: int, warmup: int, hv_kwargs: dict[str, float],
 
 def row(name: str, values: list[float]) -> str:
     """p50 / p99 / max in ms."""
-    return (f"    {name:<44} {percentile(values, 50) * 1e3:9.2f} {percentile(values, 99) * 1e3:9.2f} "
+    return (f"    {name:<52} {percentile(values, 50) * 1e3:9.2f} {percentile(values, 99) * 1e3:9.2f} "
             f"{max(values) * 1e3:9.2f}")
 
 
 def report(label: str, attach: PathFigures, release: PathFigures) -> list[tuple[str, bool, str]]:
     """Print one case; returns verdict lines (what, met, figure)."""
     print(f"\n[{label}]  {len(attach.wall)} leases")
-    print(f"    {'ms per lease':<44} {'p50':>9} {'p99':>9} {'max':>9}")
+    print(f"    {'ms per lease':<52} {'p50':>9} {'p99':>9} {'max':>9}")
     for name, fig in (("attach path: POST /v1/leases -> 201 ACTIVE", attach),
                       ("release path: DELETE -> 200 RELEASED", release)):
         print(f"  {name}")
-        print(row("wall", fig.wall))
+        print(row("wall, seen by the client", fig.wall))
+        print(row("wall, inside the agent (request in -> response out)", fig.handler))
         print(row("baseline: sysfs + hypervisor calls (all)", fig.ports))
         print(row("baseline: lease driver step_timings", fig.steps))
-        print(row("agent overhead = wall - calls", fig.overhead))
-        print(row("agent overhead = wall - step_timings", fig.overhead_steps))
+        print(row("agent overhead = client wall - calls", fig.overhead))
+        print(row("agent overhead = client wall - step_timings", fig.overhead_steps))
+        print(row("agent overhead = wall inside the agent - calls", fig.overhead_in_agent))
         print(row(f"  of which journal writes ({fig.writes[0]} x fsync'd)", fig.journal))
         print(row("  of which the rest (HTTP, JSON, placement, threads)",
-                  [o - j for o, j in zip(fig.overhead, fig.journal, strict=True)]))
+                  [o - j for o, j in zip(fig.overhead_in_agent, fig.journal, strict=True)]))
     total = [a + r for a, r in zip(attach.overhead, release.overhead, strict=True)]
-    print(row("whole lease: agent overhead", total))
-    pct = percentile(attach.overhead, 50) / percentile(attach.wall, 50) * 100
-    pct99 = percentile(attach.overhead, 99) / percentile(attach.wall, 50) * 100
-    print(f"  attach path overhead: p50 {pct:.2f} %, p99 {pct99:.2f} % of the attach path's p50 wall time")
-    return [
-        (f"{label}: attach overhead p50 < {ATTACH_TARGET_PCT:g} % of the attach path", pct < ATTACH_TARGET_PCT,
-         f"{pct:.2f} %"),
-        (f"{label}: attach overhead p99 < {P99_TARGET_S * 1e3:g} ms", percentile(attach.overhead, 99) < P99_TARGET_S,
-         f"{percentile(attach.overhead, 99) * 1e3:.2f} ms"),
-        (f"{label}: release overhead p99 < {P99_TARGET_S * 1e3:g} ms", percentile(release.overhead, 99) < P99_TARGET_S,
-         f"{percentile(release.overhead, 99) * 1e3:.2f} ms"),
-    ]
+    print(row("whole lease: agent overhead (client wall)", total))
+    verdicts = []
+    for how, a_over, r_over in (("inside the agent", attach.overhead_in_agent, release.overhead_in_agent),
+                                ("client wall", attach.overhead, release.overhead)):
+        pct = percentile(a_over, 50) / percentile(attach.wall, 50) * 100
+        pct99 = percentile(a_over, 99) / percentile(attach.wall, 50) * 100
+        print(f"  attach path overhead ({how}): p50 {pct:.2f} %, p99 {pct99:.2f} % of the attach path's p50 wall time")
+        verdicts += [
+            (f"{label}: attach overhead ({how}) p50 < {ATTACH_TARGET_PCT:g} % of the attach path",
+             pct < ATTACH_TARGET_PCT, f"{pct:.2f} %"),
+            (f"{label}: attach overhead ({how}) p99 < {P99_TARGET_S * 1e3:g} ms",
+             percentile(a_over, 99) < P99_TARGET_S, f"{percentile(a_over, 99) * 1e3:.2f} ms"),
+            (f"{label}: release overhead ({how}) p99 < {P99_TARGET_S * 1e3:g} ms",
+             percentile(r_over, 99) < P99_TARGET_S, f"{percentile(r_over, 99) * 1e3:.2f} ms"),
+        ]
+    return verdicts
 
 
 async def main_async(args: argparse.Namespace) -> int:
