@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
@@ -102,7 +103,9 @@ class UsageStore:
         self._wlock = threading.RLock()  # one writer at a time keeps spool order == write order
         self._down = False
         self._schema_ready = not auto_upgrade
-        self._known_leases: set[str] = set()
+        # Lease ids known to be in the store (so sample writes need not ask); bounded, most recently used last:
+        # a long-lived agent sees an unbounded number of leases, and a forgotten id only costs one lookup.
+        self._known_leases: OrderedDict[str, None] = OrderedDict()
         self._known_gpus: set[str] = set()
         # Rollups follow the sample inserts in a background thread ("the roller", on its own connection), so the
         # next batch's insert overlaps the last one's rollup. _written counts committed sample writes, _rolled how
@@ -298,7 +301,7 @@ class UsageStore:
         """Record a lease (the journal's ``Lease.to_dict()`` form, request nested or flat); an upsert, so idempotent."""
         row, devices = self._lease_row(lease)
         self._write("lease", {"row": row, "devices": devices})
-        self._known_leases.add(row["id"])
+        self._remember_leases((row["id"],))
         return str(row["id"])
 
     def _lease_row(self, d: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
@@ -452,8 +455,19 @@ class UsageStore:
                     out.setdefault((r.host_id, r.lease_id), []).append(dict(r._mapping))
         return out
 
+    KNOWN_LEASES_MAX = 4096
+
+    def _remember_leases(self, ids: Iterable[str]) -> None:
+        for x in ids:
+            self._known_leases[x] = None
+            self._known_leases.move_to_end(x)
+        while len(self._known_leases) > self.KNOWN_LEASES_MAX:
+            self._known_leases.popitem(last=False)
+
     def _require_leases(self, ids: Iterable[str], *, field: str) -> None:
-        missing = {x for x in ids if x and x not in self._known_leases}
+        ids = [x for x in ids if x]
+        missing = {x for x in ids if x not in self._known_leases}
+        self._remember_leases(x for x in ids if x not in missing)  # still in use: keep them
         if not missing:
             return
         if self.degraded:
@@ -461,7 +475,7 @@ class UsageStore:
             return
         found = self._read(lambda c: {r[0] for r in c.execute(
             select(t.leases.c.id).where(t.leases.c.id.in_(sorted(missing)), t.leases.c.host_id == self.host_id))})
-        self._known_leases.update(found)
+        self._remember_leases(sorted(found))
         if missing - found:
             raise NotFound(f"unknown lease {sorted(missing - found)[0]}", field=field)
 

@@ -158,6 +158,21 @@ def test_a_bad_sample_or_unknown_reference_writes_nothing(store: UsageStore) -> 
     assert count(store, t.usage_samples) == 0 and count(store, t.usage_rollups) == 0
 
 
+def test_known_lease_cache_is_bounded_and_an_evicted_lease_is_asked_for_again(store: UsageStore,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(UsageStore, "KNOWN_LEASES_MAX", 3)
+    for i in range(6):
+        setup_lease(store, f"L{i}")
+    assert list(store._known_leases) == ["L3", "L4", "L5"]  # noqa: SLF001 - the cache under test
+    store.add_samples(sample_rows(["gpu-0"], "L0", T0, 2), now=NOW)  # evicted, still in the store: accepted
+    assert list(store._known_leases) == ["L4", "L5", "L0"]  # noqa: SLF001
+    store.add_samples(sample_rows(["gpu-0"], "L4", T0, 2), now=NOW)  # in use: moves to the recent end
+    assert list(store._known_leases) == ["L5", "L0", "L4"]  # noqa: SLF001
+    with pytest.raises(NotFound):
+        store.add_samples(sample_rows(["gpu-0"], "ghost", T0, 2), now=NOW)
+    assert "ghost" not in store._known_leases and count(store, t.usage_samples) == 4  # noqa: SLF001
+
+
 def test_lease_usage_summary_and_gpu_history(store: UsageStore) -> None:
     setup_lease(store)
     store.add_samples(sample_rows(["gpu-0", "gpu-1"], "L1", T0, 720, util=lambda i, j: 80.0 if j == 0 else 2.0),
