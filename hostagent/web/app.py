@@ -16,12 +16,11 @@ from hostagent.domain.errors import Conflict, HostAgentError, InvalidInput, NotF
 from hostagent.domain.lease import LeaseState, parse_lease_request
 from hostagent.services.leases import lease_view
 from hostagent.web.auth import Identity, bearer, require
-from hostagent.web.keys import RUNTIME
+from hostagent.web.keys import IDENTITY, RUNTIME
 
 log = logging.getLogger("hostagent.web")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-IDENTITY = "hostagent.identity"
 MAX_SAMPLES_PER_HEARTBEAT = 1000
 SAMPLE_FUTURE_SKEW_S = 300.0
 SAMPLE_MAX_AGE_S = 7 * 24 * 3600.0

@@ -36,6 +36,7 @@ from hostagent.web.dashboard_auth import (
     safe_next,
 )
 from hostagent.web.dashboard_data import RANGES, DashboardData, csv_cell
+from hostagent.web.keys import DASH_FORM, DASH_IDENTITY, DASH_SESSION
 
 log = logging.getLogger("hostagent.dashboard")
 
@@ -128,8 +129,8 @@ def _dash(request: web.Request) -> Dashboard:
 
 
 def _render(request: web.Request, template: str, ctx: dict[str, Any], status: int = 200) -> web.Response:
-    session: Session | None = request.get("dash_session")
-    identity: Identity | None = request.get("dash_identity")
+    session: Session | None = request.get(DASH_SESSION)
+    identity: Identity | None = request.get(DASH_IDENTITY)
     base = {
         "request_path": request.path_qs, "path": request.path, "identity": identity,
         "is_operator": bool(identity and identity.is_operator),
@@ -144,8 +145,8 @@ def _render(request: web.Request, template: str, ctx: dict[str, Any], status: in
 
 
 def _fragment(request: web.Request, template: str, ctx: dict[str, Any]) -> str:
-    session: Session | None = request.get("dash_session")
-    identity: Identity | None = request.get("dash_identity")
+    session: Session | None = request.get(DASH_SESSION)
+    identity: Identity | None = request.get(DASH_IDENTITY)
     base: dict[str, Any] = {"identity": identity, "is_operator": bool(identity and identity.is_operator),
             "csrf": session.csrf if session else "", "request_path": request.path_qs, "notes": []}
     base.update(ctx)
@@ -184,8 +185,8 @@ def _page(handler: Handler) -> Handler:
             if is_api:
                 raise Unauthorized("log in to the dashboard first", field="session")
             return _login_redirect(request)
-        request["dash_session"] = session
-        request["dash_identity"] = identity
+        request[DASH_SESSION] = session
+        request[DASH_IDENTITY] = identity
         if is_api:
             return await handler(request)
         try:
@@ -202,15 +203,15 @@ def _action(handler: Callable[[web.Request, Identity], Awaitable[str]]) -> Handl
     @functools.wraps(handler)
     async def wrapper(request: web.Request) -> web.StreamResponse:
         form = await request.post()
-        session: Session = request["dash_session"]
-        identity: Identity = request["dash_identity"]
+        session: Session = request[DASH_SESSION]
+        identity: Identity = request[DASH_IDENTITY]
         if not check_csrf(session, form.get("csrf")):  # type: ignore[arg-type]
             raise Forbidden("the form's CSRF token is missing or stale; reload the page and try again", field="csrf")
         back = safe_next(form.get("next"))
         if not identity.is_operator:
             session.flash.append(("error", "this credential is read-only; actions need the operator credential"))
             return _see_other(back)
-        request["dash_form"] = form
+        request[DASH_FORM] = form
         try:
             message = await handler(request, identity)
             session.flash.append(("ok", message))
@@ -289,7 +290,7 @@ async def login_submit(request: web.Request) -> web.StreamResponse:
 async def logout(request: web.Request) -> web.StreamResponse:
     """POST /ui/logout (CSRF-checked)."""
     form = await request.post()
-    session: Session = request["dash_session"]
+    session: Session = request[DASH_SESSION]
     if not check_csrf(session, form.get("csrf")):  # type: ignore[arg-type]
         raise Forbidden("the form's CSRF token is missing or stale", field="csrf")
     _dash(request).sessions.drop(session.sid)
@@ -417,7 +418,7 @@ async def release_action(request: web.Request, who: Identity) -> str:
 async def reclaim_action(request: web.Request, who: Identity) -> str:
     """Operator: pause or resume idle reclaim on a lease."""
     rt = _dash(request).rt
-    form = request["dash_form"]
+    form = request[DASH_FORM]
     value = str(form.get("paused") or "")
     if value not in ("0", "1"):
         raise InvalidInput("paused must be 0 or 1", field="paused")

@@ -1,12 +1,20 @@
-"""Typed application keys."""
+"""Typed application and request keys."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from multidict import MultiDictProxy
 
 if TYPE_CHECKING:
     from hostagent.runtime import Runtime
+    from hostagent.web.auth import Identity
+    from hostagent.web.dashboard_auth import Session
 
 RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime")
+
+IDENTITY: web.RequestKey[Identity] = web.RequestKey("hostagent.identity")  # set by the API's auth middleware
+DASH_SESSION: web.RequestKey[Session] = web.RequestKey("hostagent.dash_session")
+DASH_IDENTITY: web.RequestKey[Identity] = web.RequestKey("hostagent.dash_identity")
+DASH_FORM: web.RequestKey[MultiDictProxy[str | bytes | web.FileField]] = web.RequestKey("hostagent.dash_form")

@@ -21,7 +21,8 @@ from hostagent.host.sysfs import open_sysfs
 from hostagent.services.probes import ProbeService, ProbeSettings
 from hostagent.services.topology import TopologyPlacer, load_topology, make_topology_place, topology_view
 from hostagent.web import openapi_ext
-from hostagent.web.app import IDENTITY, ident
+from hostagent.web.app import ident
+from hostagent.web.keys import IDENTITY
 from hostagent.web.keys import RUNTIME
 
 
