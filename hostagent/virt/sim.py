@@ -191,6 +191,21 @@ class SimulatedHypervisor:
             seq, text = self._snapshot()  # taken on the loop, so it is a consistent picture
             await asyncio.to_thread(self._write, seq, text)
 
+    def _save_soon(self) -> None:
+        """From a loop callback: snapshot now, write in a worker thread (a real libvirtd's disk writes never block
+        the agent's event loop; neither should the simulator's). A crash before the write is safe: the older
+        state still lists the acknowledged detach as pending with its due time, and loading completes it."""
+        if self.path is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside the loop (a test's thread, the CLI): write now
+            self.save()
+            return
+        seq, text = self._snapshot()
+        fut = loop.run_in_executor(None, self._write, seq, text)
+        fut.add_done_callback(_log_failed_save)
+
     # -- lifecycle, for tests and the demo -----------------------------------------------------------------------
     def _add(self, name: str, uuid: str | None, state: DomainState) -> _Domain:
         if not name:
@@ -458,7 +473,7 @@ class SimulatedHypervisor:
         if dom is None or alias not in dom.pending:
             return
         self._remove_live(dom, alias)
-        self.save()
+        self._save_soon()
         self._resolve(uuid, alias, True)
         self._emit(DomainEvent(dom.uuid, dom.name, EventKind.DEVICE_REMOVED, alias))
 
@@ -539,3 +554,8 @@ def _xpath_literal(s: str) -> str:
     if '"' not in s:
         return f'"{s}"'
     return "concat(" + ", \"'\", ".join(f"'{p}'" for p in s.split("'")) + ")"
+
+
+def _log_failed_save(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("simulated hypervisor: writing the state file failed: %s", fut.exception())
