@@ -154,6 +154,8 @@ class ProbeService:
         self.reports: dict[str, ProbeReport] = {}
         self._one_at_a_time = asyncio.Lock()  # probes share the host's CPU and PCIe; one at a time is plenty
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._pending: dict[str, asyncio.Task[Any]] = {}  # gpu_id -> its scheduled probe's task
+        self._due: dict[str, tuple[float, str]] = {}  # gpu_id -> (loop time the probe is due, actor)
         self._periodic: asyncio.Task[Any] | None = None
 
     # -- placement feature ----------------------------------------------------------------------------------------
@@ -172,6 +174,7 @@ class ProbeService:
         """Unsubscribe and cancel scheduled probes."""
         with contextlib.suppress(ValueError):
             self.manager.listeners.remove(self.on_lease_change)
+        self._due.clear()
         tasks = list(self._tasks) + ([self._periodic] if self._periodic else [])
         for t in tasks:
             t.cancel()
@@ -210,20 +213,39 @@ class ProbeService:
             self.schedule(gid, delay_s=self.settings.after_lease_delay_s, actor="after-lease")
 
     def schedule(self, gpu_id: str, *, delay_s: float = 0.0, actor: str = "agent") -> asyncio.Task[Any]:
-        """Probe a GPU in the background (skipped quietly if it is leased again by then)."""
-        async def later() -> None:
-            if delay_s:
-                await asyncio.sleep(delay_s)
-            try:
-                await self.probe(gpu_id, actor=actor)
-            except Conflict as exc:
-                log.info("probe of %s skipped: %s", gpu_id, exc.message)
-            except HostAgentError as exc:
-                log.warning("probe of %s failed: %s", gpu_id, exc.message)
+        """Probe a GPU in the background (skipped quietly if it is leased again by then).
 
-        task = asyncio.get_running_loop().create_task(later())
+        One task per GPU at most: scheduling a GPU that already waits for its probe moves the probe to the later
+        due time instead of queueing another (a busy host ends leases faster than probes run; without this the
+        waiting tasks would pile up without bound). A GPU scheduled while its probe runs is probed once more.
+        """
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay_s
+        earlier = self._due.get(gpu_id)
+        self._due[gpu_id] = (max(due, earlier[0]) if earlier else due, actor)
+        task = self._pending.get(gpu_id)
+        if task is not None and not task.done():
+            return task
+
+        async def later() -> None:
+            while gpu_id in self._due:
+                when, who = self._due[gpu_id]
+                if when > loop.time():
+                    await asyncio.sleep(when - loop.time())
+                    continue
+                del self._due[gpu_id]
+                try:
+                    await self.probe(gpu_id, actor=who)
+                except Conflict as exc:
+                    log.info("probe of %s skipped: %s", gpu_id, exc.message)
+                except HostAgentError as exc:
+                    log.warning("probe of %s failed: %s", gpu_id, exc.message)
+
+        task = loop.create_task(later())
         self._tasks.add(task)
+        self._pending[gpu_id] = task
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: self._pending.pop(gpu_id, None) if self._pending.get(gpu_id) is t else None)
         return task
 
     async def _sweep_loop(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,36 @@ async def test_gpu_is_claimed_while_probed(tmp_path: Path, aiohttp_client: Any) 
             break
         await asyncio.sleep(0.02)
     assert body["state"] == "ACTIVE" and len(body["devices"]) == 8
+
+
+async def test_scheduled_probes_coalesce_per_gpu(tmp_path: Path) -> None:
+    """A busy host ends leases faster than probes run: one waiting task per GPU, however often it is scheduled."""
+    gate = threading.Event()
+    started = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    class SlowRunner(FakeComputeRunner):
+        def run(self, gpu: Any, budget_s: float) -> Any:
+            loop.call_soon_threadsafe(started.set)
+            while not gate.is_set():
+                time.sleep(0.01)
+            return super().run(gpu, budget_s)
+
+    runner = SlowRunner()
+    rig, _app, parts = topology_rig(tmp_path, runners=[runner], probe_settings=ProbeSettings(period_s=0, runs=1))
+    probes = parts.probes
+    first = probes.schedule(ALL[0], actor="test")
+    await started.wait()  # ALL[0] is being probed
+    again = [probes.schedule(ALL[0], actor="test") for _ in range(50)]  # scheduled while its probe runs
+    others = [probes.schedule(ALL[1], delay_s=0.05 * (i % 3), actor="test") for i in range(50)]
+    assert all(t is first for t in again) and all(t is others[0] for t in others)
+    assert len(probes._tasks) == 2  # noqa: SLF001 - the bound under test
+    gate.set()
+    await asyncio.gather(first, others[0])
+    # ALL[0]: the running probe, then one more for the schedules made meanwhile; ALL[1]: once, not 50 times
+    assert sorted(runner.calls) == sorted([ALL[0], ALL[0], ALL[1]])
+    assert not probes._tasks and not probes._pending and not probes._due  # noqa: SLF001
+    assert rig.runtime.manager.claims == {}
 
 
 async def test_probe_after_a_lease_ends(tmp_path: Path, aiohttp_client: Any) -> None:
