@@ -109,7 +109,7 @@ async def run_case(leases: int, warmup: int, hv_kwargs: dict[str, float],
                     measured = i >= warmup
                     if measured and profile is not None:
                         profile.enable()
-                    marks = (len(rt.manager.step_timings), agent.host_port.mark(), agent.hv_port.mark(),
+                    marks = (rt.manager.step_timings.total, agent.host_port.mark(), agent.hv_port.mark(),
                              agent.journal_port.mark())
                     t0 = time.perf_counter()
                     async with s.post(url + "/v1/leases", json={"gpus": 1, "task_type": "training"}, headers=auth) as r:
@@ -117,14 +117,14 @@ async def run_case(leases: int, warmup: int, hv_kwargs: dict[str, float],
                         if r.status != 201 or body["state"] != "ACTIVE":
                             raise RuntimeError(f"lease {i}: {r.status} {body}")
                     t1 = time.perf_counter()
-                    mid = (len(rt.manager.step_timings), agent.host_port.mark(), agent.hv_port.mark(),
+                    mid = (rt.manager.step_timings.total, agent.host_port.mark(), agent.hv_port.mark(),
                            agent.journal_port.mark())
                     async with s.delete(url + f"/v1/leases/{body['id']}", headers=auth) as r:
                         done = await r.json()
                         if r.status != 200 or done["state"] != "RELEASED":
                             raise RuntimeError(f"release {i}: {r.status} {done}")
                     t2 = time.perf_counter()
-                    end = (len(rt.manager.step_timings), agent.host_port.mark(), agent.hv_port.mark(),
+                    end = (rt.manager.step_timings.total, agent.host_port.mark(), agent.hv_port.mark(),
                            agent.journal_port.mark())
                     if profile is not None:
                         profile.disable()
@@ -134,7 +134,7 @@ async def run_case(leases: int, warmup: int, hv_kwargs: dict[str, float],
                                                     (release, mid, end, t2 - t1, served[-1])):
                         fig.wall.append(wall)
                         fig.handler.append(inside)
-                        fig.steps.append(sum(sec for _, sec in rt.manager.step_timings[a[0]:b[0]]))
+                        fig.steps.append(sum(sec for _, sec in rt.manager.step_timings.since(a[0], b[0])))
                         fig.ports.append(_sum(agent.host_port.calls[a[1]:b[1]]) + _sum(agent.hv_port.calls[a[2]:b[2]]))
                         writes = [c for c in agent.journal_port.calls[a[3]:b[3]] if c[0] == "journal.record"]
                         fig.journal.append(sum(sec for _, sec in writes))

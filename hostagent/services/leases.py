@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,32 @@ def simple_place(request: LeaseRequest, candidates: Sequence[Gpu], count: int, d
     return Placement(chosen, (f"simple rule: largest memory first, chose {', '.join(chosen)}",), rule="simple")
 
 
+class TimingLog:
+    """The latest step timings, bounded, with positions that stay valid as old entries drop out.
+
+    `total` counts every entry ever appended; a reader keeps the total it has seen and asks for what came since
+    (entries that already dropped out are skipped, never handed out twice).
+    """
+
+    def __init__(self, maxlen: int = 10_000) -> None:
+        self._entries: deque[tuple[str, float]] = deque(maxlen=maxlen)
+        self.total = 0
+
+    def append(self, entry: tuple[str, float]) -> None:
+        self._entries.append(entry)
+        self.total += 1
+
+    def since(self, mark: int, end: int | None = None) -> list[tuple[str, float]]:
+        """Entries appended at positions [mark, end) (end: now) that are still kept."""
+        end = self.total if end is None else min(end, self.total)
+        first = self.total - len(self._entries)  # position of the oldest kept entry
+        lo, hi = max(mark, first) - first, max(end, first) - first
+        return [self._entries[i] for i in range(lo, hi)]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class LeaseManager:
     """Owns live leases and device claims; the only writer of lease state."""
 
@@ -125,7 +152,7 @@ class LeaseManager:
         self.listeners: list[Listener] = []
         self._wake_queue = asyncio.Event()
         self.quarantined: dict[str, str] = {}
-        self.step_timings: list[tuple[str, float]] = []  # (kind, seconds) of host/hypervisor calls, for overhead figures
+        self.step_timings = TimingLog()  # (kind, seconds) of host/hypervisor calls: metrics, overhead figures
 
     # -- persistence ---------------------------------------------------------------------------------------------
     async def _write(self, lease: Lease, prev: LeaseState | None, actor: str, detail: str | None = None,
@@ -354,8 +381,6 @@ class LeaseManager:
 
     def _timing(self, kind: str, seconds: float) -> None:
         self.step_timings.append((kind, seconds))
-        if len(self.step_timings) > 20_000:  # bounded: consumers (metrics, benchmarks) read recent entries
-            del self.step_timings[:10_000]
 
     async def _bind_and_attach(self, lease: Lease, actor: str) -> Lease:
         """BINDING -> ATTACHING -> ACTIVE, or roll back to FAILED with every device given back."""

@@ -55,11 +55,9 @@ class Metrics:
             elif lease.state is LeaseState.DETACH_PENDING and lease.end_reason == "reclaimed: idle":
                 self.reclaims.labels("detach_pending").inc()
         timings = self.runtime.manager.step_timings
-        if self._seen_timings > len(timings):  # the manager trimmed its list
-            self._seen_timings = 0
-        for kind, seconds in timings[self._seen_timings:]:
+        for kind, seconds in timings.since(self._seen_timings):
             self.step_seconds.labels(kind).observe(seconds)
-        self._seen_timings = len(timings)
+        self._seen_timings = timings.total
         if lease is not None and lease.state is LeaseState.FAILED:
             self.step_failures.labels("lease").inc()
 
