@@ -153,8 +153,7 @@ class ProbeService:
         self.last_probe: dict[str, float] = {}
         self.reports: dict[str, ProbeReport] = {}
         self._one_at_a_time = asyncio.Lock()  # probes share the host's CPU and PCIe; one at a time is plenty
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._pending: dict[str, asyncio.Task[Any]] = {}  # gpu_id -> its scheduled probe's task
+        self._pending: dict[str, asyncio.Task[Any]] = {}  # gpu_id -> its scheduled probe's task (one at most)
         self._due: dict[str, tuple[float, str]] = {}  # gpu_id -> (loop time the probe is due, actor)
         self._periodic: asyncio.Task[Any] | None = None
 
@@ -175,7 +174,7 @@ class ProbeService:
         with contextlib.suppress(ValueError):
             self.manager.listeners.remove(self.on_lease_change)
         self._due.clear()
-        tasks = list(self._tasks) + ([self._periodic] if self._periodic else [])
+        tasks = list(self._pending.values()) + ([self._periodic] if self._periodic else [])
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -242,9 +241,7 @@ class ProbeService:
                     log.warning("probe of %s failed: %s", gpu_id, exc.message)
 
         task = loop.create_task(later())
-        self._tasks.add(task)
         self._pending[gpu_id] = task
-        task.add_done_callback(self._tasks.discard)
         task.add_done_callback(lambda t: self._pending.pop(gpu_id, None) if self._pending.get(gpu_id) is t else None)
         return task
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -84,28 +83,33 @@ async def test_never_during_a_lease_and_operator_only(tmp_path: Path, aiohttp_cl
     await probe(client, rig, "gpu-nope", status=404)
 
 
+class GatedRunner(FakeComputeRunner):
+    """A compute runner whose run says it started, then blocks (in the probe's worker thread) until `gate` opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.get_running_loop()
+        self.started = asyncio.Event()
+        self.gate = threading.Event()
+
+    def run(self, gpu: Any, budget_s: float) -> Any:
+        self.loop.call_soon_threadsafe(self.started.set)
+        self.gate.wait()
+        return super().run(gpu, budget_s)
+
+
 async def test_gpu_is_claimed_while_probed(tmp_path: Path, aiohttp_client: Any) -> None:
     """While a probe runs the GPU cannot be placed: a lease for all 8 GPUs must wait for it."""
-    gate = asyncio.Event()
-    started = asyncio.Event()
-
-    class SlowRunner(FakeComputeRunner):
-        def run(self, gpu: Any, budget_s: float) -> Any:
-            loop.call_soon_threadsafe(started.set)
-            while not gate.is_set():
-                time.sleep(0.01)
-            return super().run(gpu, budget_s)
-
-    loop = asyncio.get_running_loop()
-    rig, app, parts = topology_rig(tmp_path, runners=[SlowRunner()], probe_settings=ProbeSettings(period_s=0, runs=1))
+    runner = GatedRunner()
+    rig, app, parts = topology_rig(tmp_path, runners=[runner], probe_settings=ProbeSettings(period_s=0, runs=1))
     client = await aiohttp_client(app)
     task = parts.probes.schedule(ALL[0], actor="test")
-    await started.wait()
+    await runner.started.wait()
     assert rig.runtime.manager.claims[ALL[0]] == f"probe:{ALL[0]}"
     r = await client.post("/v1/leases", json={"gpus": 8, "accept_deferred": True}, headers=rig.auth("vm-a"))
     queued = await r.json()
     assert r.status == 202 and queued["state"] == "QUEUED"
-    gate.set()
+    runner.gate.set()
     await task
     assert ALL[0] not in rig.runtime.manager.claims or not rig.runtime.manager.claims[ALL[0]].startswith("probe:")
     for _ in range(200):
@@ -118,31 +122,20 @@ async def test_gpu_is_claimed_while_probed(tmp_path: Path, aiohttp_client: Any) 
 
 async def test_scheduled_probes_coalesce_per_gpu(tmp_path: Path) -> None:
     """A busy host ends leases faster than probes run: one waiting task per GPU, however often it is scheduled."""
-    gate = threading.Event()
-    started = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    class SlowRunner(FakeComputeRunner):
-        def run(self, gpu: Any, budget_s: float) -> Any:
-            loop.call_soon_threadsafe(started.set)
-            while not gate.is_set():
-                time.sleep(0.01)
-            return super().run(gpu, budget_s)
-
-    runner = SlowRunner()
+    runner = GatedRunner()
     rig, _app, parts = topology_rig(tmp_path, runners=[runner], probe_settings=ProbeSettings(period_s=0, runs=1))
     probes = parts.probes
     first = probes.schedule(ALL[0], actor="test")
-    await started.wait()  # ALL[0] is being probed
+    await runner.started.wait()  # ALL[0] is being probed
     again = [probes.schedule(ALL[0], actor="test") for _ in range(50)]  # scheduled while its probe runs
     others = [probes.schedule(ALL[1], delay_s=0.05 * (i % 3), actor="test") for i in range(50)]
     assert all(t is first for t in again) and all(t is others[0] for t in others)
-    assert len(probes._tasks) == 2  # noqa: SLF001 - the bound under test
-    gate.set()
+    assert len(probes._pending) == 2  # noqa: SLF001 - the bound under test
+    runner.gate.set()
     await asyncio.gather(first, others[0])
     # ALL[0]: the running probe, then one more for the schedules made meanwhile; ALL[1]: once, not 50 times
     assert sorted(runner.calls) == sorted([ALL[0], ALL[0], ALL[1]])
-    assert not probes._tasks and not probes._pending and not probes._due  # noqa: SLF001
+    assert not probes._pending and not probes._due  # noqa: SLF001
     assert rig.runtime.manager.claims == {}
 
 
