@@ -356,8 +356,9 @@ class LeaseManager:
                       "dropped": [dict(d) for d in placement.dropped], "distance": placement.distance}
             return await self._move(
                 lease, S.BINDING, actor, f"placed on {', '.join(placement.gpu_ids)} ({placement.rule})",
-                earlier=earlier, devices=tuple(devices), granted_gpus=len(devices), reasons=reasons, distance=placement.distance,
-                expires_at=self.clock() + duration, placement=tuple(sorted(record.items())),
+                earlier=earlier, devices=tuple(devices), granted_gpus=len(devices), reasons=reasons,
+                distance=placement.distance, expires_at=self.clock() + duration,
+                placement=tuple(sorted(record.items())),
             )
         except BaseException:
             for g in chosen:

@@ -22,8 +22,7 @@ from hostagent.services.probes import ProbeService, ProbeSettings
 from hostagent.services.topology import TopologyPlacer, load_topology, make_topology_place, topology_view
 from hostagent.web import openapi_ext
 from hostagent.web.app import ident
-from hostagent.web.keys import IDENTITY
-from hostagent.web.keys import RUNTIME
+from hostagent.web.keys import IDENTITY, RUNTIME
 
 
 @dataclass
