@@ -70,6 +70,12 @@ class FakeKernel(Sysfs):
         with contextlib.suppress(FileNotFoundError):
             (self._root_real / FAULT_DIR / kind / address).unlink()
 
+    def clear_faults(self) -> None:
+        """Disarm every fault."""
+        for p in list((self._root_real / FAULT_DIR).glob("*/*")):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
     def _fault(self, kind: str, address: str) -> str | None:
         p = self._root_real / FAULT_DIR / kind / address
         try:

@@ -175,8 +175,7 @@ def test_random_faults_never_split_a_group(faults, release_faults) -> None:
             if not res.needs_attention:
                 assert now == NATIVE
         assert res.drivers == now
-        for kind, addr in faults:
-            k.clear_fault(kind, addr)
+        k.clear_faults()
         if res.ok:
             for kind, addr in release_faults:
                 k.set_fault(kind, addr)
@@ -193,3 +192,11 @@ def test_write_errors_surface_as_host_errors(tmp_path) -> None:
     host, k, _ = fake_host(tmp_path, "workstation")
     with pytest.raises(HostError):
         k.write("bus/pci/drivers_probe", "0000:77:00.0")
+
+
+def test_clear_faults_disarms_every_armed_fault(tmp_path: Path) -> None:
+    _host, k, _inv = fake_host(tmp_path, "workstation")
+    k.set_fault("fail_unbind", TURING[0])
+    k.set_fault("fail_bind", TURING[1], "EBUSY")
+    k.clear_faults()
+    assert k._fault("fail_unbind", TURING[0]) is None and k._fault("fail_bind", TURING[1]) is None  # noqa: SLF001

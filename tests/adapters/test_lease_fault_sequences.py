@@ -106,8 +106,7 @@ async def play(rig: AgentRig, ops: list[tuple[Any, ...]]) -> None:
                 fn = g.functions[op[3] % len(g.functions)]
                 kernel.set_fault(op[1], str(fn.address))
             elif kind == "clear-faults":
-                for path in list((rig.tree.sys_root / ".fault").glob("*/*")):
-                    kernel.clear_fault(path.parent.name, path.name)
+                kernel.clear_faults()
             elif kind == "fail-next-attach":
                 rig.hv.fail_attach_after = rig.hv.attach_count + op[1]
             elif kind == "acknowledge":
@@ -116,8 +115,7 @@ async def play(rig: AgentRig, ops: list[tuple[Any, ...]]) -> None:
             check_invariants(rig, where)
         # Wind down: guests let go, faults clear, everything is released; every GPU ends in a known state.
         rig.hv.fail_attach_after = None
-        for path in list((rig.tree.sys_root / ".fault").glob("*/*")):
-            kernel.clear_fault(path.parent.name, path.name)
+        kernel.clear_faults()
         for name in VM_NAMES:
             rig.hv.acknowledge_detaches(name)
         await asyncio.sleep(0.05)
