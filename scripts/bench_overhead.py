@@ -11,8 +11,8 @@ Baseline in the same run: the time inside the host and hypervisor calls (the lea
 and, stricter, every port call), which is what any agent must spend. Targets: overhead under 1 % of the attach
 path with realistic latencies (the live-attach case) and p99 under 5 ms in both cases. The CONFIG case's share of
 its 50 ms path is reported beside it, with no target: 1 % of 50 ms is 0.5 ms, less than the three fsync'd journal
-writes a crash-safe lease needs. Wall time is taken twice: by the client (its own aiohttp work, which shares this event loop,
-included) and inside the agent, from the outermost middleware's entry to the handler's response.
+writes a crash-safe lease needs. Wall time is taken twice: by the client (its own aiohttp work, which shares this
+event loop, included) and inside the agent, from the outermost middleware's entry to the handler's response.
 
     python scripts/bench_overhead.py [--leases 100] [--config-leases 300] [--quick] [--profile]
 """
