@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import collections
 import random
+import re
 import resource
 import sys
 import tempfile
@@ -228,17 +229,56 @@ class HealthFactory:
         return health_client(c, deadline, i / self.count)
 
 
-async def sample_rss(pid: int, every_s: float, out: list[tuple[float, int]], stop: asyncio.Event) -> None:
-    """Append (seconds since start, VmRSS KiB) every `every_s` until stopped."""
+MEMORY_PARTS = re.compile(r'^hostagent_memory_bytes\{part="(\w+)"\} (\S+)$', re.M)
+
+
+async def sample_memory(pid: int, url: str, every_s: float, rss: list[tuple[float, int]],
+                        parts: list[tuple[float, dict[str, float]]], stop: asyncio.Event) -> None:
+    """Every `every_s` until stopped: (seconds since start, VmRSS KiB) from /proc, and the agent's own split of its
+    memory (malloc in use, malloc free, SQLite: `hostagent_memory_bytes` in /metrics, bytes)."""
     t0 = time.monotonic()
-    while not stop.is_set():
-        rss = read_rss_kib(pid)
-        if rss is not None:
-            out.append((time.monotonic() - t0, rss))
-        try:
-            await asyncio.wait_for(stop.wait(), every_s)
-        except asyncio.TimeoutError:
-            pass
+    async with aiohttp.ClientSession() as s:
+        while not stop.is_set():
+            kib = read_rss_kib(pid)
+            if kib is not None:
+                rss.append((time.monotonic() - t0, kib))
+            try:
+                async with s.get(url + "/metrics") as r:
+                    text = await r.text()
+                parts.append((time.monotonic() - t0, {k: float(v) for k, v in MEMORY_PARTS.findall(text)}))
+            except aiohttp.ClientError:
+                pass
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+            except asyncio.TimeoutError:
+                pass
+
+
+def print_memory(rss: list[tuple[float, int]], parts: list[tuple[float, dict[str, float]]], main_from: float,
+                 every_s: float) -> float:
+    """RSS over the run and, after the load phase's first fifth (start-up, the queue filling up), the slope of RSS
+    and of each part the agent reports; returns the RSS slope in MiB/min."""
+    t_all = [t for t, _ in rss]
+    k_all = [k for _, k in rss]
+    print(f"agent RSS (VmRSS every {every_s:g} s, {len(rss)} samples): first "
+          f"{k_all[0] / 1024:.1f} MiB, last {k_all[-1] / 1024:.1f} MiB, max {max(k_all) / 1024:.1f} MiB over "
+          f"{t_all[-1]:.0f} s")
+    body = [(t, k) for t, k in rss if t >= main_from]
+    warm = body[len(body) // 5:]
+    if len(warm) < 2:
+        return 0.0
+    sl = slope([t for t, _ in warm], [k for _, k in warm]) * 60 / 1024  # MiB per minute
+    print(f"  load phase after warm-up: {warm[0][1] / 1024:.1f} -> {warm[-1][1] / 1024:.1f} MiB, "
+          f"slope {sl:+.3f} MiB/min over {warm[-1][0] - warm[0][0]:.0f} s")
+    held = [(t, p) for t, p in parts if t >= warm[0][0]]
+    for name, what in (("malloc_in_use", "malloc in use (grows with a leak)"),
+                       ("malloc_free", "malloc free, kept (fragmentation)"), ("sqlite", "SQLite (page caches)")):
+        pts = [(t, p[name]) for t, p in held if name in p]
+        if len(pts) >= 2:
+            ps = slope([t for t, _ in pts], [v for _, v in pts]) * 60 / 2**20
+            print(f"    {what:<36} {pts[0][1] / 2**20:6.1f} -> {pts[-1][1] / 2**20:6.1f} MiB, slope {ps:+.3f} MiB/min")
+    print("  rss trace (s: MiB): " + ", ".join(f"{t:.0f}: {k / 1024:.1f}" for t, k in rss[:: max(1, len(rss) // 12)]))
+    return sl
 
 
 async def end_state(url: str, operator: str) -> tuple[int, int, list[str]]:
@@ -292,8 +332,9 @@ async def main_async(args: argparse.Namespace) -> int:
         agent = AgentProcess(state)
         url = agent.start()
         rss: list[tuple[float, int]] = []
+        parts: list[tuple[float, dict[str, float]]] = []
         stop = asyncio.Event()
-        sampler = asyncio.create_task(sample_rss(agent.pid, args.rss_every, rss, stop))
+        sampler = asyncio.create_task(sample_memory(agent.pid, url, args.rss_every, rss, parts, stop))
         try:
             base = args.baseline_duration
             print(f"agent pid {agent.pid} at {url}; {args.guests} VMs, 16 simulated GPUs; phases: healthz x{args.guests} "
@@ -301,7 +342,7 @@ async def main_async(args: argparse.Namespace) -> int:
             health = await run_phase(f"baseline: {args.guests} clients on GET /healthz, 1/s each", url, agent.pid, base,
                                      HealthFactory(args.guests))
             small = await run_phase("baseline: 20 guests", url, agent.pid, base, GuestsFactory(tokens[:20], args.seed))
-            rss_main_from = len(rss)
+            main_from = rss[-1][0] if rss else 0.0
             main = await run_phase(f"load: {args.guests} guests", url, agent.pid, args.duration,
                                    GuestsFactory(tokens, args.seed))
             free, total, live = await end_state(url, creds["operator"]["token"])
@@ -318,18 +359,7 @@ async def main_async(args: argparse.Namespace) -> int:
               f"{'clean' if free == total and not live else 'NOT CLEAN: every guest had its release answered 200/202'}")
         for x in live:
             print(f"  still live: {x}")
-        # RSS: whole run, and the main phase after its first fifth (start-up and the queue filling up).
-        t_all = [t for t, _ in rss]
-        k_all = [k for _, k in rss]
-        body = rss[rss_main_from:]
-        warm = body[len(body) // 5:]
-        sl = slope([t for t, _ in warm], [k for _, k in warm]) * 60 / 1024  # MiB per minute
-        print(f"agent RSS (VmRSS every {args.rss_every:g} s, {len(rss)} samples): first {k_all[0] / 1024:.1f} MiB, "
-              f"last {k_all[-1] / 1024:.1f} MiB, max {max(k_all) / 1024:.1f} MiB over {t_all[-1]:.0f} s")
-        if warm:
-            print(f"  load phase after warm-up: {warm[0][1] / 1024:.1f} -> {warm[-1][1] / 1024:.1f} MiB, "
-                  f"slope {sl:+.3f} MiB/min over {warm[-1][0] - warm[0][0]:.0f} s")
-        print("  rss trace (s: MiB): " + ", ".join(f"{t:.0f}: {k / 1024:.1f}" for t, k in rss[:: max(1, len(rss) // 12)]))
+        sl = print_memory(rss, parts, main_from, args.rss_every)
         _, _, errors = main.counts()
         h50 = percentile(health.latencies[HEALTH], 50)
         print("\nverdict:")

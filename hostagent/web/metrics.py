@@ -13,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from hostagent.domain.inventory import GpuState
 from hostagent.domain.lease import Lease, LeaseState
+from hostagent.host.memory import read_memory
 
 _STEP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -108,6 +109,18 @@ class _Gauges:
                                 value=1 if self.rt.started and self.rt.hypervisor_ok else 0)
         yield GaugeMetricFamily("hostagent_quarantined_gpus", "GPUs excluded from placement",
                                 value=len(m.quarantined))
+        mem = read_memory()
+        parts = GaugeMetricFamily(
+            "hostagent_memory_bytes", "the agent's memory by holder: resident size, malloc in use, free memory "
+            "malloc keeps, SQLite's allocations (a leak grows malloc_in_use; fragmentation grows malloc_free)",
+            labels=["part"])
+        for part, value in (("rss", mem.rss_bytes), ("malloc_in_use", mem.malloc_in_use),
+                            ("malloc_free", mem.malloc_free), ("sqlite", mem.sqlite_bytes)):
+            if value is not None:
+                parts.add_metric([part], value)
+        yield parts
+        yield GaugeMetricFamily("hostagent_python_allocated_blocks", "live Python small-object blocks",
+                                value=mem.python_blocks)
 
 
 @web.middleware

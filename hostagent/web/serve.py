@@ -83,9 +83,11 @@ async def _watchdog(app: web.Application) -> AsyncIterator[None]:
 
 def serve(settings: Settings, *, banner: str | None = None) -> int:
     """Build the runtime and serve until SIGTERM/SIGINT; print the bound URL (and a banner) once listening."""
+    from hostagent.host.memory import limit_arenas
     from hostagent.logs import setup_logging
 
     setup_logging(settings.agent.log_format, settings.agent.log_level)
+    limit_arenas()  # before any worker thread exists: see hostagent.host.memory
     ctx = ssl_context(settings)
     try:
         asyncio.run(_serve(settings, ctx, banner))

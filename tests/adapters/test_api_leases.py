@@ -317,6 +317,10 @@ async def test_metrics_exposed(rig: AgentRig) -> None:
     assert 'hostagent_leases{state="ACTIVE"} 1.0' in text
     assert "hostagent_http_request_duration_seconds_bucket" in text
     assert 'hostagent_step_duration_seconds_count{step="bind"}' in text
+    parts = dict(re.findall(r'^hostagent_memory_bytes\{part="(\w+)"\} (\S+)$', text, re.M))
+    assert set(parts) == {"rss", "malloc_in_use", "malloc_free", "sqlite"}
+    assert float(parts["rss"]) > float(parts["sqlite"]) > 0  # the journal and the store are open
+    assert re.search(r"^hostagent_python_allocated_blocks \d", text, re.M)
 
 
 async def test_200_clients_race_for_8_gpus(tmp_path: Path, aiohttp_client: Any) -> None:
