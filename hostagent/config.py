@@ -90,6 +90,7 @@ class LeaseSettings:
     max_gpu_hours_per_day_per_vm: float = 0.0  # 0: no quota
     projects: dict[str, dict[str, Any]] = field(default_factory=dict)  # project -> {domains=[..], max_gpus=N}
     numa_policy: str = "preferred"  # required | preferred | any, for multi-GPU requests
+    journal_retention_days: int = 90  # ended leases (and their events) kept in the journal; 0: forever
 
 
 @dataclass(frozen=True)
@@ -281,6 +282,9 @@ def _check_cross(s: Settings) -> None:
         raise ConfigError("reclaim.idle_util_pct: must be 0..100", field="reclaim.idle_util_pct")
     if not 0 <= s.placement.explore_epsilon <= 0.5:
         raise ConfigError("placement.explore_epsilon: must be 0..0.5", field="placement.explore_epsilon")
+    if s.leases.journal_retention_days < 0:
+        raise ConfigError("leases.journal_retention_days: must be 0 (keep forever) or more",
+                          field="leases.journal_retention_days")
     if s.leases.default_duration_s > s.leases.max_duration_s:
         raise ConfigError(
             "leases.default_duration_s must not exceed leases.max_duration_s", field="leases.default_duration_s"

@@ -221,6 +221,8 @@ class Runtime:
         loop_tasks = [self.manager.run_queue(), self._periodic(5.0, self.manager.expire_due),
                       self._periodic(max(5.0, self.settings.libvirt.detach_timeout_s), self.manager.retry_pending)]
         self.manager.listeners.append(self._forget_ended)
+        if self.settings.leases.journal_retention_days > 0:
+            loop_tasks.append(self._periodic(3600.0, self.prune_journal))
         if self.store is not None:
             # scikit-learn is a heavy import: load the model after readiness, the cold-start rule decides until then
             loop_tasks += [self._load_model(), self._mirror_loop(), self._periodic(3600.0, self._prune),
@@ -314,6 +316,17 @@ class Runtime:
     async def _prune(self) -> None:
         st = self.settings.store
         await self.store.prune(st.raw_retention_days * 86400.0, st.minute_retention_days * 86400.0)
+
+    async def prune_journal(self) -> tuple[int, int]:
+        """Forget ended leases older than leases.journal_retention_days (only once mirrored, with a store), so the
+        journal, and the dashboard's parsed copy of it, stop growing with every lease ever made."""
+        before = self.clock() - self.settings.leases.journal_retention_days * 86400.0
+        # With a store, only what the mirror has copied goes: a lease with an event still to copy stays.
+        leases, events = await self.run(self.journal.prune, before, mirrored_only=self.store is not None)
+        if leases or events:
+            log.info("journal: forgot %d ended leases and %d events older than %d days", leases, events,
+                     self.settings.leases.journal_retention_days)
+        return leases, events
 
     async def stop(self) -> None:
         """Stop jobs, drain samples, close connections."""

@@ -174,6 +174,35 @@ class Journal:
         """Leases not yet in a terminal state."""
         return self.leases(states=[s for s in LeaseState if not s.terminal], limit=1_000_000)
 
+    def prune(self, before: float, *, mirrored_only: bool) -> tuple[int, int]:
+        """Forget what ended before `before`: leases in a terminal state last changed then, their events, and older
+        events of no lease; returns (leases, events) deleted. Live leases and their events always stay, and with
+        `mirrored_only` (a usage store is configured) nothing whose events have not reached the store yet goes.
+        Deleted pages are reused, so the file stops growing once history and retention balance."""
+        terminal = [s.value for s in LeaseState if s.terminal]
+        held = " AND NOT EXISTS (SELECT 1 FROM events e WHERE e.lease_id = leases.id AND e.mirrored = 0)" \
+            if mirrored_only else ""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                gone = [r[0] for r in self._db.execute(
+                    f"SELECT id FROM leases WHERE state IN ({','.join('?' * len(terminal))}) AND updated_at < ?"
+                    + held, (*terminal, before)).fetchall()]
+                events = 0
+                for i in range(0, len(gone), 500):
+                    chunk = gone[i:i + 500]
+                    marks = ",".join("?" * len(chunk))
+                    self._db.execute(f"DELETE FROM leases WHERE id IN ({marks})", chunk)
+                    events += self._db.execute(f"DELETE FROM events WHERE lease_id IN ({marks})", chunk).rowcount
+                events += self._db.execute(
+                    "DELETE FROM events WHERE lease_id IS NULL AND ts < ?" + (" AND mirrored = 1" if mirrored_only else ""),
+                    (before,)).rowcount
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return len(gone), events
+
     # -- events --------------------------------------------------------------------------------------------------
     def events(self, *, lease_id: str | None = None, gpu_id: str | None = None, kinds: Iterable[str] | None = None,
                since_seq: int = 0, limit: int = 500) -> list[JournalEvent]:
