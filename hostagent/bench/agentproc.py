@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from hostagent.host.memory import read_rss_bytes
+
 REPO = Path(__file__).resolve().parents[2]
 CREDENTIALS = "demo-credentials.json"
 
@@ -54,13 +56,8 @@ def prepare_host(state_dir: Path, *, vms: int, scenario: str = "demo16", attach_
 
 def read_rss_kib(pid: int) -> int | None:
     """VmRSS of a process in KiB (None once it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+    rss = read_rss_bytes(pid)
+    return None if rss is None else rss // 1024
 
 
 def read_cpu_s(pid: int) -> float | None:

@@ -85,10 +85,10 @@ def limit_arenas(count: int = 2) -> bool:
     return bool(libc.mallopt(_M_ARENA_MAX, count))
 
 
-def read_rss_bytes(status: Path = Path("/proc/self/status")) -> int | None:
-    """VmRSS of this process."""
+def read_rss_bytes(pid: int | str = "self") -> int | None:
+    """VmRSS of a process (this one by default); None once it is gone."""
     try:
-        for line in status.read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
