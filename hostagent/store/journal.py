@@ -240,7 +240,14 @@ class Journal:
         if not s:
             return
         with self._lock:
-            self._db.execute(f"UPDATE events SET mirrored=1 WHERE seq IN ({','.join('?' * len(s))})", s)
+            # Bookkeeping, not a lease step: no fsync of its own (WAL, synchronous=NORMAL for this commit only);
+            # the next lease step's fsync makes it durable too. A crash before that re-mirrors these events, which
+            # the store takes idempotently (their uids). Lease steps stay synchronous=FULL.
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            try:
+                self._db.execute(f"UPDATE events SET mirrored=1 WHERE seq IN ({','.join('?' * len(s))})", s)
+            finally:
+                self._db.execute("PRAGMA synchronous=FULL")
 
     # -- quarantine ----------------------------------------------------------------------------------------------
     def quarantine(self, gpu_id: str, reason: str, *, actor: str) -> None:

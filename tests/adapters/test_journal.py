@@ -1,5 +1,5 @@
-"""Journal retention: ended leases older than leases.journal_retention_days leave the journal (never before the
-usage store has them); live leases and recent history stay."""
+"""The journal: retention (ended leases older than leases.journal_retention_days leave it, never before the usage
+store has them; live leases and recent history stay) and which writes are fsync'd."""
 
 from __future__ import annotations
 
@@ -87,3 +87,20 @@ def test_unmirrored_history_stays_until_copied(tmp_path: Path) -> None:
 def test_retention_must_not_be_negative() -> None:
     with pytest.raises(ConfigError, match="journal_retention_days"):
         settings_from_dict({"leases": {"journal_retention_days": -1}})
+
+
+def test_mirror_marks_skip_the_fsync_lease_steps_keep_it(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.sqlite3")
+    from hostagent.domain.lease import LeaseRequest, LeaseState, new_lease
+
+    syncs: list[int] = []
+    journal._db.set_trace_callback(lambda sql: syncs.append(journal._db.execute("PRAGMA synchronous").fetchone()[0])
+                                   if sql.startswith(("UPDATE events", "INSERT OR REPLACE INTO leases")) else None)
+    lease = new_lease("l-1", "uuid-1", "vm-1", LeaseRequest(), 0.0)
+    journal.record(lease.transition(LeaseState.QUEUED, queued_at=0.0), from_state=LeaseState.REQUESTED, actor="t")
+    journal.mark_mirrored(e.seq for e in journal.unmirrored())
+    journal._db.set_trace_callback(None)
+    assert syncs == [2, 1]  # FULL for the lease step, NORMAL for the bookkeeping
+    assert journal._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # and FULL again after it
+    assert not journal.unmirrored()
+    journal.close()
