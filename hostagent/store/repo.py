@@ -83,6 +83,11 @@ def gpu_record(gpu: Gpu, **extra: Any) -> dict[str, Any]:
     return rec
 
 
+def _as_dict(x: Any) -> dict[str, Any]:
+    """A journal object's dict form (its ``to_dict()``), or a mapping as a dict."""
+    return x.to_dict() if hasattr(x, "to_dict") else dict(x)
+
+
 class UsageStore:
     """Repository over the usage store for one host (``host_id``), with an outage spool."""
 
@@ -393,18 +398,29 @@ class UsageStore:
 
     def record_lease(self, lease: Any, event: Any | None = None, *, actor: str = "agent") -> None:
         """Mirror a journal lease (anything with ``to_dict()``) and, optionally, its transition event."""
-        d = lease.to_dict() if hasattr(lease, "to_dict") else dict(lease)
-        self.insert_lease(d)
-        if event is not None:
-            e = event.to_dict() if hasattr(event, "to_dict") else dict(event)
+        d = _as_dict(lease)
+        events = [] if event is None else [{**_as_dict(event), "lease_id": _as_dict(event).get("lease_id") or d["id"]}]
+        self.mirror([d], events, actor=actor)
+
+    def mirror(self, leases: Sequence[Any], events: Sequence[Any], *, actor: str = "agent") -> None:
+        """Mirror journal leases (each written once, as it is now) and then their events, all events in one write.
+
+        The journal's sequence number in each event's uid makes this idempotent across agent restarts too."""
+        for lease in leases:
+            self.insert_lease(_as_dict(lease))
+        rows = []
+        for event in events:
+            e = _as_dict(event)
             seq = e.get("seq")
-            self.add_lease_event(
-                d["id"], kind=e.get("kind") or "transition", from_state=e.get("from_state"),
+            rows.append(self._event_row(
+                e["lease_id"], kind=e.get("kind") or "transition", from_state=e.get("from_state"),
                 to_state=e.get("to_state"), actor=e.get("actor") or actor, ts=e.get("ts"), error=e.get("error"),
                 detail=e.get("detail"), gpu_id=e.get("gpu_id"),
-                # the journal's sequence number makes the mirror idempotent across agent restarts too
-                uid=hashlib.sha256(f"{self.host_id}/{d['id']}/{seq}".encode()).hexdigest()[:32] if seq else None,
-            )
+                uid=hashlib.sha256(f"{self.host_id}/{e['lease_id']}/{seq}".encode()).hexdigest()[:32] if seq else None,
+            ))
+        if rows:
+            self._require_leases(sorted({r["lease_id"] for r in rows if r["lease_id"]}), field="lease_id")
+            self._write("lease_events", rows)
 
     def get_lease(self, lease_id: str) -> dict[str, Any]:
         """One lease with its devices and events; NotFound when unknown."""
@@ -497,16 +513,25 @@ class UsageStore:
         """Record a lease state transition (or other lease event); returns its uid."""
         if lease_id:
             self._require_leases([lease_id], field="lease_id")
-        if not actor:
-            raise InvalidInput("actor is required", field="actor")
-        row = {"uid": uid or new_uid(), "host_id": self.host_id, "lease_id": lease_id or None, "gpu_id": gpu_id,
-               "ts": self._clock() if ts is None else float(ts), "kind": kind, "from_state": from_state,
-               "to_state": to_state, "actor": actor, "detail": detail, "error": error}
+        row = self._event_row(lease_id, actor=actor, kind=kind, from_state=from_state, to_state=to_state, ts=ts,
+                              error=error, detail=detail, gpu_id=gpu_id, uid=uid)
         self._write("lease_event", row)
         return str(row["uid"])
 
+    def _event_row(self, lease_id: str | None, *, actor: str, kind: str, from_state: str | None,
+                   to_state: str | None, ts: float | None, error: str | None, detail: str | None,
+                   gpu_id: str | None, uid: str | None) -> dict[str, Any]:
+        if not actor:
+            raise InvalidInput("actor is required", field="actor")
+        return {"uid": uid or new_uid(), "host_id": self.host_id, "lease_id": lease_id or None, "gpu_id": gpu_id,
+                "ts": self._clock() if ts is None else float(ts), "kind": kind, "from_state": from_state,
+                "to_state": to_state, "actor": actor, "detail": detail, "error": error}
+
     def _apply_lease_event(self, conn: Connection, row: dict[str, Any]) -> None:
         upsert(conn, t.lease_events, [row], keys=["uid"])
+
+    def _apply_lease_events(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
+        upsert(conn, t.lease_events, rows, keys=["uid"])
 
     def add_reclaim_event(self, *, action: str, lease_id: str | None = None, gpu_id: str | None = None,
                           reason: str | None = None, details: Mapping[str, Any] | None = None,

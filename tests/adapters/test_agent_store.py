@@ -131,3 +131,25 @@ async def _load_through_outage(rig: AgentRig, proxy: TcpProxy) -> dict[str, int]
     await settle(rig)
     assert not rig.runtime.store.status()["degraded"]
     return sent
+
+
+async def test_mirror_writes_a_lease_row_once_per_batch(tmp_path: Path, aiohttp_client: Any) -> None:
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    rt = rig.runtime
+    rows: list[str] = []
+    insert = rt.store.store.insert_lease
+
+    def counted(lease: Any) -> str:
+        rows.append(lease["id"])
+        return insert(lease)
+
+    rt.store.store.insert_lease = counted  # type: ignore[method-assign]
+    h = rig.auth("vm-a")
+    with rt._mirror_lock:  # the mirror waits: the lease's 8 events arrive in one batch
+        r = await rig.client.post("/v1/leases", json={"gpus": 1}, headers=h)
+        lease = await r.json()
+        assert (await rig.client.delete(f"/v1/leases/{lease['id']}", headers=h)).status == 200
+    assert await rt.run(rt._mirror_batch) >= 8
+    assert rows.count(lease["id"]) == 1
+    stored = await rt.store.get_lease(lease["id"])
+    assert stored["state"] == "RELEASED" and len(stored["events"]) == 8
