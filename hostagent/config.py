@@ -33,6 +33,7 @@ class AgentSettings:
     log_level: str = "INFO"
     max_body_bytes: int = 1_048_576
     body_timeout_s: float = 10.0  # a client that does not finish sending its body in this time gets 408
+    gc_freeze: bool = True  # after start (and each model swap), freeze the heap out of the collector's reach
 
 
 @dataclass(frozen=True)

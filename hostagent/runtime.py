@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import gc
 import importlib
 import logging
 import threading
@@ -231,6 +232,8 @@ class Runtime:
         self.manager._wake_queue.set()
         if self.reaper is not None:
             await self.reaper.start()
+        if self.store is None and self.settings.agent.gc_freeze:
+            settle_heap()  # with a store, once the model (scikit-learn and numpy) is loaded
         self.started = True
 
     async def _open_store(self) -> None:
@@ -299,9 +302,12 @@ class Runtime:
             scorer = await self.run(lifecycle.load_active, self.store.store)
         except HostAgentError as exc:
             log.warning("cannot load the placement model: %s; using the cold-start rule", exc.message)
-            return
-        if self.placer is not None:
-            self.placer.use(scorer, getattr(scorer, "name", None))
+        else:
+            if self.placer is not None:
+                self.placer.use(scorer, getattr(scorer, "name", None))
+        if self.settings.agent.gc_freeze:
+            settle_heap()
+
 
     async def _retrain(self) -> None:
         """Scheduled retraining: a new model replaces the current one only if it does at least as well."""
@@ -382,6 +388,16 @@ class Runtime:
             if state != "running":
                 await self.manager.on_domain_event("undefined" if state == "undefined" else "stopped",
                                                    lease.domain_uuid, "missed while disconnected")
+
+
+def settle_heap() -> None:
+    """Collect, then move every object alive now out of the collector's reach (gc.freeze): the full collections
+    that a churning agent triggers every few seconds then walk only what was made since, about 2 ms instead of
+    70-100 ms with scikit-learn, numpy and SQLAlchemy loaded, which the event loop would stall for. Called again
+    after each model swap (unfreeze first) so that a replaced model's cycles are still collected."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable[[], float] = time.time) -> Runtime:
