@@ -308,7 +308,6 @@ class Runtime:
         if self.settings.agent.gc_freeze:
             settle_heap()
 
-
     async def _retrain(self) -> None:
         """Scheduled retraining: a new model replaces the current one only if it does at least as well."""
         from hostagent.learn.lifecycle import train

@@ -399,8 +399,8 @@ class UsageStore:
     def record_lease(self, lease: Any, event: Any | None = None, *, actor: str = "agent") -> None:
         """Mirror a journal lease (anything with ``to_dict()``) and, optionally, its transition event."""
         d = _as_dict(lease)
-        events = [] if event is None else [{**_as_dict(event), "lease_id": _as_dict(event).get("lease_id") or d["id"]}]
-        self.mirror([d], events, actor=actor)
+        e = {} if event is None else _as_dict(event)
+        self.mirror([d], [{**e, "lease_id": e.get("lease_id") or d["id"]}] if event is not None else [], actor=actor)
 
     def mirror(self, leases: Sequence[Any], events: Sequence[Any], *, actor: str = "agent") -> None:
         """Mirror journal leases (each written once, as it is now) and then their events, all events in one write.
