@@ -8,7 +8,7 @@ still holds; `sqlite` is SQLite's own allocation counter (page caches included).
 
 `limit_arenas()` caps glibc's per-thread arenas: with a dozen worker threads (journal, store, host calls) glibc
 would keep up to eight arenas per core, each with its own free chunks; with two, the free memory malloc held
-under the load benchmark fell from 7-10 MiB to about 2 MiB.
+under the load benchmark fell from 7-10 MiB to 2-4 MiB.
 
 Everything here degrades to None where the C library is not glibc or SQLite's counter is not reachable.
 """

@@ -57,7 +57,7 @@ class AgentRig:
 def rig_settings(tmp: Path, tree: FakeHost, hv_path: Path, operator: str, **sections: dict[str, Any]) -> Settings:
     """Settings for an agent over a fake tree and a simulated hypervisor file."""
     raw: dict[str, Any] = {
-        # gc_freeze off: a full collection at every test agent's start costs ~0.1 s each; test_gc_freeze covers it
+        # gc_freeze off: a full collection at each test agent's start costs ~0.1 s (test_runtime_heap.py covers it)
         "agent": {"state_dir": str(tmp / "state"), "port": 0, "host_id": "test-host", "log_format": "text",
                   "gc_freeze": False},
         "host": {"sysfs_root": str(tree.sys_root), "step_timeout_s": 2.0},
