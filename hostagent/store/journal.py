@@ -7,11 +7,12 @@ mirror afterwards. On start the journal says what was intended; sysfs and libvir
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,18 @@ class Journal:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One write transaction under the journal's lock: committed (fsync'd) on success, rolled back otherwise."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
     def close(self) -> None:
         """Close the database."""
         with self._lock:
@@ -107,24 +120,18 @@ class Journal:
         events = [(s.from_state, s.to_state, s.detail, None) for s in earlier]
         if from_state != lease.state or detail or error:
             events.append((from_state, lease.state, detail, error))
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute(
-                    "INSERT OR REPLACE INTO leases(id, state, domain_uuid, idem_key, doc, updated_at) VALUES(?,?,?,?,?,?)",
-                    (lease.id, lease.state.value, lease.domain_uuid, lease.request.idempotency_key,
-                     json.dumps(lease.to_dict()), now),
-                )
-                self._db.executemany(
-                    "INSERT INTO events(lease_id, gpu_id, ts, kind, from_state, to_state, actor, detail, error)"
-                    " VALUES(?,?,?,?,?,?,?,?,?)",
-                    [(lease.id, gpus, now, "transition" if frm != to else "update", frm.value if frm else None,
-                      to.value, actor, det, err) for frm, to, det, err in events],
-                )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction():
+            self._db.execute(
+                "INSERT OR REPLACE INTO leases(id, state, domain_uuid, idem_key, doc, updated_at) VALUES(?,?,?,?,?,?)",
+                (lease.id, lease.state.value, lease.domain_uuid, lease.request.idempotency_key,
+                 json.dumps(lease.to_dict()), now),
+            )
+            self._db.executemany(
+                "INSERT INTO events(lease_id, gpu_id, ts, kind, from_state, to_state, actor, detail, error)"
+                " VALUES(?,?,?,?,?,?,?,?,?)",
+                [(lease.id, gpus, now, "transition" if frm != to else "update", frm.value if frm else None,
+                  to.value, actor, det, err) for frm, to, det, err in events],
+            )
 
     def event(self, kind: str, *, actor: str, lease_id: str | None = None, gpu_id: str | None = None,
               detail: str | None = None, error: str | None = None) -> None:
@@ -180,28 +187,19 @@ class Journal:
         `mirrored_only` (a usage store is configured) nothing whose events have not reached the store yet goes.
         Deleted pages are reused, so the file stops growing once history and retention balance."""
         terminal = [s.value for s in LeaseState if s.terminal]
-        held = " AND NOT EXISTS (SELECT 1 FROM events e WHERE e.lease_id = leases.id AND e.mirrored = 0)" \
-            if mirrored_only else ""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                gone = [r[0] for r in self._db.execute(
-                    f"SELECT id FROM leases WHERE state IN ({','.join('?' * len(terminal))}) AND updated_at < ?"
-                    + held, (*terminal, before)).fetchall()]
-                events = 0
-                for i in range(0, len(gone), 500):
-                    chunk = gone[i:i + 500]
-                    marks = ",".join("?" * len(chunk))
-                    self._db.execute(f"DELETE FROM leases WHERE id IN ({marks})", chunk)
-                    events += self._db.execute(f"DELETE FROM events WHERE lease_id IN ({marks})", chunk).rowcount
-                events += self._db.execute(
-                    "DELETE FROM events WHERE lease_id IS NULL AND ts < ?" + (" AND mirrored = 1" if mirrored_only else ""),
-                    (before,)).rowcount
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        return len(gone), events
+        ended = f"state IN ({','.join('?' * len(terminal))}) AND updated_at < ?"
+        if mirrored_only:
+            ended += " AND NOT EXISTS (SELECT 1 FROM events e WHERE e.lease_id = leases.id AND e.mirrored = 0)"
+        args = (*terminal, before)
+        with self._transaction():
+            # Their events first: the condition reads only events that stay (unmirrored ones keep their lease).
+            events = self._db.execute(f"DELETE FROM events WHERE lease_id IN (SELECT id FROM leases WHERE {ended})",
+                                      args).rowcount
+            leases = self._db.execute(f"DELETE FROM leases WHERE {ended}", args).rowcount
+            events += self._db.execute(
+                "DELETE FROM events WHERE lease_id IS NULL AND ts < ?" + (" AND mirrored = 1" if mirrored_only else ""),
+                (before,)).rowcount
+        return leases, events
 
     # -- events --------------------------------------------------------------------------------------------------
     def events(self, *, lease_id: str | None = None, gpu_id: str | None = None, kinds: Iterable[str] | None = None,

@@ -399,8 +399,11 @@ class UsageStore:
     def record_lease(self, lease: Any, event: Any | None = None, *, actor: str = "agent") -> None:
         """Mirror a journal lease (anything with ``to_dict()``) and, optionally, its transition event."""
         d = _as_dict(lease)
-        e = {} if event is None else _as_dict(event)
-        self.mirror([d], [{**e, "lease_id": e.get("lease_id") or d["id"]}] if event is not None else [], actor=actor)
+        events = []
+        if event is not None:
+            e = _as_dict(event)
+            events.append({**e, "lease_id": e.get("lease_id") or d["id"]})
+        self.mirror([d], events, actor=actor)
 
     def mirror(self, leases: Sequence[Any], events: Sequence[Any], *, actor: str = "agent") -> None:
         """Mirror journal leases (each written once, as it is now) and then their events, all events in one write.
@@ -528,7 +531,7 @@ class UsageStore:
                 "to_state": to_state, "actor": actor, "detail": detail, "error": error}
 
     def _apply_lease_event(self, conn: Connection, row: dict[str, Any]) -> None:
-        upsert(conn, t.lease_events, [row], keys=["uid"])
+        self._apply_lease_events(conn, [row])
 
     def _apply_lease_events(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         upsert(conn, t.lease_events, rows, keys=["uid"])
