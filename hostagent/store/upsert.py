@@ -28,7 +28,8 @@ def upsert(conn: Connection, table: Table, rows: Sequence[Mapping[str, Any]], *,
     """
     if not rows:
         return
-    conn.execute(_upsert(conn.dialect, table, None, keys, replace, add, least, greatest), list(rows))
+    stmt = _row_upsert(conn.dialect, table, tuple(keys), tuple(replace), tuple(add), tuple(least), tuple(greatest))
+    conn.execute(stmt, list(rows))
 
 
 def upsert_select(dialect: Dialect, table: Table, columns: Sequence[str], source: Select[Any], *,
@@ -130,6 +131,15 @@ def _upsert(dialect: Dialect, table: Table, source: tuple[list[str], Select[Any]
     sets = _sets(table, lite.excluded, replace, add, least, greatest)
     return (lite.on_conflict_do_update(index_elements=list(keys), set_=sets) if sets
             else lite.on_conflict_do_nothing(index_elements=list(keys)))
+
+
+@functools.lru_cache(maxsize=64)
+def _row_upsert(dialect: Dialect, table: Table, keys: tuple[str, ...], replace: tuple[str, ...], add: tuple[str, ...],
+                least: tuple[str, ...], greatest: tuple[str, ...]) -> Any:
+    """:func:`upsert`'s statement, built once per table and column choice: building it is most of an upsert's
+    client time (SQLite's ``excluded`` copies every column of the table each time), and a statement is immutable,
+    so the same one serves every call and every thread."""
+    return _upsert(dialect, table, None, keys, replace, add, least, greatest)
 
 
 @functools.lru_cache(maxsize=32)

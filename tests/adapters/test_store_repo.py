@@ -17,6 +17,7 @@ from hostagent.domain.inventory import Gpu, IommuGroup, PciFunction
 from hostagent.domain.pci import PciAddress
 from hostagent.store import schema as t
 from hostagent.store.repo import UsageStore, hash_token
+from hostagent.store.upsert import _row_upsert
 from tests.support.store import backend_url, lease_doc, sample_rows, store  # noqa: F401
 
 NOW = time.time()
@@ -58,6 +59,17 @@ def test_insert_lease_is_an_idempotent_upsert_and_replaces_devices(store: UsageS
     store.insert_lease(lease_doc("L1", created_at=T0, gpus=["gpu-1"], state="ACTIVE"))
     assert count(store, t.leases) == 1
     assert [d["gpu_id"] for d in store.get_lease("L1")["devices"]] == ["gpu-1"]
+
+
+def test_the_lease_upsert_statement_is_built_once_and_each_write_still_replaces(store: UsageStore) -> None:
+    setup_lease(store)
+    before = _row_upsert.cache_info()
+    for state in ("ATTACHING", "ACTIVE", "RELEASED"):
+        store.insert_lease(lease_doc("L1", created_at=T0, gpus=["gpu-1"], state=state))
+        assert store.get_lease("L1")["state"] == state
+    after = _row_upsert.cache_info()
+    assert after.hits - before.hits >= 3  # every write reused the statement built earlier
+    assert after.misses == before.misses
 
 
 def test_event_with_the_same_uid_is_written_once(store: UsageStore) -> None:
