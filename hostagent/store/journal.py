@@ -148,6 +148,19 @@ class Journal:
             row = self._db.execute("SELECT doc FROM leases WHERE id=?", (lease_id,)).fetchone()
         return Lease.from_dict(json.loads(row[0])) if row else None
 
+    def docs(self, lease_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The stored documents (``Lease.to_dict()`` form) of these leases, by id; unknown ids are left out. One
+        query, and no Lease objects: the mirror copies documents as they are."""
+        ids = list(dict.fromkeys(lease_ids))
+        out: dict[str, dict[str, Any]] = {}
+        for i in range(0, len(ids), 500):  # SQLite's bound-parameter limit is far above; keep statements small
+            chunk = ids[i:i + 500]
+            with self._lock:
+                rows = self._db.execute(f"SELECT id, doc FROM leases WHERE id IN ({','.join('?' * len(chunk))})",
+                                        chunk).fetchall()
+            out.update((lease_id, json.loads(doc)) for lease_id, doc in rows)
+        return out
+
     def by_idempotency_key(self, domain_uuid: str, key: str) -> Lease | None:
         """The lease a VM made earlier with this idempotency key."""
         with self._lock:

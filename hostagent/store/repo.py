@@ -408,9 +408,13 @@ class UsageStore:
     def mirror(self, leases: Sequence[Any], events: Sequence[Any], *, actor: str = "agent") -> None:
         """Mirror journal leases (each written once, as it is now) and then their events, all events in one write.
 
-        The journal's sequence number in each event's uid makes this idempotent across agent restarts too."""
+        The journal's sequence number in each event's uid makes this idempotent across agent restarts too. One
+        store transaction for the whole call (one spooled write while the store is down)."""
+        lease_ops = []
         for lease in leases:
-            self.insert_lease(_as_dict(lease))
+            row, devices = self._lease_row(_as_dict(lease))
+            lease_ops.append({"row": row, "devices": devices})
+        mirrored = {op["row"]["id"] for op in lease_ops}
         rows = []
         for event in events:
             e = _as_dict(event)
@@ -421,9 +425,17 @@ class UsageStore:
                 detail=e.get("detail"), gpu_id=e.get("gpu_id"),
                 uid=hashlib.sha256(f"{self.host_id}/{e['lease_id']}/{seq}".encode()).hexdigest()[:32] if seq else None,
             ))
-        if rows:
-            self._require_leases(sorted({r["lease_id"] for r in rows if r["lease_id"]}), field="lease_id")
-            self._write("lease_events", rows)
+        others = sorted({r["lease_id"] for r in rows if r["lease_id"] and r["lease_id"] not in mirrored})
+        if others:
+            self._require_leases(others, field="lease_id")
+        if lease_ops or rows:
+            self._write("mirror", {"leases": lease_ops, "events": rows})
+            self._remember_leases(sorted(mirrored))
+
+    def _apply_mirror(self, conn: Connection, p: dict[str, Any]) -> None:
+        for op in p["leases"]:
+            self._apply_lease(conn, op)
+        self._apply_lease_events(conn, p["events"])
 
     def get_lease(self, lease_id: str) -> dict[str, Any]:
         """One lease with its devices and events; NotFound when unknown."""

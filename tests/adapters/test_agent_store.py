@@ -133,23 +133,27 @@ async def _load_through_outage(rig: AgentRig, proxy: TcpProxy) -> dict[str, int]
     return sent
 
 
-async def test_mirror_writes_a_lease_row_once_per_batch(tmp_path: Path, aiohttp_client: Any) -> None:
+async def test_mirror_writes_a_batch_in_one_store_transaction(tmp_path: Path, aiohttp_client: Any) -> None:
     rig = await start_rig(make_rig(tmp_path), aiohttp_client)
     rt = rig.runtime
-    rows: list[str] = []
-    insert = rt.store.store.insert_lease
+    writes: list[tuple[str, Any]] = []
+    write = rt.store.store._write
 
-    def counted(lease: Any) -> str:
-        rows.append(lease["id"])
-        return insert(lease)
+    def counted(op: str, payload: Any) -> Any:
+        writes.append((op, payload))
+        return write(op, payload)
 
-    rt.store.store.insert_lease = counted  # type: ignore[method-assign]
+    rt.store.store._write = counted  # type: ignore[method-assign]
     h = rig.auth("vm-a")
-    with rt._mirror_lock:  # the mirror waits: the lease's 8 events arrive in one batch
+    with rt._mirror_lock:  # the mirror waits: the lease's 8 events arrive in one batch, this one
         r = await rig.client.post("/v1/leases", json={"gpus": 1}, headers=h)
         lease = await r.json()
         assert (await rig.client.delete(f"/v1/leases/{lease['id']}", headers=h)).status == 200
-    assert await rt.run(rt._mirror_batch) >= 8
-    assert rows.count(lease["id"]) == 1
+        writes.clear()
+        assert await rt.run(rt._mirror_batch_locked) >= 8
+    # one store transaction for the batch: the lease's row once, then its 8 events
+    assert [op for op, _ in writes] == ["mirror"]
+    assert [x["row"]["id"] for x in writes[0][1]["leases"]] == [lease["id"]]
+    assert len(writes[0][1]["events"]) == 8
     stored = await rt.store.get_lease(lease["id"])
     assert stored["state"] == "RELEASED" and len(stored["events"]) == 8

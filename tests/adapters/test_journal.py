@@ -4,6 +4,7 @@ store has them; live leases and recent history stay) and which writes are fsync'
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +105,16 @@ def test_mirror_marks_skip_the_fsync_lease_steps_keep_it(tmp_path: Path) -> None
     assert journal._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # and FULL again after it
     assert not journal.unmirrored()
     journal.close()
+
+
+async def test_docs_are_the_stored_documents_of_known_leases(tmp_path: Path, aiohttp_client: Any) -> None:
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    ids = [await lease_and_release(rig, "vm-a") for _ in range(2)]
+    journal = rig.runtime.journal
+    docs = journal.docs([ids[1], "l-unknown", ids[0], ids[1]])
+    assert set(docs) == set(ids)  # unknown ids left out, repeats once
+    for lid in ids:
+        lease = journal.get(lid)
+        assert lease is not None and docs[lid] == json.loads(json.dumps(lease.to_dict()))  # as stored
+        assert docs[lid]["state"] == "RELEASED" and docs[lid]["devices"]
+    assert journal.docs([]) == {}
