@@ -33,6 +33,8 @@ from hostagent.store.journal import Journal, read_boot_id
 from hostagent.web.auth import Identity, TokenBook
 
 log = logging.getLogger("hostagent.runtime")
+MIRROR_MAX_DEFER_S = 1.0  # the store mirror waits for a quiet moment at most this long (see LeaseManager.quiet)
+MIRROR_SETTLE_S = 0.002  # ... and a moment counts once it has lasted this long
 RECLAIM_KINDS = frozenset({"strike-one", "strike-two", "strike-cleared", "reclaim", "reclaim-outcome"})
 
 
@@ -258,12 +260,31 @@ class Runtime:
     async def _mirror_loop(self) -> None:
         """Copy journal events (and the leases they concern) to the usage store, in order, exactly once."""
         while True:
+            # Beside a lease step's attach or detach wait, or between requests; not beside the agent's own work on a
+            # lease, which the batch (a worker thread in this interpreter) would slow; never more than a second late.
+            await self._quiet_moment()
             try:
                 moved = await self.run(self._mirror_batch)
             except Exception:
                 log.exception("mirroring the journal to the usage store failed; will retry")
                 moved = 0
             await asyncio.sleep(0.05 if moved else 0.5)
+
+    async def _quiet_moment(self) -> None:
+        """Until the lease driver has been quiet for MIRROR_SETTLE_S (a request that follows another at once is
+        not left to collide with the batch), or MIRROR_MAX_DEFER_S have passed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + MIRROR_MAX_DEFER_S
+        quiet = self.manager.quiet
+        while loop.time() < deadline:
+            # asyncio.timeout_at, not wait_for: on 3.11 wait_for can swallow a cancel that arrives as the event
+            # is set, and stop() would wait for this task for ever
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await quiet.wait()
+            await asyncio.sleep(MIRROR_SETTLE_S)
+            if quiet.is_set():
+                return
 
     def _write_samples(self, samples: list[Any]) -> Any:
         """The ingestor's writer (worker thread): mirror pending lease records first, so a sample's lease is

@@ -7,11 +7,13 @@ state; `Reconciler` (reconcile.py) repairs whatever a crash left half done.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +122,19 @@ class TimingLog:
         return len(self._entries)
 
 
+HV_WAITS = frozenset({"attach", "detach"})  # hypervisor calls long enough to let background work run beside them
+
+
+def _agent_side(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Marks a lease operation as the agent's own work (see `LeaseManager.quiet`), minus its sysfs and hypervisor
+    waits."""
+    @functools.wraps(fn)
+    async def run(self: LeaseManager, *args: Any, **kwargs: Any) -> Any:
+        with self._work(+1):
+            return await fn(self, *args, **kwargs)
+    return run
+
+
 class LeaseManager:
     """Owns live leases and device claims; the only writer of lease state."""
 
@@ -153,6 +168,28 @@ class LeaseManager:
         self._wake_queue = asyncio.Event()
         self.quarantined: dict[str, str] = {}
         self.step_timings = TimingLog()  # (kind, seconds) of host/hypervisor calls: metrics, overhead figures
+        # Set while no lease operation is doing the agent's own work (placement, journal, HTTP around it); waits
+        # on sysfs and the hypervisor do not count. Background jobs that share the interpreter (the store mirror)
+        # wait for it, so they run beside those waits and between requests, not beside a lease step.
+        self.quiet = asyncio.Event()
+        self.quiet.set()
+        self._working = 0
+
+    @contextlib.contextmanager
+    def _work(self, delta: int) -> Iterator[None]:
+        """+1: the agent's own work on a lease starts here; -1: it waits on sysfs or the hypervisor here."""
+        self._count_work(delta)
+        try:
+            yield
+        finally:
+            self._count_work(-delta)
+
+    def _count_work(self, delta: int) -> None:
+        self._working += delta
+        if self._working > 0:
+            self.quiet.clear()
+        else:
+            self.quiet.set()
 
     # -- persistence ---------------------------------------------------------------------------------------------
     async def _write(self, lease: Lease, prev: LeaseState | None, actor: str, detail: str | None = None,
@@ -289,6 +326,7 @@ class LeaseManager:
                 pl = [x for x in self.leases.values() if x.domain_uuid in uuids and x.state.holds_devices]
                 check_quota(f"project {project}", quota, QuotaUse(sum(len(x.devices) for x in pl)), request)
 
+    @_agent_side
     async def request(self, domain_uuid: str, request: LeaseRequest, *, actor: str) -> Lease:
         """Handle POST /v1/leases: grant (ACTIVE), queue (QUEUED) or refuse (Conflict). Idempotent by key."""
         if request.idempotency_key:
@@ -432,7 +470,8 @@ class LeaseManager:
     async def _timed_hv(self, kind: str, aw: Awaitable[Any]) -> Any:
         t0 = time.perf_counter()
         try:
-            return await aw
+            with self._work(-1 if kind in HV_WAITS else 0):
+                return await aw
         finally:
             self._timing(kind, time.perf_counter() - t0)
 
@@ -462,6 +501,7 @@ class LeaseManager:
                                 ended_at=self.clock(), end_reason="failed")
 
     # -- release -------------------------------------------------------------------------------------------------
+    @_agent_side
     async def release(self, lease_id: str, *, actor: str, reason: str = "released", domain_uuid: str | None = None,
                       final: LeaseState = S.RELEASED) -> Lease:
         """End a lease: cancel it in the queue, or detach, wait for DEVICE_REMOVED, give back."""
@@ -537,6 +577,7 @@ class LeaseManager:
         self._wake_queue.set()
         return lease
 
+    @_agent_side
     async def retry_pending(self, actor: str = "agent") -> None:
         """Retry detaches that the guest never acknowledged."""
         for lease in [x for x in self.leases.values() if x.state is S.DETACH_PENDING]:
@@ -571,6 +612,7 @@ class LeaseManager:
                 await self._safe(self.release(lease.id, actor="expiry", reason="not granted before not_after",
                                               final=S.EXPIRED))
 
+    @_agent_side
     async def drain_queue(self) -> list[Lease]:
         """Grant queued requests, in priority-then-age order, while devices allow."""
         granted = []

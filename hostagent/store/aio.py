@@ -97,7 +97,8 @@ class AsyncUsageStore:
                 else:
                     delay = min(self._replay_max_s, delay * 2)
             try:
-                await asyncio.wait_for(self._kick.wait(), timeout=delay)
+                async with asyncio.timeout(delay):  # not wait_for: on 3.11 it can swallow a cancel (see runtime)
+                    await self._kick.wait()
             except TimeoutError:
                 pass
             self._kick.clear()

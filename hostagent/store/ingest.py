@@ -86,7 +86,8 @@ class SampleIngestor:
         backoff = self.interval_s
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.interval_s)
+                async with asyncio.timeout(self.interval_s):  # not wait_for: on 3.11 it can swallow a cancel
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()

@@ -1,0 +1,109 @@
+"""The store mirror runs in a worker thread of the agent's interpreter, so it keeps out of the way of lease work:
+it waits while the lease driver does the agent's own work (placement, journal, the HTTP around them), runs beside
+a lease's attach or detach wait and between requests, and is never more than MIRROR_MAX_DEFER_S late."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hostagent import runtime as runtime_module
+from hostagent.runtime import Runtime
+from hostagent.services.leases import LeaseManager
+from tests.support.agent import AgentRig, make_rig, start_rig
+
+
+async def unmirrored(rt: Runtime) -> int:
+    return len(await asyncio.to_thread(rt.journal.unmirrored, 500))
+
+
+async def caught_up(rt: Runtime, within_s: float) -> float:
+    """Seconds until the mirror had copied everything; AssertionError after `within_s`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        if not await unmirrored(rt):
+            return time.monotonic() - t0
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the mirror did not catch up within {within_s} s")
+
+
+async def started(tmp_path: Path, aiohttp_client: Any, **kwargs: Any) -> AgentRig:
+    rig = await start_rig(make_rig(tmp_path, **kwargs), aiohttp_client)
+    await caught_up(rig.runtime, 5.0)
+    return rig
+
+
+async def test_quiet_follows_the_agents_own_work_not_its_waits(tmp_path: Path, aiohttp_client: Any) -> None:
+    rig = await started(tmp_path, aiohttp_client, hv_kwargs={"attach_latency_s": 0.3})
+    m = rig.runtime.manager
+    assert m.quiet.is_set()
+    seen: list[tuple[str, bool]] = []
+    attach = m.hv.attach_hostdevs
+
+    async def watched(*args: Any) -> Any:
+        seen.append(("attach", m.quiet.is_set()))
+        return await attach(*args)
+
+    m.hv.attach_hostdevs = watched  # type: ignore[method-assign]
+    bind = m.host.bind
+
+    def watched_bind(*args: Any) -> Any:
+        seen.append(("bind", m.quiet.is_set()))
+        return bind(*args)
+
+    m.host.bind = watched_bind  # type: ignore[method-assign]
+    task = asyncio.create_task(rig.client.post("/v1/leases", json={"gpus": 1}, headers=rig.auth("vm-a")))
+    while not seen or seen[-1][0] != "attach":
+        await asyncio.sleep(0.005)
+    assert m.quiet.is_set()  # the hypervisor's attach wait: background work may run
+    r = await task
+    assert r.status == 201
+    assert seen == [("bind", False), ("attach", True)]  # a sysfs step is too short to count as a wait
+    assert m.quiet.is_set()  # nothing in flight
+
+
+def test_nested_work_and_waits_count_up_and_down() -> None:
+    m = LeaseManager(gpus=[], host=None, hypervisor=None, journal=None, policy=None)  # type: ignore[arg-type]
+    with m._work(+1):
+        assert not m.quiet.is_set()
+        with m._work(+1):  # a second lease in flight
+            with m._work(-1):  # one of them waits on the hypervisor; the other still works
+                assert not m.quiet.is_set()
+        with m._work(-1):
+            assert m.quiet.is_set()
+        assert not m.quiet.is_set()
+    assert m.quiet.is_set() and m._working == 0
+
+
+async def test_the_mirror_waits_for_quiet_then_catches_up(tmp_path: Path, aiohttp_client: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # MIRROR_MAX_DEFER_S far out of reach: only the quiet gate may hold the mirror back or let it go, so a loop
+    # that stalls on a loaded machine cannot let the deadline pass the batch through
+    monkeypatch.setattr(runtime_module, "MIRROR_MAX_DEFER_S", 60.0)
+    rig = await started(tmp_path, aiohttp_client)
+    rt = rig.runtime
+    with rt.manager._work(+1):  # the lease driver is busy with its own work
+        # a batch that passed the gate just before the work began finishes first (a batch takes milliseconds);
+        # after this the mirror is in its idle poll or held at the gate
+        await asyncio.sleep(0.3)
+        rt.journal.event("test", actor="test", detail="written while the driver works")
+        await asyncio.sleep(0.7)  # more than the idle poll (0.5 s): the mirror has been to the gate and waits
+        assert await unmirrored(rt) == 1
+    # quiet again: the mirror goes at once, far inside MIRROR_MAX_DEFER_S
+    await caught_up(rt, 5.0)
+
+
+async def test_the_mirror_is_never_more_than_max_defer_late(tmp_path: Path, aiohttp_client: Any,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime_module, "MIRROR_MAX_DEFER_S", 0.3)
+    rig = await started(tmp_path, aiohttp_client)
+    rt = rig.runtime
+    with rt.manager._work(+1):  # never quiet
+        rt.journal.event("test", actor="test", detail="written while the driver works for good")
+        # at most one idle poll (0.5 s) plus MIRROR_MAX_DEFER_S, and the batch itself
+        await caught_up(rt, 2.0)
+        assert not rt.manager.quiet.is_set()
