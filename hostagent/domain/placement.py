@@ -71,17 +71,38 @@ class DeviceView:
     def from_gpu(cls, gpu: Gpu, *, free: bool, quarantined: bool = False, probe_score: float | None = None,
                  health_flags: tuple[str, ...] = (), recent_errors: int = 0) -> DeviceView:
         """Build the view of an inventory GPU; topology ids come from its upstream bridge chain."""
-        chain = gpu.primary.parent_chain  # nearest bridge first, root port last
-        return cls(
-            gpu_id=gpu.id, model=gpu.model, vendor=gpu.vendor, memory_bytes=gpu.memory_bytes,
-            numa_node=gpu.numa_node, link_gen=link_gen_from_speed(gpu.primary.link_speed),
-            link_width=gpu.primary.link_width,
-            # behind a switch the chain is (downstream port, upstream port, ..., root port)
-            switch_id=str(chain[-2]) if len(chain) >= 3 else None,
-            root_port=str(chain[-1]) if chain else None,
-            probe_score=probe_score, health_flags=health_flags, free=free, quarantined=quarantined,
-            viable=gpu.viable, recent_errors=recent_errors,
-        )
+        return cls(**_gpu_fields(gpu), probe_score=probe_score, health_flags=health_flags, free=free,
+                   quarantined=quarantined, recent_errors=recent_errors)
+
+
+def _gpu_fields(gpu: Gpu) -> dict[str, Any]:
+    """What a view takes from the inventory GPU itself (fixed for the Gpu object's life)."""
+    chain = gpu.primary.parent_chain  # nearest bridge first, root port last
+    return {
+        "gpu_id": gpu.id, "model": gpu.model, "vendor": gpu.vendor, "memory_bytes": gpu.memory_bytes,
+        "numa_node": gpu.numa_node, "link_gen": link_gen_from_speed(gpu.primary.link_speed),
+        "link_width": gpu.primary.link_width,
+        # behind a switch the chain is (downstream port, upstream port, ..., root port)
+        "switch_id": str(chain[-2]) if len(chain) >= 3 else None,
+        "root_port": str(chain[-1]) if chain else None,
+        "viable": gpu.viable,
+    }
+
+
+class DeviceViews:
+    """DeviceView.from_gpu for a placer that decides again and again over the same inventory: what comes from the
+    Gpu object (model, link, topology ids) is worked out once per object; a Gpu is immutable, and a rescan that
+    replaces one is noticed by identity."""
+
+    def __init__(self) -> None:
+        self._fields: dict[str, tuple[Gpu, dict[str, Any]]] = {}
+
+    def view(self, gpu: Gpu, *, free: bool, quarantined: bool = False, probe_score: float | None = None) -> DeviceView:
+        """The GPU's view at this decision."""
+        hit = self._fields.get(gpu.id)
+        if hit is None or hit[0] is not gpu:
+            hit = self._fields[gpu.id] = (gpu, _gpu_fields(gpu))
+        return DeviceView(**hit[1], free=free, quarantined=quarantined, probe_score=probe_score)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,13 +196,14 @@ def _fmt_gib(x: float) -> str:
 
 
 def _device_reason(request: PlacementRequest, d: DeviceView) -> str | None:
-    """The first single-device filter that keeps d out, or None."""
-    if not d.free:
-        return "not free: leased or being released"
+    """The first single-device filter that keeps d out, or None (a quarantined or unviable GPU is never free, and
+    says so rather than "not free")."""
     if d.quarantined:
         return "quarantined"
     if not d.viable:
         return "IOMMU group not viable"
+    if not d.free:
+        return "not free: leased or being released"
     if d.health_flags:
         return f"unhealthy: {', '.join(d.health_flags)}"
     if request.min_memory_gib > 0:
@@ -307,51 +329,77 @@ def _spread(devices: Sequence[DeviceView], ix: Sequence[int], dist: Distance) ->
     return max(dist(devices[a], devices[b]) for a in ix for b in ix if a < b)
 
 
-def _explore_pick(scores: Sequence[float], best: int, max_loss: float, rng: random.Random,
-                  bounded: bool) -> int | None:
-    """A random near-best index other than `best`, or None when there is none."""
-    top = scores[best]
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """One request's filters and scores: what every choice (greedy, topology, exploration) starts from."""
+
+    survivors: tuple[DeviceView, ...]
+    scores: tuple[float, ...]  # one per survivor; empty when too few survived
+    dropped: tuple[Dropped, ...]
+    rule: str  # model | cold-start | none (too few survivors)
+    reason: str  # the rule in words, or why too few survived
+
+    def ranked(self, top_k: int = 5) -> tuple[tuple[str, float], ...]:
+        """The best `top_k` survivors with their scores, best first (ties keep the devices' order)."""
+        order = sorted(range(len(self.scores)), key=lambda i: -self.scores[i])[:top_k]
+        return tuple((self.survivors[i].gpu_id, self.scores[i]) for i in order)
+
+
+def score_devices(request: PlacementRequest, devices: Sequence[DeviceView], scorer: Scorer | None = None) -> Scored:
+    """Filter, then score the survivors: the learned model when it covers the request, else the cold-start rule."""
+    survivors, dropped = filter_devices(request, devices)
+    if len(survivors) < request.count:
+        why = f"{len(survivors)} of {len(devices)} device(s) passed the filters, {request.count} needed"
+        return Scored(tuple(survivors), (), tuple(dropped), RULE_NONE, why)
+    if scorer is not None and scorer.covers(request):
+        return Scored(tuple(survivors), tuple(float(s) for s in scorer.score(request, survivors)), tuple(dropped),
+                      RULE_MODEL, f"rule=model: scored by {scorer.name} (predicted relative work rate)")
+    why = "no active model" if scorer is None else f"{scorer.name} has too few records for this request"
+    return Scored(tuple(survivors), tuple(cold_start_scores(request, survivors)), tuple(dropped), RULE_COLD_START,
+                  f"rule=cold-start ({why}): memory fit, probe score, NUMA locality")
+
+
+def explore(request: PlacementRequest, scored: Scored, best: str, exploration: Exploration | None,
+            rng: random.Random | None) -> tuple[str, str] | None:
+    """Now and then (single-GPU requests at or under the priority bound) a near-best survivor other than `best`,
+    the chosen one: (its id, why). Under the model never more than `max_loss` of predicted speed is traded; the
+    cold-start rule predicts nothing, so there any survivor is as good a guess."""
+    ex = exploration
+    if (ex is None or rng is None or ex.epsilon <= 0 or request.priority > ex.max_priority or request.count != 1
+            or rng.random() >= ex.epsilon):
+        return None
+    ids = [d.gpu_id for d in scored.survivors]
+    if best not in ids:
+        return None
+    top = scored.scores[ids.index(best)]
+    bounded = scored.rule == RULE_MODEL
     if bounded:
-        floor = top * (1.0 - max_loss) if top > 0 else top - max_loss * abs(top)
-        pool = [i for i, s in enumerate(scores) if i != best and s >= floor]
+        floor = top * (1.0 - ex.max_loss) if top > 0 else top - ex.max_loss * abs(top)
+        pool = [g for g, s in zip(ids, scored.scores) if g != best and s >= floor]
     else:
-        pool = [i for i in range(len(scores)) if i != best]
-    return rng.choice(pool) if pool else None
+        pool = [g for g in ids if g != best]
+    if not pool:
+        return None
+    alt = rng.choice(pool)
+    return alt, (f"rule=explore: tried {alt} instead of {best} (epsilon={ex.epsilon:g}, within {ex.max_loss:.0%} "
+                 "of the best)" if bounded else f"rule=explore: tried {alt} at random (epsilon={ex.epsilon:g})")
 
 
 def place(request: PlacementRequest, devices: Sequence[DeviceView], *, scorer: Scorer | None = None,
           exploration: Exploration | None = None, rng: random.Random | None = None,
           distance: Distance | None = None, top_k: int = 5) -> Decision:
-    """Filter, score (learned model when it covers the request, else the cold-start rule), maybe explore, choose."""
-    survivors, dropped = filter_devices(request, devices)
-    if len(survivors) < request.count:
-        why = (f"{len(survivors)} of {len(devices)} device(s) passed the filters, {request.count} needed")
-        return Decision((), RULE_NONE, (), tuple(dropped), (why,))
-    reasons: list[str] = []
-    if scorer is not None and scorer.covers(request):
-        scores = [float(s) for s in scorer.score(request, survivors)]
-        rule = RULE_MODEL
-        reasons.append(f"rule=model: scored by {scorer.name} (predicted relative work rate)")
-    else:
-        scores = cold_start_scores(request, survivors)
-        rule = RULE_COLD_START
-        why = "no active model" if scorer is None else f"{scorer.name} has too few records for this request"
-        reasons.append(f"rule=cold-start ({why}): memory fit, probe score, NUMA locality")
-    chosen, spread = choose_set(survivors, scores, request.count, distance=distance,
-                                numa_policy=request.numa_policy)
-    ex = exploration
-    if (ex is not None and rng is not None and ex.epsilon > 0 and request.priority <= ex.max_priority
-            and request.count == 1 and rng.random() < ex.epsilon):
-        # bounded under the model (never trade more than max_loss of predicted speed); the cold-start rule
-        # predicts nothing, so there any eligible device is as good a guess
-        alt = _explore_pick(scores, chosen[0], ex.max_loss, rng, bounded=rule == RULE_MODEL)
-        if alt is not None:
-            reasons.append(f"rule=explore: tried {survivors[alt].gpu_id} instead of {survivors[chosen[0]].gpu_id} "
-                           f"(epsilon={ex.epsilon:g}, within {ex.max_loss:.0%} of the best)" if rule == RULE_MODEL
-                           else f"rule=explore: tried {survivors[alt].gpu_id} at random (epsilon={ex.epsilon:g})")
-            chosen, rule = [alt], RULE_EXPLORE
-    order = sorted(range(len(survivors)), key=lambda i: -scores[i])[:top_k]
-    candidates = tuple((survivors[i].gpu_id, scores[i]) for i in order)
-    picked = tuple(survivors[i].gpu_id for i in chosen)
-    reasons.append(f"chose {', '.join(picked)} from {len(survivors)} eligible; {len(dropped)} dropped by filters")
-    return Decision(picked, rule, candidates, tuple(dropped), tuple(reasons), spread)
+    """Filter, score (learned model when it covers the request, else the cold-start rule), choose, maybe explore."""
+    scored = score_devices(request, devices, scorer)
+    if scored.rule == RULE_NONE:
+        return Decision((), RULE_NONE, (), scored.dropped, (scored.reason,))
+    ix, spread = choose_set(scored.survivors, scored.scores, request.count, distance=distance,
+                            numa_policy=request.numa_policy)
+    picked = tuple(scored.survivors[i].gpu_id for i in ix)
+    rule, reasons = scored.rule, [scored.reason]
+    alt = explore(request, scored, picked[0], exploration, rng)
+    if alt is not None:
+        picked, rule = (alt[0],), RULE_EXPLORE
+        reasons.append(alt[1])
+    reasons.append(f"chose {', '.join(picked)} from {len(scored.survivors)} eligible; {len(scored.dropped)} dropped "
+                   "by filters")
+    return Decision(picked, rule, scored.ranked(top_k), scored.dropped, tuple(reasons), spread)

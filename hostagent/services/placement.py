@@ -5,13 +5,27 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hostagent.domain.errors import Conflict
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import LeaseRequest
-from hostagent.domain.placement import DeviceView, Exploration, PlacementRequest, Scorer, place
+from hostagent.domain.placement import (
+    RULE_EXPLORE,
+    RULE_NONE,
+    DeviceView,
+    DeviceViews,
+    Exploration,
+    PlacementRequest,
+    Scorer,
+    choose_set,
+    explore,
+    score_devices,
+)
 from hostagent.services.leases import Placement
+
+if TYPE_CHECKING:
+    from hostagent.services.topology import TopologyPlacer
 
 
 class Placer:
@@ -32,9 +46,10 @@ class Placer:
         self.model_version: str | None = None
         self.default_numa_policy = default_numa_policy
         self.last_decisions: list[dict[str, Any]] = []  # recent decisions for the dashboard (bounded)
+        self._views = DeviceViews()
         # The topology-aware set choice (same switch < root complex < NUMA node < sockets, packing); set by
         # the topology wiring. Without it the greedy choice of domain.placement decides.
-        self.topology_place: Callable[[LeaseRequest, Sequence[Gpu], int, str], Placement] | None = None
+        self.topology_place: TopologyPlacer | None = None
 
     def use(self, scorer: Scorer | None, version: str | None) -> None:
         """Switch to a newly trained (or rolled back) model."""
@@ -46,33 +61,44 @@ class Placer:
         return "model" if self.scorer is not None else "cold-start"
 
     def __call__(self, request: LeaseRequest, candidates: Sequence[Gpu], count: int, domain_uuid: str) -> Placement:
-        """Choose `count` of the candidate (free) GPUs; every other GPU appears among the dropped with a reason."""
+        """Choose `count` of the candidate (free) GPUs; every other GPU appears among the dropped with a reason.
+
+        Filters and scores run once, over every GPU of the host; the topology placer (when wired) or the greedy
+        choice picks the set from them; exploration may then swap a single GPU for a near-best one."""
+        topo = self.topology_place
         free = {g.id for g in candidates}
         quarantined = self._quarantined()
-        scores = self._probe_scores()
-        views = [DeviceView.from_gpu(g, free=g.id in free, quarantined=g.id in quarantined,
-                                     probe_score=scores.get(g.id)) for g in self._gpus()]
-        preq = PlacementRequest.from_lease(request, count=count)
-        if request.numa_policy is None and self.default_numa_policy != preq.numa_policy:
-            preq = dataclasses.replace(preq, numa_policy=self.default_numa_policy)
-        decision = place(preq, views, scorer=self.scorer, exploration=self.exploration, rng=self.rng,
-                         distance=self.distance)
-        if not decision.chosen:
-            self._remember(decision.to_dict(), request)
-            raise Conflict("; ".join(decision.reasons) or "no GPU passed the placement filters", field="gpus")
-        dropped = tuple({"gpu_id": d.gpu_id, "reason": d.reason} for d in decision.dropped)
-        if self.topology_place is not None and decision.rule != "explore":
-            # Same filters and scores; the topology placer picks the set (distance, packing) and says why.
-            chosen = self.topology_place(request, candidates, count, domain_uuid)
-            placement = dataclasses.replace(chosen, dropped=dropped)
+        if topo is not None:
+            preq, probe = topo.request_for(request, count, domain_uuid), topo.probe_score
         else:
-            placement = Placement(
-                gpu_ids=decision.chosen, reasons=decision.reasons,
-                candidates=tuple({"gpu_id": g, "score": round(s, 6)} for g, s in decision.candidates),
-                dropped=dropped,
-                distance=None if decision.distance is None else round(float(decision.distance), 3),
-                rule=decision.rule,
-            )
+            preq = PlacementRequest.from_lease(request, count=count)
+            if request.numa_policy is None and self.default_numa_policy != preq.numa_policy:
+                preq = dataclasses.replace(preq, numa_policy=self.default_numa_policy)
+            probe = self._probe_scores().get
+        views = [self._views.view(g, free=g.id in free, quarantined=g.id in quarantined, probe_score=probe(g.id))
+                 for g in self._gpus()]
+        scored = score_devices(preq, views, self.scorer)
+        dropped = tuple({"gpu_id": d.gpu_id, "reason": d.reason} for d in scored.dropped)
+        try:
+            if topo is not None:
+                placement = topo.pick(preq, scored, free)
+            elif scored.rule == RULE_NONE:
+                raise Conflict(scored.reason, field="gpus")
+            else:
+                ix, spread = choose_set(scored.survivors, scored.scores, count, distance=self.distance,
+                                        numa_policy=preq.numa_policy)
+                placement = Placement(
+                    gpu_ids=tuple(scored.survivors[i].gpu_id for i in ix), reasons=(scored.reason,),
+                    candidates=tuple({"gpu_id": g, "score": round(s, 6)} for g, s in scored.ranked()),
+                    dropped=dropped, distance=None if spread is None else round(float(spread), 3), rule=scored.rule)
+        except Conflict as exc:
+            self._remember({"chosen": [], "rule": RULE_NONE, "candidates": [], "dropped": list(dropped),
+                            "reasons": [exc.message], "distance": None}, request)
+            raise
+        alt = explore(preq, scored, placement.gpu_ids[0], self.exploration, self.rng) if count == 1 else None
+        if alt is not None:
+            placement = Placement(gpu_ids=(alt[0],), reasons=(scored.reason, alt[1]), candidates=placement.candidates,
+                                  dropped=dropped, distance=None, rule=RULE_EXPLORE)
         self._remember({"chosen": list(placement.gpu_ids), "rule": placement.rule,
                         "candidates": list(placement.candidates), "dropped": list(dropped),
                         "reasons": list(placement.reasons), "distance": placement.distance}, request)

@@ -16,15 +16,7 @@ from typing import Any
 from hostagent.domain.errors import ConfigError, Conflict
 from hostagent.domain.inventory import Gpu, GpuState
 from hostagent.domain.lease import LeaseRequest
-from hostagent.domain.placement import (
-    RULE_COLD_START,
-    RULE_MODEL,
-    DeviceView,
-    PlacementRequest,
-    Scorer,
-    cold_start_scores,
-    filter_devices,
-)
+from hostagent.domain.placement import RULE_NONE, DeviceViews, PlacementRequest, Scored, Scorer, score_devices
 from hostagent.domain.topology import BLOCK_KINDS, Block, Level, Topology, capacity, choose, free_blocks, parse_nvlink_hints
 from hostagent.services.leases import Placement
 
@@ -62,49 +54,49 @@ class TopologyPlacer:
         self.pack = pack
         self.tolerance = tolerance  # relative: scores within this fraction of the best count as equally good
         self.top_k = top_k
+        self._views = DeviceViews()
 
     def __call__(self, request: LeaseRequest, candidates: Sequence[Gpu], count: int, domain_uuid: str) -> Placement:
         """Choose `count` of the free candidates; Conflict when the NUMA policy cannot be met."""
-        vm_node = self.vm_numa_node(domain_uuid)
+        preq = self.request_for(request, count, domain_uuid)
+        views = [self._views.view(g, free=True, probe_score=self.probe_score(g.id)) for g in candidates]
+        return self.pick(preq, score_devices(preq, views, self.scorer()), [g.id for g in candidates])
+
+    def request_for(self, request: LeaseRequest, count: int, domain_uuid: str) -> PlacementRequest:
+        """The placement request: the VM's NUMA node when known, the host's default policy when none is asked."""
+        preq = PlacementRequest.from_lease(request, count=count, vm_numa_node=self.vm_numa_node(domain_uuid))
         policy = request.numa_policy or self.default_policy
-        preq = PlacementRequest.from_lease(request, count=count, vm_numa_node=vm_node)
-        if preq.numa_policy != policy:
-            preq = dataclasses.replace(preq, numa_policy=policy)
-        views = [DeviceView.from_gpu(g, free=True, probe_score=self.probe_score(g.id)) for g in candidates]
-        survivors, dropped = filter_devices(preq, views)
-        dropped_json = tuple({"gpu_id": d.gpu_id, "reason": d.reason} for d in dropped)
-        if len(survivors) < count:
+        return preq if preq.numa_policy == policy else dataclasses.replace(preq, numa_policy=policy)
+
+    def pick(self, preq: PlacementRequest, scored: Scored, free_ids: Collection[str]) -> Placement:
+        """The set among `scored`'s survivors (filters and scores done once, by the caller); `free_ids` are the
+        free candidates the survivors came from. Conflict when too few survived or the NUMA policy has no set."""
+        count, policy, vm_node = preq.count, preq.numa_policy, preq.vm_numa_node
+        dropped = tuple({"gpu_id": d.gpu_id, "reason": d.reason} for d in scored.dropped)
+        if scored.rule == RULE_NONE:
+            free_n = len(free_ids)
+            survived = sum(1 for d in scored.survivors if d.gpu_id in free_ids)
             if policy == "required" and count > 1:
-                raise Conflict(f"no NUMA node has {count} free eligible GPU(s) ({len(views)} free in all; "
+                raise Conflict(f"no NUMA node has {count} free eligible GPU(s) ({free_n} free in all; "
                                "numa_policy=required): wait, or use numa_policy=preferred", field="numa_policy",
-                               dropped=dropped_json)
-            raise Conflict(f"{len(survivors)} of {len(views)} free GPU(s) pass the filters, {count} needed",
-                           field="gpus", dropped=dropped_json)
-        scorer = self.scorer()
-        if scorer is not None and scorer.covers(preq):
-            scores = [float(s) for s in scorer.score(preq, survivors)]
-            rule, why = RULE_MODEL, f"rule=model: scored by {scorer.name}"
-        else:
-            scores = cold_start_scores(preq, survivors)
-            rule = RULE_COLD_START
-            why = "rule=cold-start: memory fit, probe score, NUMA locality" + (
-                "" if scorer is None else f" ({scorer.name} has too few records for this request)")
-        by_id = {d.gpu_id: s for d, s in zip(survivors, scores)}
-        top = max(abs(s) for s in scores) if scores else 0.0
-        host_free = set(self.free_ids()) if self.free_ids is not None else {g.id for g in candidates}
+                               dropped=dropped)
+            raise Conflict(f"{survived} of {free_n} free GPU(s) pass the filters, {count} needed", field="gpus",
+                           dropped=dropped)
+        by_id = {d.gpu_id: s for d, s in zip(scored.survivors, scored.scores)}
+        top = max(abs(s) for s in scored.scores)
+        host_free = set(self.free_ids()) if self.free_ids is not None else set(free_ids)
         choice = choose(self.topology, list(by_id), count, scores=by_id, policy=policy, vm_numa_node=vm_node,
                         host_free=host_free, pack=self.pack, tolerance=max(1e-9, self.tolerance * top))
         if choice is None:
             raise Conflict(f"no {count} free GPU(s) on one NUMA node{'' if vm_node is None else f' ({vm_node})'} "
                            f"(numa_policy={policy}); wait or use numa_policy=preferred", field="numa_policy")
-        ranked = sorted(by_id.items(), key=lambda kv: -kv[1])[: self.top_k]
         return Placement(
             gpu_ids=choice.gpu_ids,
-            reasons=(why, *choice.reasons),
-            candidates=tuple({"gpu_id": g, "score": round(s, 6)} for g, s in ranked),
-            dropped=dropped_json,
+            reasons=(scored.reason, *choice.reasons),
+            candidates=tuple({"gpu_id": g, "score": round(s, 6)} for g, s in scored.ranked(self.top_k)),
+            dropped=dropped,
             distance=None if choice.distance is None else int(choice.distance),
-            rule=rule,
+            rule=scored.rule,
         )
 
 

@@ -63,8 +63,10 @@ def test_each_filter_drops_with_its_reason() -> None:
 def test_first_failing_filter_is_the_reason_and_unknown_memory_is_dropped() -> None:
     d = DeviceView("x", "X", free=False, quarantined=True)
     _, dropped = filter_devices(PlacementRequest(min_memory_gib=1), [d, DeviceView("nomem", "X")])
-    assert dict(dropped) == {"x": "not free: leased or being released",
-                             "nomem": "memory unknown, request needs 1.0 GiB"}
+    # quarantine comes first: it outlasts the lease, so "not free" would tell an operator the wrong thing
+    assert dict(dropped) == {"x": "quarantined", "nomem": "memory unknown, request needs 1.0 GiB"}
+    _, dropped = filter_devices(PlacementRequest(), [DeviceView("busy", "X", free=False)])
+    assert dict(dropped) == {"busy": "not free: leased or being released"}
     survivors, _ = filter_devices(PlacementRequest(), [DeviceView("nomem", "X")])
     assert len(survivors) == 1  # no memory asked: unknown memory is fine
 
