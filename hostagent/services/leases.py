@@ -193,14 +193,23 @@ class LeaseManager:
 
     # -- persistence ---------------------------------------------------------------------------------------------
     async def _write(self, lease: Lease, prev: LeaseState | None, actor: str, detail: str | None = None,
-                     error: str | None = None, earlier: Sequence[Step] = ()) -> Lease:
-        """Journal (durably, `earlier` steps in the same transaction) then publish in memory and to listeners."""
+                     error: str | None = None, earlier: Sequence[Step] = (),
+                     amend: Callable[[Lease], Lease] | None = None) -> Lease:
+        """Journal (durably, `earlier` steps in the same transaction) then publish in memory and to listeners.
+
+        `amend`: a blocking read that completes the lease (e.g. the drivers bound now), run in the write's worker
+        hop just before it: one hop, not two; if it raises, nothing is written."""
         born = prev is None or (bool(earlier) and earlier[0].from_state is None)
         if not born and lease.id not in self.leases:
             # Ended (or never loaded) while this step was in flight: an ended lease never comes back.
             raise InvalidTransition(f"lease {lease.id} has already ended", field="id")
-        await self._run(self.journal.record, lease, from_state=prev, actor=actor, detail=detail, error=error,
-                        earlier=tuple(earlier))
+
+        def record() -> Lease:  # worker thread
+            new = lease if amend is None else amend(lease)
+            self.journal.record(new, from_state=prev, actor=actor, detail=detail, error=error, earlier=tuple(earlier))
+            return new
+
+        lease = await self._run(record)
         if lease.state.terminal:
             self.leases.pop(lease.id, None)
             self._lease_locks.pop(lease.id, None)
@@ -217,15 +226,17 @@ class LeaseManager:
         return lease
 
     async def _move(self, lease: Lease, target: LeaseState, actor: str, detail: str | None = None,
-                    error: str | None = None, earlier: Sequence[Step] = (), **changes: Any) -> Lease:
+                    error: str | None = None, earlier: Sequence[Step] = (),
+                    amend: Callable[[Lease], Lease] | None = None, **changes: Any) -> Lease:
         """Transition + journal + crash point named after the new state (an error is kept on the lease too).
 
         `earlier`: steps already taken in memory but not yet journaled, written in the same transaction.
+        `amend`: see `_write`.
         """
         if error is not None:
             changes.setdefault("error", error)
         new = lease.transition(target, **changes)
-        new = await self._write(new, lease.state, actor, detail, error, earlier)
+        new = await self._write(new, lease.state, actor, detail, error, earlier, amend)
         crash_point(f"after-{target.value.lower()}")
         return new
 
@@ -379,22 +390,26 @@ class LeaseManager:
         chosen = [self.gpus[i] for i in placement.gpu_ids]
         for g in chosen:
             self.claims[g.id] = lease.id
-        try:
+        def with_drivers(new: Lease) -> Lease:  # worker thread, in the BINDING write's hop
             devices = []
             for g in chosen:
-                drivers = await self._run(self.host.current_drivers, g)
+                drivers = self.host.current_drivers(g)
                 devices.append(LeaseDevice(
                     gpu_id=g.id, functions=tuple(str(f.address) for f in g.functions),
                     original_drivers=tuple(drivers.get(str(f.address)) for f in g.functions),
                     iommu_group=g.iommu_group if g.iommu_group is not None else -1,
                 ))
+            return new.with_changes(devices=tuple(devices))
+
+        try:
             duration = lease.request.duration_s or self.policy.default_duration_s
             reasons = (why, *placement.reasons)
             record = {"rule": placement.rule, "candidates": [dict(c) for c in placement.candidates],
                       "dropped": [dict(d) for d in placement.dropped], "distance": placement.distance}
+            # the original drivers are read in the BINDING write's own worker hop (one hop for both)
             return await self._move(
                 lease, S.BINDING, actor, f"placed on {', '.join(placement.gpu_ids)} ({placement.rule})",
-                earlier=earlier, devices=tuple(devices), granted_gpus=len(devices), reasons=reasons,
+                earlier=earlier, amend=with_drivers, granted_gpus=len(chosen), reasons=reasons,
                 distance=placement.distance, expires_at=self.clock() + duration,
                 placement=tuple(sorted(record.items())),
             )

@@ -382,3 +382,25 @@ async def test_multifunction_layout_for_a_shut_off_vm(tmp_path: Path, aiohttp_cl
     assert len(slots) == 1  # one guest slot, functions together
     xml = await rig.hv.domain_xml(rig.uuids["vm-a"], live=False)
     assert "multifunction='on'" in xml or 'multifunction="on"' in xml
+
+
+async def test_original_drivers_are_read_with_the_binding_write_and_a_failed_read_writes_nothing(
+        rig: AgentRig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drivers a GPU had are read in the BINDING write's own worker hop: recorded with the lease, and when the
+    read fails nothing is journaled, no GPU is claimed or moved, and the next lease goes through."""
+    m = rig.runtime.manager
+    body = await lease(rig, gpus=1)
+    doc = rig.runtime.journal.get(body["id"])
+    assert doc is not None and all(d.original_drivers == ("nvidia",) * len(d.functions) for d in doc.devices)
+    await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
+
+    def unreadable(gpu: Any) -> dict[str, str | None]:
+        raise OSError(5, "Input/output error", f"/sys/bus/pci/devices/{gpu.address}/driver")
+
+    monkeypatch.setattr(m.host, "current_drivers", unreadable)
+    r = await rig.client.post("/v1/leases", json={"gpus": 1}, headers=rig.auth("vm-a"))
+    assert r.status >= 500 and "Input/output error" not in await r.text()  # no internals in the answer
+    assert rig.runtime.journal.live_leases() == []  # nothing journaled for it
+    assert not m.claims and not m.leases and not vfio_functions(rig)
+    monkeypatch.undo()
+    assert (await lease(rig, gpus=1))["state"] == "ACTIVE"
