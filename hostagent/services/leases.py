@@ -130,8 +130,16 @@ def _agent_side(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[An
     waits."""
     @functools.wraps(fn)
     async def run(self: LeaseManager, *args: Any, **kwargs: Any) -> Any:
-        with self._work(+1):
-            return await fn(self, *args, **kwargs)
+        task = asyncio.current_task()
+        self._working_in[task] = self._working_in.get(task, 0) + 1
+        try:
+            with self._work(+1):
+                return await fn(self, *args, **kwargs)
+        finally:
+            if self._working_in[task] > 1:
+                self._working_in[task] -= 1
+            else:
+                del self._working_in[task]
     return run
 
 
@@ -174,6 +182,9 @@ class LeaseManager:
         self.quiet = asyncio.Event()
         self.quiet.set()
         self._working = 0
+        # per task, how many lease operations it is inside (drain_queue grants through the same steps): a wait
+        # takes back exactly that task's own work, and a wait outside any (reconcile, reclaim) takes back none
+        self._working_in: dict[asyncio.Task[Any] | None, int] = {}
 
     @contextlib.contextmanager
     def _work(self, delta: int) -> Iterator[None]:
@@ -485,7 +496,7 @@ class LeaseManager:
     async def _timed_hv(self, kind: str, aw: Awaitable[Any]) -> Any:
         t0 = time.perf_counter()
         try:
-            with self._work(-1 if kind in HV_WAITS else 0):
+            with self._work(-self._working_in.get(asyncio.current_task(), 0) if kind in HV_WAITS else 0):
                 return await aw
         finally:
             self._timing(kind, time.perf_counter() - t0)

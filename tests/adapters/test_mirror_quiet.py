@@ -13,7 +13,7 @@ import pytest
 
 from hostagent import runtime as runtime_module
 from hostagent.runtime import Runtime
-from hostagent.services.leases import LeaseManager
+from hostagent.services.leases import LeaseManager, _agent_side
 from tests.support.agent import AgentRig, make_rig, start_rig
 
 
@@ -77,6 +77,42 @@ def test_nested_work_and_waits_count_up_and_down() -> None:
             assert m.quiet.is_set()
         assert not m.quiet.is_set()
     assert m.quiet.is_set() and m._working == 0
+
+
+async def test_a_wait_counts_only_its_own_tasks_work() -> None:
+    """A detach wait outside any lease operation (reconcile, reclaim) takes back no work, so another task's lease
+    step stays not quiet; a wait inside nested operations (drain_queue granting) takes back all of that task's."""
+    m = LeaseManager(gpus=[], host=None, hypervisor=None, journal=None, policy=None)  # type: ignore[arg-type]
+    gate = asyncio.Event()
+
+    async def own_work(self: LeaseManager) -> None:
+        await gate.wait()  # placement, journal: no wait of the hypervisor's
+
+    seen: list[tuple[int, bool]] = []
+
+    async def attach_call() -> None:
+        seen.append((m._working, m.quiet.is_set()))
+
+    async def waits_on_attach(self: LeaseManager) -> None:
+        assert self._working == 2
+        await self._timed_hv("attach", attach_call())
+
+    async def nested(self: LeaseManager) -> None:
+        await _agent_side(waits_on_attach)(self)
+
+    working = asyncio.create_task(_agent_side(own_work)(m))
+    await asyncio.sleep(0)
+    assert m._working == 1 and not m.quiet.is_set()
+    reconcile = asyncio.create_task(m._timed_hv("detach", gate.wait()))
+    await asyncio.sleep(0)
+    assert m._working == 1 and not m.quiet.is_set()  # the lease step still works
+    gate.set()
+    await asyncio.gather(working, reconcile)
+    assert m._working == 0 and m.quiet.is_set() and not m._working_in
+
+    await _agent_side(nested)(m)
+    assert seen == [(0, True)]  # inside the attach wait both levels of the task's work were taken back
+    assert m._working == 0 and m.quiet.is_set() and not m._working_in
 
 
 async def test_the_mirror_waits_for_quiet_then_catches_up(tmp_path: Path, aiohttp_client: Any,
