@@ -401,6 +401,7 @@ class LeaseManager:
         chosen = [self.gpus[i] for i in placement.gpu_ids]
         for g in chosen:
             self.claims[g.id] = lease.id
+
         def with_drivers(new: Lease) -> Lease:  # worker thread, in the BINDING write's hop
             devices = []
             for g in chosen:
