@@ -130,8 +130,9 @@ async def run_case(leases: int, warmup: int, hv_kwargs: dict[str, float],
             return (rt.manager.step_timings.total, agent.host_port.mark(), agent.hv_port.mark(),
                     agent.journal_port.mark(), hops[0], time.perf_counter())
 
-        # per request, inside the agent (outermost middleware): marks at entry and at the response
-        served: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
+        # per request, inside the agent (outermost middleware): marks at entry and at the response, and the seconds
+        # of its step_timings (read at once: that log is bounded, the ports' call lists are not)
+        served: list[tuple[tuple[Any, ...], tuple[Any, ...], float]] = []
 
         @web.middleware
         async def in_agent(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -141,7 +142,8 @@ async def run_case(leases: int, warmup: int, hv_kwargs: dict[str, float],
             try:
                 return await handler(request)
             finally:
-                served.append((a, marks()))
+                b = marks()
+                served.append((a, b, sum(sec for _, sec in rt.manager.step_timings.since(a[0], b[0]))))
 
         app.middlewares.insert(0, in_agent)
         runner = web.AppRunner(app, access_log=None)
@@ -165,10 +167,11 @@ async def run_case(leases: int, warmup: int, hv_kwargs: dict[str, float],
             raise RuntimeError(f"{len(served)} requests served for {len(walls)} leases")
         attach, release = PathFigures(), PathFigures()
         for i in range(warmup, len(walls)):
-            for fig, (a, b), wall in ((attach, served[2 * i], walls[i][0]), (release, served[2 * i + 1], walls[i][1])):
+            for fig, (a, b, steps), wall in ((attach, served[2 * i], walls[i][0]),
+                                             (release, served[2 * i + 1], walls[i][1])):
                 fig.wall.append(wall)
                 fig.handler.append(b[5] - a[5])
-                fig.steps.append(sum(sec for _, sec in rt.manager.step_timings.since(a[0], b[0])))
+                fig.steps.append(steps)
                 fig.ports.append(_sum(agent.host_port.calls[a[1]:b[1]]) + _sum(agent.hv_port.calls[a[2]:b[2]]))
                 writes = [c for c in agent.journal_port.calls[a[3]:b[3]] if c[0] == "journal.record"]
                 fig.journal.append(sum(sec for _, sec in writes))
