@@ -181,26 +181,33 @@ async def run_case(leases: int, warmup: int, hv_kwargs: dict[str, float],
 
 
 async def run_floor(leases: int, warmup: int, writes: int, hops: int) -> list[float]:
-    """The machine's floor for one grant: `writes` fsync'd journal writes and `hops` - `writes` empty thread hops,
-    each from the event loop to a worker and back, nothing else (no HTTP, no placement, no agent running).
+    """The machine's floor for one grant: `writes` fsync'd journal writes spread over `hops` thread hops (a hop
+    with none is empty), each from the event loop to a worker and back, nothing else (no HTTP, no placement, no
+    agent running).
 
     What any crash-safe agent built this way pays on this machine; its p99 against its p50 shows how much of a
     tail the disk and the scheduler add by themselves."""
+    per_hop = [writes // hops + (1 if n < writes % hops else 0) for n in range(hops)] if hops else []
     with tempfile.TemporaryDirectory(prefix="bench-floor-") as tmp:
         journal = Journal(Path(tmp) / "journal.sqlite3")
         steps = (LeaseState.BINDING, LeaseState.ATTACHING, LeaseState.ACTIVE)
         out: list[float] = []
+
+        def write(lease: Any, first: int, k: int) -> Any:  # worker thread: writes first .. first + k - 1
+            for n in range(first, first + k):
+                nxt = lease.transition(steps[n]) if n < len(steps) else lease
+                journal.record(nxt, from_state=lease.state, actor="bench")
+                lease = nxt
+            return lease
+
         try:
             for i in range(warmup + leases):
                 lease = new_lease(f"l-floor{i:06d}", "uuid-floor", "vm-floor", LeaseRequest(), time.time())
                 t0 = time.perf_counter()
-                for n in range(hops):
-                    if n < writes:
-                        nxt = lease.transition(steps[n % len(steps)]) if n < len(steps) else lease
-                        await asyncio.to_thread(journal.record, nxt, from_state=lease.state, actor="bench")
-                        lease = nxt
-                    else:
-                        await asyncio.to_thread(int)
+                done = 0
+                for k in per_hop:
+                    lease = await asyncio.to_thread(write, lease, done, k)
+                    done += k
                 if i >= warmup:
                     out.append(time.perf_counter() - t0)
         finally:

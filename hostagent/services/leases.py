@@ -221,6 +221,11 @@ class LeaseManager:
             return new
 
         lease = await self._run(record)
+        self._publish(lease, detail)
+        return lease
+
+    def _publish(self, lease: Lease, detail: str | None) -> None:
+        """A journaled step, in memory (an ended lease leaves, with its claims) and to the listeners."""
         if lease.state.terminal:
             self.leases.pop(lease.id, None)
             self._lease_locks.pop(lease.id, None)
@@ -234,7 +239,6 @@ class LeaseManager:
                 listener(lease, detail)
             except Exception:  # a listener (metrics, store mirror) must never break leasing
                 log.exception("lease listener failed")
-        return lease
 
     async def _move(self, lease: Lease, target: LeaseState, actor: str, detail: str | None = None,
                     error: str | None = None, earlier: Sequence[Step] = (),
@@ -563,8 +567,7 @@ class LeaseManager:
                 detach_attempts=lease.detach_attempts + 1,
             )
         crash_point("after-detach-confirmed")
-        lease = await self._move(lease, S.REBINDING, actor, "detach confirmed by DEVICE_REMOVED")
-        return await self._give_back_all(lease, actor, final)
+        return await self._give_back_all(lease, actor, final, rebind="detach confirmed by DEVICE_REMOVED")
 
     async def _detach(self, lease: Lease) -> bool:
         """Detach every hostdev of the lease that is still attached; True once libvirt confirmed removal."""
@@ -586,23 +589,64 @@ class LeaseManager:
             return False
         return bool(result.confirmed)
 
-    async def _give_back_all(self, lease: Lease, actor: str, final: LeaseState) -> Lease:
-        """REBINDING -> RELEASED: every function back to its original driver; failures quarantine the GPU."""
-        notes = []
-        for dev in lease.devices:
-            gpu = self.gpus.get(dev.gpu_id)
-            if gpu is None:
-                continue
-            async with self._group_lock(dev.iommu_group):
-                res = await self._timed("give_back", self.host.give_back, gpu,
-                                        dict(zip(dev.functions, dev.original_drivers)), _step_hook("give-back"))
-            if not res.ok:
-                notes.append(f"{dev.gpu_id} did not return to its host driver: {res.error}")
-                await self._quarantine(dev.gpu_id, f"did not return to its host driver: {res.error}", actor)
-        lease = await self._move(lease, final, actor, "; ".join(notes) or "every function back on its host driver",
-                                 ended_at=self.clock())
+    async def _give_back_all(self, lease: Lease, actor: str, final: LeaseState, rebind: str | None = None) -> Lease:
+        """[REBINDING ->] every function back to its original driver -> `final`; failures quarantine the GPU.
+
+        With `rebind` (the lease is detaching and its detach was confirmed) the REBINDING step is journaled first,
+        with that detail. The journal writes and the give-backs run in their order in one worker hop: the same
+        durable order as a hop each, without the trips through the event loop between them. A give-back that fails
+        sends the rest back through the loop: quarantine, then the final write.
+        """
+        if lease.id not in self.leases:
+            raise InvalidTransition(f"lease {lease.id} has already ended", field="id")
+        rebinding = lease.transition(S.REBINDING) if rebind is not None else lease
+        devs = [(d, self.gpus[d.gpu_id]) for d in lease.devices if d.gpu_id in self.gpus]
+        done_detail = "every function back on its host driver"
+        timings: list[float] = []
+        results: list[tuple[LeaseDevice, HostOpResult]] = []
+
+        def work() -> tuple[Lease | None, Exception | None]:  # worker thread
+            if rebind is not None:
+                self.journal.record(rebinding, from_state=lease.state, actor=actor, detail=rebind)
+                crash_point("after-rebinding")
+            try:  # from here on REBINDING is in the journal: the loop publishes it whatever happens
+                for dev, gpu in devs:
+                    t0 = time.perf_counter()
+                    try:
+                        results.append((dev, self.host.give_back(gpu, dict(zip(dev.functions, dev.original_drivers)),
+                                                                 _step_hook("give-back"))))
+                    finally:
+                        timings.append(time.perf_counter() - t0)
+                if not all(res.ok for _, res in results):
+                    return None, None
+                done = rebinding.transition(final, ended_at=self.clock())
+                self.journal.record(done, from_state=S.REBINDING, actor=actor, detail=done_detail)
+                return done, None
+            except Exception as exc:  # noqa: BLE001  (raised in the loop, after REBINDING is published)
+                return None, exc
+
+        async with contextlib.AsyncExitStack() as held:
+            for group in sorted({d.iommu_group for d, _ in devs}):  # one order for every holder of several
+                await held.enter_async_context(self._group_lock(group))
+            done, failed = await self._run(work)
+        for seconds in timings:
+            self._timing("give_back", seconds)
+        if rebind is not None:
+            self._publish(rebinding, rebind)
+        if failed is not None:
+            raise failed
+        if done is not None:
+            self._publish(done, done_detail)
+            crash_point(f"after-{final.value.lower()}")
+        else:
+            notes = []
+            for dev, res in results:
+                if not res.ok:
+                    notes.append(f"{dev.gpu_id} did not return to its host driver: {res.error}")
+                    await self._quarantine(dev.gpu_id, f"did not return to its host driver: {res.error}", actor)
+            done = await self._move(rebinding, final, actor, "; ".join(notes) or done_detail, ended_at=self.clock())
         self._wake_queue.set()
-        return lease
+        return done
 
     @_agent_side
     async def retry_pending(self, actor: str = "agent") -> None:

@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
+from hostagent.domain.hostops import HostOpResult
 from hostagent.domain.lease import LeaseState
+from hostagent.services.reconcile import Reconciler
 from tests.support.agent import AgentRig, Clock, make_rig, start_rig
 
 JSON = {"Content-Type": "application/json"}
@@ -404,3 +406,70 @@ async def test_original_drivers_are_read_with_the_binding_write_and_a_failed_rea
     assert not m.claims and not m.leases and not vfio_functions(rig)
     monkeypatch.undo()
     assert (await lease(rig, gpus=1))["state"] == "ACTIVE"
+
+
+async def test_release_rebinds_gives_back_and_ends_in_one_worker_hop(rig: AgentRig,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the confirmed detach, REBINDING, every give-back and RELEASED run in their order in one worker hop:
+    the journal shows each step, every function is back on its host driver."""
+    m = rig.runtime.manager
+    body = await lease(rig, gpus=2)
+    hops: list[str] = []
+    run_blocking = m._run
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        hops.append(getattr(fn, "__name__", repr(fn)))
+        return await run_blocking(fn, *args, **kwargs)
+
+    monkeypatch.setattr(m, "_run", counted)
+    r = await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
+    assert r.status == 200 and (await r.json())["state"] == "RELEASED"
+    assert len(hops) == 2, hops  # the DETACHING write; then REBINDING, two give-backs and RELEASED
+    steps = [(e.from_state, e.to_state) for e in rig.runtime.journal.events(lease_id=body["id"]) if e.to_state]
+    assert steps[-4:] == [("ACTIVE", "RELEASING"), ("RELEASING", "DETACHING"), ("DETACHING", "REBINDING"),
+                          ("REBINDING", "RELEASED")]
+    funcs = [f for d in body["devices"] for f in d["functions"]]
+    assert all(rig.sysfs_driver(f) == "nvidia" for f in funcs) and not vfio_functions(rig)
+    assert not m.claims and body["id"] not in m.leases
+
+
+async def test_a_failed_give_back_quarantines_that_gpu_and_still_ends_the_lease(
+        rig: AgentRig, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = rig.runtime.manager
+    body = await lease(rig, gpus=2)
+    stuck = body["devices"][0]["gpu_id"]
+    give_back = m.host.give_back
+
+    def flaky(gpu: Any, drivers: Any, on_step: Any = None) -> HostOpResult:
+        return HostOpResult(False, error="write to driver/unbind hung") if gpu.id == stuck else give_back(
+            gpu, drivers, on_step)
+
+    monkeypatch.setattr(m.host, "give_back", flaky)
+    r = await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
+    assert r.status == 200 and (await r.json())["state"] == "RELEASED"
+    assert stuck in m.quarantined and "did not return to its host driver" in m.quarantined[stuck]
+    other = body["devices"][1]
+    assert all(rig.sysfs_driver(f) == "nvidia" for f in other["functions"])
+    last = [e for e in rig.runtime.journal.events(lease_id=body["id"]) if e.to_state][-1]
+    assert (last.from_state, last.to_state) == ("REBINDING", "RELEASED") and stuck in (last.detail or "")
+
+
+async def test_a_give_back_that_raises_leaves_memory_and_journal_agreeing_on_rebinding(
+        rig: AgentRig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The REBINDING write and the give-back share a hop: when the give-back raises, the step already journaled is
+    published too (memory never lags the journal), and a restart's reconcile finishes the lease."""
+    m = rig.runtime.manager
+    body = await lease(rig, gpus=1)
+
+    def broken(gpu: Any, drivers: Any, on_step: Any = None) -> HostOpResult:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(m.host, "give_back", broken)
+    r = await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
+    assert r.status >= 500
+    assert m.leases[body["id"]].state is LeaseState.REBINDING
+    assert [x.state for x in rig.runtime.journal.live_leases()] == [LeaseState.REBINDING]
+    monkeypatch.undo()
+    await Reconciler(m).run()
+    assert body["id"] not in m.leases and not vfio_functions(rig)
+    assert rig.runtime.journal.live_leases() == []
