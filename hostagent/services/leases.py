@@ -457,16 +457,8 @@ class LeaseManager:
         async with self.lease_lock(lease.id):
             bound: list[LeaseDevice] = []
             try:
-                for dev in lease.devices:
-                    gpu = self.gpus[dev.gpu_id]
-                    async with self._group_lock(dev.iommu_group):
-                        res: HostOpResult = await self._timed("bind", self.host.bind, gpu, _step_hook("bind"))
-                    if not res.ok:
-                        if res.needs_attention:
-                            await self._quarantine(gpu.id, f"bind failed and could not be undone: {res.error}", actor)
-                        raise HostError(f"binding {gpu.id} to vfio-pci failed: {res.error}", gpu=gpu.id)
-                    bound.append(dev)
-                    crash_point("bind-device-done")
+                # the guest slots first (binding does not change the domain), so that the binds and the ATTACHING
+                # write share one worker hop
                 layout = self.policy.guest_layout
                 per_dev = [0 if layout == "auto" else 1 if layout == "multifunction" else len(d.functions)
                            for d in lease.devices]
@@ -482,8 +474,8 @@ class LeaseManager:
                     all_hostdevs.extend(hds)
                     devices.append(LeaseDevice(dev.gpu_id, dev.functions, dev.original_drivers, dev.iommu_group,
                                                tuple(_guest_addr(h) for h in hds)))
-                lease = await self._move(lease, S.ATTACHING, actor,
-                                         "all functions on vfio-pci; guest addresses chosen", devices=tuple(devices))
+                lease = await self._bind_all(lease, lease.transition(S.ATTACHING, devices=tuple(devices)), bound,
+                                             actor)
                 crash_point("before-attach")
                 await self._timed_hv("attach", self.hv.attach_hostdevs(lease.domain_uuid, all_hostdevs))
                 crash_point("after-attach-call")
@@ -497,6 +489,52 @@ class LeaseManager:
                 return await self._move(lease, S.ACTIVE, actor, "attached and verified in the domain XML", **changes)
             except HostAgentError as exc:
                 return await self._rollback(lease, bound, actor, exc)
+
+    async def _bind_all(self, lease: Lease, attaching: Lease, bound: list[LeaseDevice], actor: str) -> Lease:
+        """Every device of `lease` onto vfio-pci, in order, then ATTACHING (`attaching`) journaled: one worker hop,
+        the same durable order as a hop each. Devices bound are appended to `bound` (the caller rolls them back on
+        a HostAgentError); a failed bind quarantines its GPU when it could not be undone."""
+        detail = "all functions on vfio-pci; guest addresses chosen"
+        devs = [(dev, self.gpus[dev.gpu_id]) for dev in lease.devices]
+        timings: list[float] = []
+        failed: list[tuple[Gpu, HostOpResult]] = []
+
+        def work() -> Exception | None:  # worker thread
+            try:
+                for dev, gpu in devs:
+                    t0 = time.perf_counter()
+                    try:
+                        res = self.host.bind(gpu, _step_hook("bind"))
+                    finally:
+                        timings.append(time.perf_counter() - t0)
+                    if not res.ok:
+                        failed.append((gpu, res))
+                        return None
+                    bound.append(dev)
+                    crash_point("bind-device-done")
+                self.journal.record(attaching, from_state=lease.state, actor=actor, detail=detail)
+                return None
+            except Exception as exc:  # noqa: BLE001  (raised in the loop, once `bound` says what to undo)
+                return exc
+
+        if lease.id not in self.leases:
+            raise InvalidTransition(f"lease {lease.id} has already ended", field="id")
+        async with contextlib.AsyncExitStack() as held:
+            for group in sorted({dev.iommu_group for dev, _ in devs}):  # one order for every holder of several
+                await held.enter_async_context(self._group_lock(group))
+            exc = await self._run(work)
+        for seconds in timings:
+            self._timing("bind", seconds)
+        if exc is not None:
+            raise exc
+        if failed:
+            gpu, res = failed[0]
+            if res.needs_attention:
+                await self._quarantine(gpu.id, f"bind failed and could not be undone: {res.error}", actor)
+            raise HostError(f"binding {gpu.id} to vfio-pci failed: {res.error}", gpu=gpu.id)
+        self._publish(attaching, detail)
+        crash_point("after-attaching")
+        return attaching
 
     async def _timed_hv(self, kind: str, aw: Awaitable[Any]) -> Any:
         t0 = time.perf_counter()

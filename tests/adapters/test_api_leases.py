@@ -473,3 +473,46 @@ async def test_a_give_back_that_raises_leaves_memory_and_journal_agreeing_on_reb
     await Reconciler(m).run()
     assert body["id"] not in m.leases and not vfio_functions(rig)
     assert rig.runtime.journal.live_leases() == []
+
+
+async def test_a_grant_binds_and_journals_attaching_in_one_worker_hop(rig: AgentRig,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three worker hops per grant: BINDING (with the drivers read), the binds with the ATTACHING write, ACTIVE."""
+    m = rig.runtime.manager
+    hops: list[str] = []
+    run_blocking = m._run
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        hops.append(getattr(fn, "__name__", repr(fn)))
+        return await run_blocking(fn, *args, **kwargs)
+
+    monkeypatch.setattr(m, "_run", counted)
+    body = await lease(rig, gpus=2)
+    assert len(hops) == 3, hops
+    steps = [(e.from_state, e.to_state) for e in rig.runtime.journal.events(lease_id=body["id"]) if e.to_state]
+    assert steps == [(None, "REQUESTED"), ("REQUESTED", "BINDING"), ("BINDING", "ATTACHING"), ("ATTACHING", "ACTIVE")]
+    assert {f for d in body["devices"] for f in d["functions"]} <= vfio_functions(rig)
+
+
+async def test_a_bind_that_fails_midway_rolls_back_the_devices_already_bound(
+        rig: AgentRig, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = rig.runtime.manager
+    bind = m.host.bind
+    calls: list[str] = []
+
+    def second_fails(gpu: Any, on_step: Any = None) -> HostOpResult:
+        calls.append(gpu.id)
+        if len(calls) == 2:
+            return HostOpResult(False, error="vfio-pci refused the device", needs_attention=True)
+        return bind(gpu, on_step)
+
+    monkeypatch.setattr(m.host, "bind", second_fails)
+    r = await rig.client.post("/v1/leases", json={"gpus": 2}, headers=rig.auth("vm-a"))
+    assert r.status >= 400
+    first, second = calls
+    assert not vfio_functions(rig)  # the first GPU went back to its host driver
+    assert all(rig.sysfs_driver(str(f.address)) == "nvidia" for f in m.gpus[first].functions)
+    assert second in m.quarantined and first not in m.quarantined
+    assert not m.claims and rig.runtime.journal.live_leases() == []
+    states = [e.to_state for e in rig.runtime.journal.events() if e.to_state]
+    assert "ATTACHING" not in states and states[-1] == "FAILED"

@@ -164,8 +164,8 @@ def test_overhead_bench_runs_end_to_end_with_its_client_in_another_process() -> 
     assert out.count("wall, seen by the client (its own process)") == 4  # two paths in each of two cases
     assert "[live attach 1.3 s, detach acknowledged after 0.5 s]  2 leases" in out
     assert "[CONFIG attach 50 ms, detach acknowledged after 50 ms]  4 leases" in out
-    # attach: 3 journal writes and the bind (the drivers are read in the BINDING write's hop); release: the
-    # DETACHING write, then REBINDING, the give-back and the final write in one hop
-    assert out.count("floor: 3 journal writes + 4 thread hops alone") == 2
+    # attach: the BINDING write (the drivers read in its hop), the bind with the ATTACHING write, the ACTIVE write;
+    # release: the DETACHING write, then REBINDING, the give-back and the final write in one hop
+    assert out.count("floor: 3 journal writes + 3 thread hops alone") == 2
     assert out.count("floor: 3 journal writes + 2 thread hops alone") == 2
     assert "verdict:" in out and out.count(" -> ") >= 16
