@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,9 +211,8 @@ class LeaseManager:
         `amend`: a blocking read that completes the lease (e.g. the drivers bound now), run in the write's worker
         hop just before it: one hop, not two; if it raises, nothing is written."""
         born = prev is None or (bool(earlier) and earlier[0].from_state is None)
-        if not born and lease.id not in self.leases:
-            # Ended (or never loaded) while this step was in flight: an ended lease never comes back.
-            raise InvalidTransition(f"lease {lease.id} has already ended", field="id")
+        if not born:
+            self._still_live(lease)
 
         def record() -> Lease:  # worker thread
             new = lease if amend is None else amend(lease)
@@ -223,6 +222,12 @@ class LeaseManager:
         lease = await self._run(record)
         self._publish(lease, detail)
         return lease
+
+    def _still_live(self, lease: Lease) -> None:
+        """Refuse a step for a lease that ended (or was never loaded) while the step was in flight: an ended lease
+        never comes back."""
+        if lease.id not in self.leases:
+            raise InvalidTransition(f"lease {lease.id} has already ended", field="id")
 
     def _publish(self, lease: Lease, detail: str | None) -> None:
         """A journaled step, in memory (an ended lease leaves, with its claims) and to the listeners."""
@@ -438,16 +443,26 @@ class LeaseManager:
     def _group_lock(self, group: int) -> asyncio.Lock:
         return self._group_locks.setdefault(group, asyncio.Lock())
 
+    @contextlib.asynccontextmanager
+    async def _holding_groups(self, groups: Iterable[int]) -> AsyncIterator[None]:
+        """Several IOMMU groups' locks at once, always taken in the same (sorted) order."""
+        async with contextlib.AsyncExitStack() as held:
+            for group in sorted(set(groups)):
+                await held.enter_async_context(self._group_lock(group))
+            yield
+
     def lease_lock(self, lease_id: str) -> asyncio.Lock:
         """Serialises every operation on one lease."""
         return self._lease_locks.setdefault(lease_id, asyncio.Lock())
 
-    async def _timed(self, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
+    @staticmethod
+    def _clocked(timings: list[float], fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), its seconds appended to `timings` (a worker thread's host step; the loop records them)."""
         t0 = time.perf_counter()
         try:
-            return await self._run(fn, *args)
+            return fn(*args)
         finally:
-            self._timing(kind, time.perf_counter() - t0)
+            timings.append(time.perf_counter() - t0)
 
     def _timing(self, kind: str, seconds: float) -> None:
         self.step_timings.append((kind, seconds))
@@ -502,11 +517,7 @@ class LeaseManager:
         def work() -> Exception | None:  # worker thread
             try:
                 for dev, gpu in devs:
-                    t0 = time.perf_counter()
-                    try:
-                        res = self.host.bind(gpu, _step_hook("bind"))
-                    finally:
-                        timings.append(time.perf_counter() - t0)
+                    res = self._clocked(timings, self.host.bind, gpu, _step_hook("bind"))
                     if not res.ok:
                         failed.append((gpu, res))
                         return None
@@ -517,11 +528,8 @@ class LeaseManager:
             except Exception as exc:  # noqa: BLE001  (raised in the loop, once `bound` says what to undo)
                 return exc
 
-        if lease.id not in self.leases:
-            raise InvalidTransition(f"lease {lease.id} has already ended", field="id")
-        async with contextlib.AsyncExitStack() as held:
-            for group in sorted({dev.iommu_group for dev, _ in devs}):  # one order for every holder of several
-                await held.enter_async_context(self._group_lock(group))
+        self._still_live(lease)
+        async with self._holding_groups(dev.iommu_group for dev, _ in devs):
             exc = await self._run(work)
         for seconds in timings:
             self._timing("bind", seconds)
@@ -635,8 +643,7 @@ class LeaseManager:
         durable order as a hop each, without the trips through the event loop between them. A give-back that fails
         sends the rest back through the loop: quarantine, then the final write.
         """
-        if lease.id not in self.leases:
-            raise InvalidTransition(f"lease {lease.id} has already ended", field="id")
+        self._still_live(lease)
         rebinding = lease.transition(S.REBINDING) if rebind is not None else lease
         devs = [(d, self.gpus[d.gpu_id]) for d in lease.devices if d.gpu_id in self.gpus]
         done_detail = "every function back on its host driver"
@@ -649,12 +656,9 @@ class LeaseManager:
                 crash_point("after-rebinding")
             try:  # from here on REBINDING is in the journal: the loop publishes it whatever happens
                 for dev, gpu in devs:
-                    t0 = time.perf_counter()
-                    try:
-                        results.append((dev, self.host.give_back(gpu, dict(zip(dev.functions, dev.original_drivers)),
-                                                                 _step_hook("give-back"))))
-                    finally:
-                        timings.append(time.perf_counter() - t0)
+                    results.append((dev, self._clocked(timings, self.host.give_back, gpu,
+                                                       dict(zip(dev.functions, dev.original_drivers)),
+                                                       _step_hook("give-back"))))
                 if not all(res.ok for _, res in results):
                     return None, None
                 done = rebinding.transition(final, ended_at=self.clock())
@@ -663,9 +667,7 @@ class LeaseManager:
             except Exception as exc:  # noqa: BLE001  (raised in the loop, after REBINDING is published)
                 return None, exc
 
-        async with contextlib.AsyncExitStack() as held:
-            for group in sorted({d.iommu_group for d, _ in devs}):  # one order for every holder of several
-                await held.enter_async_context(self._group_lock(group))
+        async with self._holding_groups(d.iommu_group for d, _ in devs):
             done, failed = await self._run(work)
         for seconds in timings:
             self._timing("give_back", seconds)
