@@ -41,6 +41,25 @@ async def wait_state(rig: AgentRig, lease_id: str, who: str, state: str, timeout
         await asyncio.sleep(0.02)
 
 
+def count_hops(rig: AgentRig, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """From now on, the name of every worker-thread hop the lease driver makes."""
+    m = rig.runtime.manager
+    hops: list[str] = []
+    run_blocking = m._run
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        hops.append(getattr(fn, "__name__", repr(fn)))
+        return await run_blocking(fn, *args, **kwargs)
+
+    monkeypatch.setattr(m, "_run", counted)
+    return hops
+
+
+def journal_steps(rig: AgentRig, lease_id: str) -> list[tuple[str | None, str | None]]:
+    """The lease's state transitions in the journal, oldest first."""
+    return [(e.from_state, e.to_state) for e in rig.runtime.journal.events(lease_id=lease_id) if e.to_state]
+
+
 def vfio_functions(rig: AgentRig) -> set[str]:
     d = rig.tree.sys_root / "bus/pci/drivers/vfio-pci"
     return {p.name for p in d.iterdir() if p.is_symlink() and ADDRESS.match(p.name)} if d.exists() else set()
@@ -414,18 +433,11 @@ async def test_release_rebinds_gives_back_and_ends_in_one_worker_hop(rig: AgentR
     the journal shows each step, every function is back on its host driver."""
     m = rig.runtime.manager
     body = await lease(rig, gpus=2)
-    hops: list[str] = []
-    run_blocking = m._run
-
-    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        hops.append(getattr(fn, "__name__", repr(fn)))
-        return await run_blocking(fn, *args, **kwargs)
-
-    monkeypatch.setattr(m, "_run", counted)
+    hops = count_hops(rig, monkeypatch)
     r = await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
     assert r.status == 200 and (await r.json())["state"] == "RELEASED"
     assert len(hops) == 2, hops  # the DETACHING write; then REBINDING, two give-backs and RELEASED
-    steps = [(e.from_state, e.to_state) for e in rig.runtime.journal.events(lease_id=body["id"]) if e.to_state]
+    steps = journal_steps(rig, body["id"])
     assert steps[-4:] == [("ACTIVE", "RELEASING"), ("RELEASING", "DETACHING"), ("DETACHING", "REBINDING"),
                           ("REBINDING", "RELEASED")]
     funcs = [f for d in body["devices"] for f in d["functions"]]
@@ -478,18 +490,10 @@ async def test_a_give_back_that_raises_leaves_memory_and_journal_agreeing_on_reb
 async def test_a_grant_binds_and_journals_attaching_in_one_worker_hop(rig: AgentRig,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Three worker hops per grant: BINDING (with the drivers read), the binds with the ATTACHING write, ACTIVE."""
-    m = rig.runtime.manager
-    hops: list[str] = []
-    run_blocking = m._run
-
-    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        hops.append(getattr(fn, "__name__", repr(fn)))
-        return await run_blocking(fn, *args, **kwargs)
-
-    monkeypatch.setattr(m, "_run", counted)
+    hops = count_hops(rig, monkeypatch)
     body = await lease(rig, gpus=2)
     assert len(hops) == 3, hops
-    steps = [(e.from_state, e.to_state) for e in rig.runtime.journal.events(lease_id=body["id"]) if e.to_state]
+    steps = journal_steps(rig, body["id"])
     assert steps == [(None, "REQUESTED"), ("REQUESTED", "BINDING"), ("BINDING", "ATTACHING"), ("ATTACHING", "ACTIVE")]
     assert {f for d in body["devices"] for f in d["functions"]} <= vfio_functions(rig)
 
