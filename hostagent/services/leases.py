@@ -512,31 +512,29 @@ class LeaseManager:
         detail = "all functions on vfio-pci; guest addresses chosen"
         devs = [(dev, self.gpus[dev.gpu_id]) for dev in lease.devices]
         timings: list[float] = []
-        failed: list[tuple[Gpu, HostOpResult]] = []
 
-        def work() -> Exception | None:  # worker thread
+        def work() -> tuple[tuple[Gpu, HostOpResult] | None, Exception | None]:  # worker thread: (failed bind, error)
             try:
                 for dev, gpu in devs:
                     res = self._clocked(timings, self.host.bind, gpu, _step_hook("bind"))
                     if not res.ok:
-                        failed.append((gpu, res))
-                        return None
+                        return (gpu, res), None
                     bound.append(dev)
                     crash_point("bind-device-done")
                 self.journal.record(attaching, from_state=lease.state, actor=actor, detail=detail)
-                return None
+                return None, None
             except Exception as exc:  # noqa: BLE001  (raised in the loop, once `bound` says what to undo)
-                return exc
+                return None, exc
 
         self._still_live(lease)
         async with self._holding_groups(dev.iommu_group for dev, _ in devs):
-            exc = await self._run(work)
+            failed, exc = await self._run(work)
         for seconds in timings:
             self._timing("bind", seconds)
         if exc is not None:
             raise exc
-        if failed:
-            gpu, res = failed[0]
+        if failed is not None:
+            gpu, res = failed
             if res.needs_attention:
                 await self._quarantine(gpu.id, f"bind failed and could not be undone: {res.error}", actor)
             raise HostError(f"binding {gpu.id} to vfio-pci failed: {res.error}", gpu=gpu.id)
