@@ -121,8 +121,13 @@ class Journal:
         if from_state != lease.state or detail or error:
             events.append((from_state, lease.state, detail, error))
         with self._transaction():
+            # An upsert updates the row where it is; INSERT OR REPLACE deletes it and inserts a copy under a new
+            # rowid, which rewrites the table's and the primary key index's pages too (about a third more WAL per
+            # lease step, and so more frequent checkpoints inside a step's commit).
             self._db.execute(
-                "INSERT OR REPLACE INTO leases(id, state, domain_uuid, idem_key, doc, updated_at) VALUES(?,?,?,?,?,?)",
+                "INSERT INTO leases(id, state, domain_uuid, idem_key, doc, updated_at) VALUES(?,?,?,?,?,?)"
+                " ON CONFLICT(id) DO UPDATE SET state=excluded.state, domain_uuid=excluded.domain_uuid,"
+                " idem_key=excluded.idem_key, doc=excluded.doc, updated_at=excluded.updated_at",
                 (lease.id, lease.state.value, lease.domain_uuid, lease.request.idempotency_key,
                  json.dumps(lease.to_dict()), now),
             )
