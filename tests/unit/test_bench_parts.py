@@ -158,7 +158,8 @@ def test_overhead_bench_runs_end_to_end_with_its_client_in_another_process() -> 
     import subprocess
 
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--leases", "2",
-                           "--config-leases", "4", "--warmup", "1"], capture_output=True, text=True, timeout=120)
+                           "--config-leases", "4", "--warmup", "1",
+                           "--idle-writes", "5"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert out.count("wall, seen by the client (its own process)") == 4  # two paths in each of two cases
@@ -168,4 +169,5 @@ def test_overhead_bench_runs_end_to_end_with_its_client_in_another_process() -> 
     # release: the DETACHING write, then REBINDING, the give-back and the final write in one hop
     assert out.count("floor: 3 journal writes + 3 thread hops alone") == 2
     assert out.count("floor: 3 journal writes + 2 thread hops alone") == 2
-    assert "verdict:" in out and out.count(" -> ") >= 16
+    assert "[the machine: one fsync'd journal write in one thread hop]" in out and "after 50 ms idle" in out
+    assert "verdict:" in out and out.count(" -> ") >= 17
