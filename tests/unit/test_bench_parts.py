@@ -18,13 +18,27 @@ from hostagent.bench.stats import percentile, slope
 ROOT = Path(__file__).parents[2]
 
 
-def load_bench_all() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_all_under_test", ROOT / "scripts" / "bench_all.py")
+def load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", ROOT / "scripts" / f"{name}.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_bench_all() -> ModuleType:
+    return load_script("bench_all")
+
+
+def test_socket_spans_run_from_a_requests_first_read_to_its_last_write() -> None:
+    """The overhead bench's socket-to-socket time: a request read in two pieces and answered in two writes is one
+    span; the idle time between a response and the next request is in none."""
+    spans = load_script("bench_overhead").socket_spans
+    log = [("in", 1.0), ("in", 1.5), ("out", 3.0), ("out", 4.0), ("in", 10.0), ("out", 12.5)]
+    assert spans(log) == [3.0, 2.5]
+    assert spans([]) == []
+    assert spans([("out", 1.0), ("in", 2.0), ("out", 3.0)]) == [1.0]  # a write before any request is no span
 
 
 def test_percentile_interpolates_between_ranks() -> None:
