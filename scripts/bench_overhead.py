@@ -65,7 +65,7 @@ class PathFigures:
     ports: list[float] = field(default_factory=list)  # every host + hypervisor call
     journal: list[float] = field(default_factory=list)  # journal.record (fsync'd writes)
     handler: list[float] = field(default_factory=list)  # inside the agent: request in -> response out
-    process: list[float] = field(default_factory=list)  # the agent's process: first request byte -> response sent
+    process: list[float] = field(default_factory=list)  # the agent's process: first request byte -> response written
     writes: list[int] = field(default_factory=list)
     hops: list[int] = field(default_factory=list)  # the lease driver's worker-thread hops (journal writes included)
     floor: list[float] = field(default_factory=list)  # run_floor with this path's writes and hops
@@ -77,7 +77,8 @@ class PathFigures:
 
     @property
     def overhead_in_process(self) -> list[float]:
-        """Time in the agent's process for the request (socket to socket) minus every host and hypervisor call."""
+        """Time in the agent's process for the request (bytes in to response out) minus every host and hypervisor
+        call."""
         return [h - p for h, p in zip(self.process, self.ports, strict=True)]
 
     @property

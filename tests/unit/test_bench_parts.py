@@ -41,6 +41,17 @@ def test_socket_spans_run_from_a_requests_first_read_to_its_last_write() -> None
     assert spans([("out", 1.0), ("in", 2.0), ("out", 3.0)]) == [1.0]  # a write before any request is no span
 
 
+def test_memory_verdict_tells_a_leak_from_caches_filling() -> None:
+    """The load bench's memory verdict: flat RSS; RSS rising while the agent's own objects stay flat (bounded caches,
+    free memory kept); or a leak."""
+    verdict = load_script("bench_load").memory_verdict
+    assert verdict(0.3, 0.02) == "flat (no leak seen)"
+    assert verdict(-0.3, None) == "flat (no leak seen)"
+    assert verdict(0.625, 0.05).startswith("RSS rising, the agent's own objects flat (+0.050 MiB/min)")
+    assert verdict(0.625, 0.3) == "GROWING: look for a leak"
+    assert verdict(0.625, None) == "GROWING: look for a leak"
+
+
 def test_percentile_interpolates_between_ranks() -> None:
     values = [5.0, 1.0, 4.0, 2.0, 3.0]
     assert percentile(values, 0) == 1.0
