@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from hostagent.config import Settings
-from hostagent.domain.errors import HostAgentError
+from hostagent.domain.errors import HostAgentError, NotFound
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseState, Quota
 from hostagent.host.adapter import SysfsHost
@@ -36,6 +36,9 @@ log = logging.getLogger("hostagent.runtime")
 MIRROR_MAX_DEFER_S = 1.0  # the store mirror waits for a quiet moment at most this long (see LeaseManager.quiet)
 MIRROR_SETTLE_S = 0.002  # ... and a moment counts once it has lasted this long
 RECLAIM_KINDS = frozenset({"strike-one", "strike-two", "strike-cleared", "reclaim", "reclaim-outcome"})
+REREAD_RETRY_S = 5.0  # a domain whose state could not be re-read after a reconnect is read again after this long...
+REREAD_RETRY_MAX_S = 60.0  # ... doubling up to this, until it answers or a newer reconnect re-reads everything
+MISSED_WHILE_AWAY = "missed while disconnected from libvirt; found on reconnect"  # end_reason suffix of such stops
 
 
 def open_hypervisor(settings: Settings) -> Any:
@@ -101,6 +104,8 @@ class Runtime:
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     use_store: bool = True
     placer: Any = None
+    reread_retry_s: float = REREAD_RETRY_S
+    _reconnects: int = 0
     _mirror_lock: threading.Lock = field(default_factory=threading.Lock)
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -230,7 +235,7 @@ class Runtime:
             # scikit-learn is a heavy import: load the model after readiness, the cold-start rule decides until then
             loop_tasks += [self._load_model(), self._mirror_loop(), self._periodic(3600.0, self._prune),
                            self._periodic(self.settings.placement.retrain_interval_s, self._retrain)]
-        self.tasks = [asyncio.create_task(c) for c in loop_tasks]
+        self.tasks.extend(asyncio.create_task(c) for c in loop_tasks)  # beside a re-read a reconnect may have begun
         self.manager._wake_queue.set()
         if self.reaper is not None:
             await self.reaper.start()
@@ -358,9 +363,10 @@ class Runtime:
         self.started = False
         if self.reaper is not None:
             await self.reaper.stop()
-        for t in self.tasks:
+        tasks, self.tasks = self.tasks, []  # a re-read task leaves the list as it ends: never while it is walked
+        for t in tasks:
             t.cancel()
-        for t in self.tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         if self.ingestor is not None:
@@ -388,26 +394,65 @@ class Runtime:
         kind = getattr(kind, "value", kind)  # EventKind is a str enum; keep plain strings past this point
         if kind == "reconnected":
             self.hypervisor_ok = True
-            asyncio.ensure_future(self._after_reconnect())
+            self._reconnects += 1
+            task = asyncio.ensure_future(self._after_reconnect())
+            self.tasks.append(task)  # stop() cancels a re-read still retrying
+            task.add_done_callback(self._drop_task)
             return
         if kind == "disconnected":
             self.hypervisor_ok = False
             return
         asyncio.ensure_future(self.manager.on_domain_event(kind, event.uuid, getattr(event, "detail", None)))
 
+    def _drop_task(self, task: asyncio.Task[Any]) -> None:
+        with contextlib.suppress(ValueError):
+            self.tasks.remove(task)
+
     async def _after_reconnect(self) -> None:
-        """libvirtd came back: re-read every lease's domain state (stops we missed while away end leases)."""
-        for lease in list(self.manager.leases.values()):
-            if lease.state is not LeaseState.ACTIVE:
-                continue
+        """libvirtd came back: re-read the domain of every ACTIVE lease, so a stop missed while away ends its lease.
+
+        Only a definite answer counts: NotFound (the domain is gone) or a state. Any other error, the connection
+        dropping again mid-read included, says nothing about the guest, which may still be running with the GPU:
+        its lease is left as it is (never given back on a guess) and its domain read again after reread_retry_s,
+        doubling, until libvirt answers. A newer reconnect re-reads everything itself, so this one then stops.
+        """
+        generation = self._reconnects
+        pending = [x.id for x in self.manager.leases.values() if x.state is LeaseState.ACTIVE]
+        delay = self.reread_retry_s
+        while True:
+            pending = await self._reread_domains(pending)
+            if not pending:
+                return
+            log.warning("domain state of %d lease(s) unknown after the reconnect; leases kept, re-reading in %.1f s",
+                        len(pending), delay)
+            await asyncio.sleep(delay)
+            if self._reconnects != generation:
+                return
+            delay = min(REREAD_RETRY_MAX_S, delay * 2)
+
+    async def _reread_domains(self, lease_ids: list[str]) -> list[str]:
+        """One pass of the re-read: end the leases whose domain stopped or vanished; return those not read."""
+        unread = []
+        for lease_id in lease_ids:
+            lease = self.manager.leases.get(lease_id)
+            if lease is None or lease.state is not LeaseState.ACTIVE:
+                continue  # ended meanwhile (an event, a release): nothing to find out
             try:
-                dom = await self.hypervisor.get_domain(lease.domain_uuid)
-                state = dom.state
-            except HostAgentError:
-                state = "undefined"
-            if state != "running":
-                await self.manager.on_domain_event("undefined" if state == "undefined" else "stopped",
-                                                   lease.domain_uuid, "missed while disconnected")
+                state = (await self.hypervisor.get_domain(lease.domain_uuid)).state
+            except NotFound:
+                kind = "undefined"
+            except HostAgentError as exc:
+                log.warning("cannot re-read domain %s of lease %s after the reconnect: %s; lease kept",
+                            lease.domain_name, lease.id, exc.message, extra={"lease_id": lease.id})
+                unread.append(lease_id)
+                continue
+            else:
+                # A paused guest still holds its devices: only a domain that is down has let go of them.
+                kind = {"shut-off": "stopped", "crashed": "crashed"}.get(str(state), "")
+            if kind:
+                await self.manager.on_domain_event(kind, lease.domain_uuid, actor="reconnect",
+                                                   reason=f"domain {kind} ({MISSED_WHILE_AWAY})")
+        return unread
 
 
 def settle_heap() -> None:

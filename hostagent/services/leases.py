@@ -764,8 +764,14 @@ class LeaseManager:
                 log.exception("queue drain failed")
 
     # -- domain events -------------------------------------------------------------------------------------------
-    async def on_domain_event(self, kind: str, domain_uuid: str, detail: str | None = None) -> None:
-        """React to a domain stopping, crashing or being undefined, and to late DEVICE_REMOVED events."""
+    async def on_domain_event(self, kind: str, domain_uuid: str, detail: str | None = None, *, actor: str = "libvirt",
+                              reason: str | None = None) -> None:
+        """React to a domain stopping, crashing or being undefined, and to late DEVICE_REMOVED events.
+
+        `actor` and `reason` say how the stop was learnt: libvirt's event by default; the runtime's re-read after a
+        reconnect passes its own, so the journal and the lease's end_reason tell a stop missed while disconnected
+        from one libvirt reported as it happened.
+        """
         if kind == "device_removed":
             for lease in [x for x in self.leases.values() if x.domain_uuid == domain_uuid
                           and x.state is S.DETACH_PENDING]:
@@ -779,7 +785,7 @@ class LeaseManager:
         if kind == "stopped" and self.policy.keep_on_domain_stop:
             return
         for lease in [x for x in self.leases.values() if x.domain_uuid == domain_uuid]:
-            await self._safe(self.release(lease.id, actor="libvirt", reason=f"domain {kind}"))
+            await self._safe(self.release(lease.id, actor=actor, reason=reason or f"domain {kind}"))
 
     # -- quarantine ----------------------------------------------------------------------------------------------
     async def _quarantine(self, gpu_id: str, reason: str, actor: str) -> None:

@@ -49,6 +49,8 @@ async def test_hung_unbind_times_out_marks_the_device_and_nothing_else_stalls(tm
 
 async def test_domain_stop_missed_while_disconnected_ends_the_lease_on_reconnect(tmp_path: Path,
                                                                                  aiohttp_client: Any) -> None:
+    from hostagent.runtime import MISSED_WHILE_AWAY
+
     rig = await start_rig(make_rig(tmp_path), aiohttp_client)
     r = await rig.client.post("/v1/leases", json={"gpus": 1}, headers=rig.auth("vm-a"))
     lease = await r.json()
@@ -67,7 +69,11 @@ async def test_domain_stop_missed_while_disconnected_ends_the_lease_on_reconnect
         if lease["id"] not in rig.runtime.manager.leases:
             break
     done = await (await rig.client.get(f"/v1/leases/{lease['id']}", headers=rig.auth("vm-a"))).json()
-    assert done["state"] == "RELEASED" and "missed" in done["end_reason"] or "stopped" in done["end_reason"]
+    assert done["state"] == "RELEASED", done
+    assert done["end_reason"] == f"domain stopped ({MISSED_WHILE_AWAY})"  # not the event path's "domain stopped"
+    events = await (await rig.client.get(f"/v1/events?lease_id={lease['id']}", headers=rig.auth("operator"))).json()
+    (step,) = [e for e in events["events"] if e["to_state"] == "RELEASING"]
+    assert step["actor"] == "reconnect" and MISSED_WHILE_AWAY in step["detail"], step
     assert rig.sysfs_driver(lease["devices"][0]["functions"][0]) == "nvidia"
     assert (await (await rig.client.get("/readyz")).json())["checks"]["hypervisor"]["ok"] is True
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid as uuidlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -19,25 +19,12 @@ from hostagent.domain.hostdev import GuestPciAddress, HostdevPci, free_guest_slo
 from hostagent.domain.pci import PciAddress
 from hostagent.virt.libvirt_adapter import LibvirtHypervisor, probe
 from hostagent.virt.port import DomainEvent, DomainState, EventKind
-from tests.support.libvirtd import PrivateLibvirtd, tiny_domain_xml
+from tests.support.libvirtd import PrivateLibvirtd, libvirtd, tiny_domain_xml  # noqa: F401 (libvirtd: a fixture)
 
 pytestmark = [pytest.mark.libvirtd, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(120)]
 
 A = PciAddress.parse
 FOUR = [A(f"0000:3b:00.{i}") for i in range(4)]  # GPU, audio, USB, UCSI: need not exist for CONFIG attach
-
-
-@pytest.fixture(scope="session")
-def libvirtd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateLibvirtd]:
-    """A private libvirtd for the whole session (start-up fails the tests loudly when impossible)."""
-    daemon = PrivateLibvirtd(tmp_path_factory.mktemp("libvirtd"))
-    try:
-        daemon.start()
-    except Exception as exc:
-        daemon.stop()
-        pytest.fail(f"cannot start a private libvirtd: {exc}")
-    yield daemon
-    daemon.stop()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

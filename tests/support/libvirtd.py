@@ -7,6 +7,8 @@ never written, no bridge or firewall rule reaches the host's network, and the cl
 `qemu:///system?socket=<base>/run/libvirt-sock`. qemu.conf sets user/group root (otherwise every define waits
 about a minute on ownership changes) and turns off per-domain /dev namespaces and security drivers, which a
 container does not support.
+
+Import the `libvirtd` fixture into a test module to get one daemon for the session (per importing module).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import signal
 import subprocess
 import time
 import uuid as uuidlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 from lxml import etree
 
 QEMU_CONF = """
@@ -158,6 +162,19 @@ class PrivateLibvirtd:
         for log in self._logs:
             log.close()  # type: ignore[attr-defined]
         self._logs.clear()
+
+
+@pytest.fixture(scope="session")
+def libvirtd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateLibvirtd]:
+    """A private libvirtd for the whole session (start-up fails the tests loudly when impossible)."""
+    daemon = PrivateLibvirtd(tmp_path_factory.mktemp("libvirtd"))
+    try:
+        daemon.start()
+    except Exception as exc:
+        daemon.stop()
+        pytest.fail(f"cannot start a private libvirtd: {exc}")
+    yield daemon
+    daemon.stop()
 
 
 def tiny_domain_xml(name: str, *, uuid: str | None = None, root_ports: int = 2) -> str:
