@@ -1,12 +1,17 @@
-"""Hostdev XML model: one pinned XML string per shape, round trips, XML safety, guest slot choice."""
+"""Hostdev XML model: one pinned XML string per shape, round trips, XML safety (also of the simulator's domain XML),
+guest slot choice."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from lxml import etree
 
-from hostagent.domain.errors import Conflict, InvalidInput
+from hostagent.domain.errors import Conflict, HypervisorError, InvalidInput
 from hostagent.domain.hostdev import (
     GuestPciAddress,
     HostdevPci,
@@ -16,6 +21,7 @@ from hostagent.domain.hostdev import (
     parse_domain_hostdevs,
 )
 from hostagent.domain.pci import PciAddress
+from hostagent.virt.sim import SimulatedHypervisor
 
 A = PciAddress.parse
 
@@ -100,7 +106,8 @@ def test_bad_function_lists_are_refused() -> None:
         hostdevs_for_gpu([A("0000:3b:00.0")], 0, 32)
 
 
-@pytest.mark.parametrize("alias", ['q"uote\'s', "<tag>&amp;", "ünïcødé ✓ 漢字", "ua-]]>", "tab\tand  spaces"])
+@pytest.mark.parametrize("alias", ['q"uote\'s', "<tag>&amp;", "ünïcødé ✓ 漢字", "ua-]]>", "tab\tand  spaces",
+                                   "&#x41;&amp;", "&#65;&lt;&quot;"])
 def test_string_fields_round_trip_exactly(alias: str) -> None:
     hd = HostdevPci(source=A("0000:3b:00.0"), alias=alias)
     xml = hd.to_xml()
@@ -108,6 +115,18 @@ def test_string_fields_round_trip_exactly(alias: str) -> None:
     assert HostdevPci.from_xml(xml.encode()).alias == alias
     dom = f"<domain><devices>{xml}</devices></domain>"
     assert parse_domain_hostdevs(dom) == (hd,)
+
+
+def test_character_reference_text_stays_literal() -> None:
+    # Text that looks like a character reference is text: written escaped, read back as written, never as "A&".
+    hd = HostdevPci(source=A("0000:3b:00.0"), alias="&#x41;&amp;")
+    xml = hd.to_xml()
+    assert 'name="&amp;#x41;&amp;amp;"' in xml
+    assert HostdevPci.from_xml(xml).alias == "&#x41;&amp;"
+    assert parse_domain_hostdevs(f"<domain><devices>{xml}</devices></domain>")[0].alias == "&#x41;&amp;"
+    # Written by someone else as a real reference, it is a character: decoded once, exactly once.
+    raw = xml.replace("&amp;#x41;&amp;amp;", "&#x41;&amp;amp;")
+    assert HostdevPci.from_xml(raw).alias == "A&amp;"
 
 
 @given(st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")), max_size=40))
@@ -201,3 +220,81 @@ def test_external_entities_are_refused_not_expanded() -> None:
     )
     with pytest.raises(InvalidInput, match="external entity"):
         parse_domain_hostdevs(evil)
+
+
+# A domain whose free-text parts hold everything XML must escape: quotes, angle brackets, predefined entities,
+# character references (real ones, which decode, and escaped ones, which stay text) and non-ASCII. The description
+# even holds, as text, something shaped like a guest address on slot 5: only elements may count.
+ODD_DOMAIN = """<?xml version='1.0' encoding='UTF-8'?>
+<domain type='kvm' xmlns:app='http://example.org/app'>
+  <name>vm &quot;q&quot; &apos;a&apos; &lt;b&gt; &amp; &#233;t&#xE9; ✓ 漢字</name>
+  <uuid>0b5c5c1e-7d4b-4a1f-9d3e-2f6a8c1b0e11</uuid>
+  <description>He said "hi" &amp; it's &lt;not&gt; a tag: &lt;address type='pci' bus='0x00' slot='0x05'/&gt;; \
+&amp;#x41; stays, &#x263A; decodes; ünïcødé<![CDATA[ <raw> & "cdata" ]]></description>
+  <metadata>
+    <app:info note="a &quot;b&quot; 'c' &lt;d&gt; &amp;e &#x41;">ünï &lt;x&gt; &amp;amp;</app:info>
+  </metadata>
+  <devices>
+    <controller type='pci' index='0' model='pci-root'/>
+    <hostdev mode='subsystem' type='pci' managed='no'>
+      <driver name='vfio'/>
+      <source><address domain='0x0000' bus='0x3b' slot='0x00' function='0x0'/></source>
+      <alias name='ua-&quot;&apos;&lt;&gt;&amp;#x41;-é'/>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x04' function='0x0'/>
+    </hostdev>
+  </devices>
+</domain>
+"""
+ODD_NAME = "vm \"q\" 'a' <b> & été ✓ 漢字"
+ODD_DESCRIPTION = ("He said \"hi\" & it's <not> a tag: <address type='pci' bus='0x00' slot='0x05'/>; "
+                   "&#x41; stays, \u263a decodes; ünïcødé <raw> & \"cdata\" ")
+ODD_NOTE = "a \"b\" 'c' <d> &e A"
+ODD_INFO = "ünï <x> &amp;"
+ODD_ALIAS = "ua-\"'<>&#x41;-é"
+ODD_HOSTDEV = HostdevPci(A("0000:3b:00.0"), GuestPciAddress(0, 0, 4, 0), alias=ODD_ALIAS)
+
+
+def _odd_fields(xml: str | bytes) -> tuple[str, str, str, str]:
+    """name, description, metadata note and text, as an XML reader sees them."""
+    root = etree.fromstring(xml.encode() if isinstance(xml, str) else xml,
+                            etree.XMLParser(resolve_entities=False, no_network=True))
+    info = root.find("metadata/{http://example.org/app}info")
+    return root.findtext("name"), root.findtext("description"), info.get("note"), info.text
+
+
+def test_domain_free_text_parses_to_exactly_the_intended_values() -> None:
+    assert _odd_fields(ODD_DOMAIN) == (ODD_NAME, ODD_DESCRIPTION, ODD_NOTE, ODD_INFO)
+    for xml in (ODD_DOMAIN, ODD_DOMAIN.encode()):
+        assert parse_domain_hostdevs(xml) == (ODD_HOSTDEV,)
+    # Slot 4 is a hostdev's; slot 5 appears only inside the description's text, so it is free.
+    assert free_guest_slots(ODD_DOMAIN, 0, 2) == (1, 2)
+    assert 5 in free_guest_slots(ODD_DOMAIN, 0, 5)
+
+
+async def test_simulator_keeps_odd_domain_text_and_aliases_exact(tmp_path: Path) -> None:
+    uuid = "0b5c5c1e-7d4b-4a1f-9d3e-2f6a8c1b0e11"
+    state = tmp_path / "hv.json"
+    state.write_text(json.dumps({"version": 1, "attach_count": 0, "settings": {
+        "attach_latency_s": 0, "detach_ack_delay_s": 0, "refuse_detach": [], "fail_attach_after": None},
+        "domains": [{"uuid": uuid, "name": ODD_NAME, "state": "running", "config": ODD_DOMAIN, "live": ODD_DOMAIN,
+                     "pending": {}}]}))
+    hv = SimulatedHypervisor.load(state)
+    assert (await hv.get_domain(ODD_NAME)).uuid == uuid
+    assert _odd_fields(await hv.domain_xml(uuid)) == (ODD_NAME, ODD_DESCRIPTION, ODD_NOTE, ODD_INFO)
+    assert await hv.attached_hostdevs(uuid) == (ODD_HOSTDEV,)
+    # An alias holding both quote characters and reference-shaped text: attached as is, and a second device with
+    # the same alias is refused as libvirt refuses it (the check once built an XPath literal, which cannot hold both).
+    both = "it's \"both\" &#x41;&amp;"
+    await hv.attach_hostdevs(uuid, [HostdevPci(A("0000:3c:00.0"), alias=both)])
+    with pytest.raises(HypervisorError, match="non unique alias"):
+        await hv.attach_hostdevs(uuid, [HostdevPci(A("0000:3d:00.0"), alias=both)])
+    with pytest.raises(HypervisorError, match="non unique alias"):
+        await hv.attach_hostdevs(uuid, [HostdevPci(A("0000:3d:00.0"), alias=ODD_ALIAS)])
+    # Through the state file and back (a restarted agent's view): still exact.
+    await hv.close()
+    again = SimulatedHypervisor.load(state)
+    for live in (True, False):
+        assert _odd_fields(await again.domain_xml(uuid, live=live)) == (ODD_NAME, ODD_DESCRIPTION, ODD_NOTE,
+                                                                         ODD_INFO)
+    assert [(h.source, h.alias) for h in await again.attached_hostdevs(uuid)] == [
+        (A("0000:3b:00.0"), ODD_ALIAS), (A("0000:3c:00.0"), both)]
