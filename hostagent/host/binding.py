@@ -64,11 +64,29 @@ class VfioBinder:
         # The fake kernel loads modules itself; a real host runs modprobe.
         self.load_module = load_module or getattr(sysfs, "load_module", None) or modprobe
         self.vfio_node_wait_s = vfio_node_wait_s
-        self.stuck: dict[str, str] = {}  # address -> step that hung (the write may still complete later)
+        # address -> step whose write hung and has not returned yet: no operation touches the device meanwhile
+        self.stuck: dict[str, str] = {}
+        self._hung: dict[str, threading.Thread] = {}  # address -> the worker thread still inside that write
 
     def forget_stuck(self, address: PciAddress | str) -> None:
         """An operator checked a device whose write hung: allow operations on it again."""
         self.stuck.pop(str(address), None)
+        self._hung.pop(str(address), None)
+
+    def _settle(self) -> None:
+        """Drop the mark of every hung write that has since returned.
+
+        The mark guards a device while a write may still land on it; once the write returned, the device's state is
+        whatever sysfs reads back, like after a restart (the mark lives only in memory). Keeping the device out of
+        placement until an operator looks is the lease service's quarantine (journaled), not this mark: were the mark
+        kept until the agent restarts, an operator's clear of the quarantine would leave a GPU that looks free but
+        fails, and is quarantined again, at every grant.
+        """
+        for addr, t in list(self._hung.items()):
+            if not t.is_alive() and self._hung.pop(addr, None) is t:  # one caller settles it (ops run in threads)
+                step = self.stuck.pop(addr, None)
+                log.warning("hung %s of %s has returned; the device is on %s now", step, addr,
+                            self.driver_of(addr) or "no driver")
 
     # -- reading ------------------------------------------------------------------------------------------------
     def driver_of(self, address: PciAddress | str) -> str | None:
@@ -123,6 +141,7 @@ class VfioBinder:
     # -- bind ---------------------------------------------------------------------------------------------------
     def bind_group(self, group: IommuGroup, on_step: OnStep | None = None) -> BindResult:
         """Move every non-bridge function of the group to vfio-pci; undo everything on any failure."""
+        self._settle()
         run = _Run(self, on_step)
         addrs = [str(a) for a in group.addresses]
         original = {a: self.driver_of(a) for a in addrs}
@@ -170,6 +189,7 @@ class VfioBinder:
         so the group stays whole on vfio-pci). Phase 2 returns each function to its host driver, best effort:
         a function that does not come back is reported and the group needs attention.
         """
+        self._settle()
         run = _Run(self, on_step)
         addrs = [str(a) for a in group.addresses]
         original = {str(k): v for k, v in original_drivers.items()}
@@ -254,6 +274,7 @@ class VfioBinder:
         t.join(self.step_timeout_s)
         if t.is_alive():
             self.stuck[address] = step
+            self._hung[address] = t
             run.hung = True
             raise StepTimeout(f"{step} of {address} did not return within {self.step_timeout_s:g} s",
                               address=address, step=step)

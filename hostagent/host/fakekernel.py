@@ -10,7 +10,8 @@ Semantics copied from drivers/base/bus.c, drivers/base/dd.c and drivers/pci/pci-
   /dev/vfio/<group>, unbinding the last removes it.
 Faults, read from files so another process sharing the tree sees them: `<sys>/.fault/<kind>/<addr>` with kind
 `hang_unbind` (content: seconds), `fail_unbind`, `fail_override`, `fail_bind` (vfio-pci probe fails) and
-`no_rebind` (a host driver's probe fails).
+`no_rebind` (a host driver's probe fails). While a hung unbind is blocked, `<sys>/.fault-hanging/<addr>` exists
+(see `FakeKernel.hanging`), so a test can wait until the hang has begun, or has ended, instead of guessing with sleeps.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ LOCK_FILE = ".fake-kernel.lock"
 NEW_ID_LOG = ".fake_new_id_log"
 FAULT_DIR = ".fault"
 FAULT_KINDS = ("hang_unbind", "fail_unbind", "fail_override", "fail_bind", "no_rebind")
+HANGING_DIR = ".fault-hanging"  # outside FAULT_DIR: clear_faults must not make an in-flight hang look finished
 
 # modprobe name -> modules it brings in (hard dependencies first), as modules.dep says.
 MODULE_DEPS: dict[str, tuple[str, ...]] = {
@@ -83,6 +85,28 @@ class FakeKernel(Sysfs):
         except OSError:
             return None
 
+    def hanging(self) -> dict[str, str]:
+        """address -> the write blocked in the 'kernel' right now ('DRIVER/unbind').
+
+        A file per blocked write (like the faults), so a test (or another process sharing the tree) can tell a hang
+        that has begun from one still to come, and a write that finally returned from one still blocked."""
+        out = {}
+        for p in (self._root_real / HANGING_DIR).glob("*"):
+            with contextlib.suppress(FileNotFoundError):
+                out[p.name] = p.read_text()
+        return out
+
+    @contextlib.contextmanager
+    def _blocked(self, address: str, what: str) -> Iterator[None]:
+        p = self._root_real / HANGING_DIR / address
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(what)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
     def new_id_writes(self) -> list[str]:
         """Every write to some driver's new_id so far ('driver: ids'); our binder must never make one."""
         try:
@@ -121,22 +145,25 @@ class FakeKernel(Sysfs):
         attr = target.name
         drivers_dir = self._root_real / "bus/pci/drivers"
         arg = value.strip()
-        if parent.parent == drivers_dir and attr == "unbind":
-            hang = self._fault("hang_unbind", arg)
-            if hang is not None:
-                # Outside the lock: a hung unbind in the kernel holds only that device's lock.
-                time.sleep(float(hang or "3600"))
-        with self._locked():
-            if parent == self._root_real / "bus/pci" and attr == "drivers_probe":
-                self._probe(arg)
-            elif parent == self._root_real / "bus/pci" and attr in ("rescan", "drivers_autoprobe"):
-                return
-            elif parent.parent == drivers_dir and attr in ("bind", "unbind", "new_id", "remove_id"):
-                getattr(self, f"_{attr}")(parent.name, arg, target)
-            elif (parent / NATIVE_DRIVER_FILE).exists():
-                self._device_attr(parent, attr, value, target)
-            else:
-                super().write(rel, value)
+        with contextlib.ExitStack() as blocked:
+            if parent.parent == drivers_dir and attr == "unbind":
+                hang = self._fault("hang_unbind", arg)
+                if hang is not None:
+                    # Outside the lock: a hung unbind in the kernel holds only that device's lock. The marker stays
+                    # until the write has had its effect, so once it is gone the device's end state is readable.
+                    blocked.enter_context(self._blocked(arg, f"{parent.name}/unbind"))
+                    time.sleep(float(hang or "3600"))
+            with self._locked():
+                if parent == self._root_real / "bus/pci" and attr == "drivers_probe":
+                    self._probe(arg)
+                elif parent == self._root_real / "bus/pci" and attr in ("rescan", "drivers_autoprobe"):
+                    return
+                elif parent.parent == drivers_dir and attr in ("bind", "unbind", "new_id", "remove_id"):
+                    getattr(self, f"_{attr}")(parent.name, arg, target)
+                elif (parent / NATIVE_DRIVER_FILE).exists():
+                    self._device_attr(parent, attr, value, target)
+                else:
+                    super().write(rel, value)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -122,6 +122,8 @@ class TimingLog:
         return len(self._entries)
 
 
+VFIO_DRIVER = "vfio-pci"
+ANY_HOST_DRIVER = "*"  # give-back target: whatever host driver the kernel probes for the function
 HV_WAITS = frozenset({"attach", "detach"})  # hypervisor calls long enough to let background work run beside them
 
 
@@ -798,13 +800,60 @@ class LeaseManager:
                 log.exception("listener failed")
 
     async def clear_quarantine(self, gpu_id: str, *, actor: str) -> None:
-        """Operator: put a quarantined GPU back into placement."""
-        if gpu_id not in self.gpus:
+        """Operator: put a quarantined GPU back into placement.
+
+        A GPU that no lease holds must not come back on vfio-pci (a hung or failed give-back leaves it there): the
+        clear first gives its group back to the host drivers, and refuses, keeping the quarantine, while a domain has
+        one of its functions attached, while the domains cannot be listed to tell, or when the give-back fails.
+        A GPU a live lease holds keeps its functions where they are (the lease gives them back when it ends).
+        """
+        gpu = self.gpus.get(gpu_id)
+        if gpu is None:
             raise NotFound(f"no GPU {gpu_id!r}", field="id")
+        if gpu_id not in self.quarantined:
+            raise Conflict(f"GPU {gpu_id} is not quarantined", field="id")
+        if gpu_id not in self.claims:
+            await self._give_back_unleased(gpu, actor)
         if not await self._run(self.journal.clear_quarantine, gpu_id, actor=actor):
             raise Conflict(f"GPU {gpu_id} is not quarantined", field="id")
         self.quarantined.pop(gpu_id, None)
         self._wake_queue.set()
+
+    async def _give_back_unleased(self, gpu: Gpu, actor: str) -> None:
+        """Return a GPU no lease holds from vfio-pci to its host drivers, or raise Conflict saying why not."""
+        async with self._group_lock(gpu.iommu_group if gpu.iommu_group is not None else -1):
+            drivers = await self._run(self.host.current_drivers, gpu)
+            on_vfio = sorted(a for a, d in drivers.items() if d == VFIO_DRIVER)
+            if not on_vfio or any(a in self.policy.pinned for a in drivers):
+                return
+            try:
+                where = await self.attached_anywhere()
+            except HostAgentError as exc:
+                raise Conflict(f"GPU {gpu.id} is on vfio-pci and the domains cannot be listed to tell whether a guest "
+                               f"holds it ({exc.message}); quarantine kept", field="id") from exc
+            held = sorted({where[a] for a in drivers if a in where})
+            if held:
+                raise Conflict(f"GPU {gpu.id} is attached to {', '.join(held)} without a lease: detach it there "
+                               "first; quarantine kept", field="id")
+            res = await self._run(self.host.give_back, gpu, {a: ANY_HOST_DRIVER for a in drivers}, None)
+            await self._run(self.journal.event, "repair", actor=actor, gpu_id=gpu.id,
+                            detail=f"clearing the quarantine: {', '.join(on_vfio)} on vfio-pci without a lease; "
+                                   + ("gave back to the host drivers" if res.ok else f"give-back failed: {res.error}"))
+            if not res.ok:
+                raise Conflict(f"GPU {gpu.id} would not return to its host drivers ({res.error}); quarantine kept",
+                               field="id")
+
+    async def attached_anywhere(self) -> dict[str, str]:
+        """PCI address -> the domain it is attached to, over every domain the hypervisor knows (a domain that
+        vanished while listed is skipped); raises the hypervisor's error when the domains cannot be listed."""
+        where: dict[str, str] = {}
+        for dom in await self.hv.list_domains():
+            try:
+                for h in await self.hv.attached_hostdevs(dom.uuid):
+                    where[str(h.source)] = dom.name
+            except NotFound:
+                continue
+        return where
 
     def check_owner(self, lease: Lease, domain_uuid: str | None) -> None:
         """A guest may act only on its own leases."""

@@ -12,12 +12,11 @@ from typing import Any
 from hostagent.domain.errors import HostAgentError, NotFound
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseState
 from hostagent.domain.pci import PciAddress
-from hostagent.services.leases import LeaseManager, render_hostdevs
+from hostagent.services.leases import ANY_HOST_DRIVER, LeaseManager, render_hostdevs
+from hostagent.services.leases import VFIO_DRIVER as VFIO
 
 log = logging.getLogger("hostagent.reconcile")
 S = LeaseState
-VFIO = "vfio-pci"
-ANY_HOST_DRIVER = "*"  # give-back target for an orphan: whatever host driver the kernel probes
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,14 +207,8 @@ class Reconciler:
     async def _orphans(self) -> None:
         """GPUs on vfio-pci that no live lease owns: give back unless pinned or attached to some domain."""
         owned = {gid for x in self.m.leases.values() if x.state.holds_devices for gid in x.gpu_ids}
-        attached_anywhere: dict[str, str] = {}
         try:
-            for dom in await self.m.hv.list_domains():
-                try:
-                    for h in await self.m.hv.attached_hostdevs(dom.uuid):
-                        attached_anywhere[str(h.source)] = dom.name
-                except NotFound:
-                    continue
+            attached_anywhere = await self.m.attached_anywhere()
         except HostAgentError as exc:
             log.warning("cannot list domains for the orphan scan: %s", exc.message)
             return
