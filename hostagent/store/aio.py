@@ -22,7 +22,7 @@ class AsyncUsageStore:
     """Async facade over :class:`UsageStore`: never blocks the loop; keeps replaying the spool while degraded."""
 
     def __init__(self, store: UsageStore, *, max_workers: int = 4, replay_min_s: float = 0.5,
-                 replay_max_s: float = 30.0) -> None:
+                 replay_max_s: float = 5.0) -> None:  # a retry at most 5 s apart: back soon after an outage ends
         self.store = store
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="usage-store")
         # one thread for the lease mirror: transitions must reach the store in the order they happened

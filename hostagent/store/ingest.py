@@ -22,7 +22,8 @@ class SampleIngestor:
     ``write`` is a blocking function taking a list of Samples (``UsageStore.write_samples``); ``flush()`` ends with
     ``write([])``, after which that store's background rollups include every sample written. During an outage it
     spools, so a flush never waits on MySQL for long. ``submit`` refuses with Overloaded only when the queue is
-    full; nothing accepted is ever dropped.
+    full. An accepted sample is dropped only when the store refuses it (an unknown lease or GPU: ``rejected``) or
+    when ``close()`` cannot write what is still queued; ``dropped`` counts both, so "nothing lost" is a figure.
     """
 
     def __init__(self, write: Callable[[list[Sample]], Any], *, max_queue: int = 20_000, batch: int = 1000,
@@ -46,7 +47,8 @@ class SampleIngestor:
         self._closing = False
         self.flushed = 0
         self.batches = 0
-        self.rejected = 0  # refused by the store at flush time (unknown lease/GPU): counted, logged
+        self.rejected = 0  # refused by the store at flush time (unknown lease/GPU): counted, logged, dropped
+        self.dropped = 0  # accepted but never to be written: the rejected ones, and any close() could not write
         self.overloaded = 0  # submit calls refused because the queue was full
         self.errors = 0  # flushes that failed and were retried
 
@@ -152,6 +154,7 @@ class SampleIngestor:
                     written += len(g)
                 except (InvalidInput, NotFound) as exc:
                     self.rejected += len(g)
+                    self.dropped += len(g)
                     log.warning("dropped %d samples the store refused: %s", len(g), exc)
             self.flushed += written
             self.batches += 1
@@ -170,7 +173,17 @@ class SampleIngestor:
             except (asyncio.CancelledError, HostAgentError):
                 pass
             self._task = None
-        await self.flush()
+        try:
+            await self.flush()
+        except BaseException:
+            # Nothing flushes a closed ingestor's queue (a failed write put its batch back): what it holds is lost.
+            lost = self._depth
+            if lost:
+                self.dropped += lost
+                self._groups.clear()
+                self._depth = 0
+                log.error("sample ingestion closed with %d accepted samples unwritten: they are lost", lost)
+            raise
 
     # -- figures -------------------------------------------------------------------------------------------------
     @property
@@ -179,7 +192,7 @@ class SampleIngestor:
         return self._depth + self._inflight
 
     def figures(self) -> dict[str, int]:
-        """Queue depth, flushed, dropped (always 0: accepted samples are never dropped), and refusals."""
+        """Queue depth, flushed, dropped (accepted samples that will never be written), and refusals."""
         return {"queue_depth": self.depth, "queue_max": self.max_queue, "flushed": self.flushed,
-                "batches": self.batches, "dropped": 0, "rejected": self.rejected, "overloaded": self.overloaded,
-                "errors": self.errors}
+                "batches": self.batches, "dropped": self.dropped, "rejected": self.rejected,
+                "overloaded": self.overloaded, "errors": self.errors}

@@ -1,13 +1,18 @@
-"""Outage tolerance against the real MariaDB: a TCP proxy the test cuts under heartbeat load, then restores."""
+"""Outage tolerance against the real MariaDB: a TCP proxy the test cuts under heartbeat load, then restores, and a
+commit whose reply is lost. The server really stopped and started again: tests/adapters/test_agent_store.py."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import pymysql
 import pytest
+from sqlalchemy import Connection
+from sqlalchemy.exc import OperationalError
 
 from hostagent.domain.errors import StoreUnavailable
 from hostagent.store.aio import AsyncUsageStore
@@ -22,6 +27,7 @@ from tests.support.store import (
     mysql_admin,
     mysql_database,
     mysql_url,
+    sample_rows,
     wait_until,
 )
 
@@ -75,6 +81,7 @@ async def test_cut_under_heartbeat_load_every_sample_lands_exactly_once(db: str,
     ing = SampleIngestor(f.store.write_samples, batch=100, interval_s=0.05)  # the agent's path: background rollups
     ing.start()
     sent = 0
+    keys: set[tuple[str, str, int]] = set()  # (lease, GPU, ts_ms) of every sample submitted
 
     async def heartbeats(n: int) -> None:
         nonlocal sent
@@ -82,6 +89,7 @@ async def test_cut_under_heartbeat_load_every_sample_lands_exactly_once(db: str,
             ts = T0 + sent // len(GPUS) * 0.5
             ing.submit([{"gpu_id": g, "ts": ts, "lease_id": "L1", "util_pct": 40.0, "mem_used_bytes": 1 << 30}
                         for g in GPUS])
+            keys.update(("L1", g, int(round(ts * 1000))) for g in GPUS)
             sent += len(GPUS)
             await asyncio.sleep(0.002)
 
@@ -103,16 +111,51 @@ async def test_cut_under_heartbeat_load_every_sample_lands_exactly_once(db: str,
     await ing.close()
     await until(lambda: not f.degraded)
     assert f.spool_depth == 0 and f.status()["spool_dead"] == 0 and f.status()["outages"] >= 1
-    assert ing.figures()["dropped"] == 0 and ing.figures()["rejected"] == 0
+    assert ing.figures()["dropped"] == 0 and ing.figures()["rejected"] == 0 and ing.flushed == sent
 
-    (rows, distinct), = query(db, "SELECT COUNT(*), COUNT(DISTINCT gpu_id, ts_ms, lease_id, source) FROM usage_samples")
-    assert rows == distinct == sent == 2400
+    # exactly the samples submitted (the unique key hides a duplicate row: the rollup sums below would show it)
+    assert set(query(db, "SELECT lease_id, gpu_id, ts_ms FROM usage_samples")) == keys and sent == len(keys) == 2400
     (rolled,), = query(db, "SELECT SUM(n) FROM usage_rollups WHERE resolution = 3600")
     (rolled_min,), = query(db, "SELECT SUM(n) FROM usage_rollups WHERE resolution = 60")
     assert int(rolled) == int(rolled_min) == sent  # nothing rolled up twice by the replay
     lease = await f.get_lease("L1")
     assert lease["state"] == "RELEASING" and [e["to_state"] for e in lease["events"]] == ["RELEASING"]
     await f.close()
+
+
+@pytest.mark.mysql
+def test_a_batch_committed_as_the_connection_died_is_replayed_without_counting_twice(db: str,
+                                                                                     tmp_path: Path) -> None:
+    """The one way an outage can make a duplicate: the server commits a batch, the connection dies before the
+    client hears so, and the store spools the batch it thinks failed. The replay's INSERT IGNORE skips the stored
+    rows, and the rollups, folded by id, count them once (a real shutdown only hits this window by chance)."""
+    s = UsageStore(mysql_url(db), "ambiguous-host", spool_path=tmp_path / "spool.sqlite3")
+    try:
+        s.upsert_gpus([{"gpu_id": g, "address": f"0000:{i + 1:02x}:00.0"} for i, g in enumerate(GPUS)])
+        s.insert_lease(lease_doc("A1", created_at=T0, gpus=GPUS))
+        held = s._writer.begin
+
+        @contextmanager
+        def commit_then_lose_the_reply() -> Iterator[Connection]:
+            with held() as conn:
+                yield conn
+            raise OperationalError("COMMIT", None, pymysql.err.OperationalError(2013, "Lost connection during query"))
+
+        s._writer.begin = commit_then_lose_the_reply  # type: ignore[method-assign]
+        rows = sample_rows(GPUS, "A1", T0, 25)
+        assert s.add_samples(rows) == 100
+        s._writer.begin = held  # type: ignore[method-assign]
+        assert s.degraded and s.spool_depth == 1  # the batch is spooled, though the server has it
+        (stored,), = query(db, "SELECT COUNT(*) FROM usage_samples")
+        assert stored == 100
+        assert s.replay_spool() is True
+        assert s.figures["samples_duplicate"] == 100 and s.spool.dead == 0
+        (n60, u60), (n3600, u3600) = query(db, "SELECT SUM(n), SUM(util_sum) FROM usage_rollups "
+                                               "GROUP BY resolution ORDER BY resolution")
+        assert int(n60) == int(n3600) == 100
+        assert float(u60) == float(u3600) == pytest.approx(sum(r["util_pct"] for r in rows))
+    finally:
+        s.close()
 
 
 def test_start_while_down_spools_then_restart_replays_in_order(db: str, proxy: TcpProxy, tmp_path: Path) -> None:
@@ -125,7 +168,8 @@ def test_start_while_down_spools_then_restart_replays_in_order(db: str, proxy: T
     s.insert_lease(lease_doc("C1", created_at=T0, gpus=["gpu-0"], state="BINDING"))
     s.update_lease("C1", {"state": "ACTIVE", "granted_at": T0 + 3})
     s.add_lease_event("C1", actor="agent", from_state="BINDING", to_state="ACTIVE")
-    assert s.add_samples([{"gpu_id": "gpu-0", "ts": T0 + i, "lease_id": "C1", "util_pct": 10.0} for i in range(50)]) == 50
+    samples = [{"gpu_id": "gpu-0", "ts": T0 + i, "lease_id": "C1", "util_pct": 10.0} for i in range(50)]
+    assert s.add_samples(samples) == 50
     assert s.spool_depth == 6
     s.close()
 

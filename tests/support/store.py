@@ -1,4 +1,5 @@
-"""Test support for the usage store: the real MariaDB (one database per test module), SQLite, and a TCP proxy.
+"""Test support for the usage store: the real MariaDB (one database per test module), SQLite, a TCP proxy, and
+the real server stopped and started again (``mariadb_server``).
 
 Tests of the MySQL backend FAIL, never skip, when MariaDB is unreachable. Import the fixtures into a test module:
 ``from tests.support.store import backend_url, store  # noqa: F401``.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import threading
 import time
 import uuid
@@ -53,11 +55,17 @@ def mysql_database(prefix: str = "hatest") -> Iterator[str]:
     try:
         with admin.cursor() as cur:
             cur.execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
+    finally:
+        admin.close()
+    try:
         yield name
     finally:
-        with admin.cursor() as cur:
-            cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
-        admin.close()
+        admin = mysql_admin()  # a new connection: the body may have restarted the server
+        try:
+            with admin.cursor() as cur:
+                cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+        finally:
+            admin.close()
 
 
 @pytest.fixture(scope="module", params=["sqlite", "mysql"])
@@ -134,7 +142,7 @@ class TcpProxy:
 
     def close(self) -> None:
         """Stop everything."""
-        self._call(self._cut())
+        self._call(self._shutdown())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         self._loop.close()
@@ -153,6 +161,14 @@ class TcpProxy:
         for w in list(self._writers):
             w.transport.abort()
         self._writers.clear()
+
+    async def _shutdown(self) -> None:
+        """Cut, and end the connections' tasks here rather than leave them pending in a loop that stops."""
+        await self._cut()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._server is None:
@@ -179,6 +195,51 @@ class TcpProxy:
         await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
         self._writers.discard(writer)
         self._writers.discard(up_w)
+
+
+class MariaDBServer:
+    """The local test server, stopped and started for real: what a TCP cut never shows (error 1053 "shutdown in
+    progress" to the statements in flight, "gone away" on pooled connections, a listener that refuses, then a fresh
+    server). Only outage tests use it, and the ``mariadb_server`` fixture has it running again when they end."""
+
+    def __init__(self, mariadbd: str = "/usr/sbin/mariadbd") -> None:
+        self.mariadbd = mariadbd
+
+    def alive(self) -> bool:
+        """The server answers ``mariadb-admin ping`` (over its local socket)."""
+        r = subprocess.run(["mariadb-admin", "--connect-timeout=2", "ping"], capture_output=True, timeout=30)
+        return r.returncode == 0
+
+    def stop(self, timeout: float = 60.0) -> float:
+        """Shut the server down; returns the ``time.monotonic()`` at which it was seen no longer answering."""
+        subprocess.run(["mariadb-admin", "shutdown"], capture_output=True, timeout=timeout, check=True)
+        if not wait_until(lambda: not self.alive(), timeout, interval=0.1):
+            raise AssertionError(f"MariaDB still answers {timeout:g} s after mariadb-admin shutdown")
+        return time.monotonic()
+
+    def start(self, timeout: float = 60.0) -> float:
+        """Start the server; returns the ``time.monotonic()`` at which it answered again."""
+        subprocess.run(["start-stop-daemon", "--start", "--oknodo", "--background", "--exec", self.mariadbd],
+                       capture_output=True, timeout=timeout, check=True)
+        if not wait_until(self.alive, timeout, interval=0.1):
+            raise AssertionError(f"MariaDB did not answer within {timeout:g} s of being started")
+        return time.monotonic()
+
+    def ensure_running(self) -> None:
+        """Start the server unless it answers (the rest of the suite, and other users of it, need it)."""
+        if not self.alive():
+            self.start()
+
+
+@pytest.fixture
+def mariadb_server() -> Iterator[MariaDBServer]:
+    """The real server, to stop and start in a test: running (else the test fails) and running again after it."""
+    mysql_admin().close()  # fails, never skips, when the server is missing
+    server = MariaDBServer()
+    try:
+        yield server
+    finally:
+        server.ensure_running()
 
 
 def wait_until(cond: Any, timeout: float = 30.0, interval: float = 0.05) -> bool:
