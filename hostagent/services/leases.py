@@ -625,6 +625,7 @@ class LeaseManager:
         ours = [h for h in attached if str(h.source) in mine]
         if not ours:
             return True
+        asyncio.get_running_loop().call_soon(crash_point, "detach:sent")  # runs at the call's first wait: sent, unacked
         try:
             result = await self._timed_hv("detach", self.hv.detach_hostdevs(lease.domain_uuid, ours,
                                                                             self.policy.detach_timeout_s))
