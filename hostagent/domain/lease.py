@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -81,6 +82,16 @@ class Step:
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "fp64", "tf32")
 NUMA_POLICIES = ("required", "preferred", "any")
 MAX_GPUS_PER_REQUEST = 64
+# Free-text labels of a request (task_type, project, vendor, model, idempotency_key): any text, non-ASCII included,
+# but no control characters (C0, DEL, C1) and no invisible or bidirectional formatting (soft hyphen, zero-width and
+# direction marks, embeddings and overrides, line/paragraph separators, BOM). One pattern for the parser and the
+# OpenAPI document, so both accept the same strings. The parser also refuses lone surrogates (a JSON escape such as
+# "\\ud800" alone), which no database stores as UTF-8; they are not Unicode scalar values, so no schema validator's
+# regex can name them and the document leaves them out.
+LABEL_PATTERN = ("^[^\\x00-\\x1f\\x7f-\\x9f\\u00ad\\u061c\\u180e\\u200b-\\u200f\\u2028-\\u202e\\u2060-\\u206f\\ufeff"
+                 "\\ufff9-\\ufffb]*$")
+_LABEL = re.compile(LABEL_PATTERN[:-1] + "\\Z")  # \Z: Python's $ also matches before a trailing newline
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +135,10 @@ def _num(body: Mapping[str, Any], key: str, *, integer: bool, lo: float, hi: flo
 
 def _text(body: Mapping[str, Any], key: str, max_len: int = 64) -> str:
     value = body[key]
-    if not isinstance(value, str) or not value or len(value) > max_len or not value.isprintable():
-        raise InvalidInput(f"{key} must be a printable string of 1..{max_len} characters", field=key)
+    if (not isinstance(value, str) or not value or len(value) > max_len or not _LABEL.match(value)
+            or _SURROGATE.search(value)):
+        raise InvalidInput(f"{key} must be 1..{max_len} characters without control or invisible formatting "
+                           "characters", field=key)
     return value
 
 

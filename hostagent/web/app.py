@@ -6,17 +6,20 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from hostagent.domain.errors import Conflict, HostAgentError, InvalidInput, NotFound, Unauthorized
+from hostagent.domain.errors import Conflict, Forbidden, HostAgentError, InvalidInput, NotFound, Unauthorized
 from hostagent.domain.lease import LeaseState, parse_lease_request
 from hostagent.services.leases import lease_view
 from hostagent.web.auth import Identity, bearer, require
 from hostagent.web.keys import IDENTITY, RUNTIME
+from hostagent.web.openapi import MAX_WORK_RATE, STATE_FILTER_PATTERN
 
 log = logging.getLogger("hostagent.web")
 
@@ -35,8 +38,21 @@ def error_body(code: str, message: str, field: str | None = None) -> dict[str, A
 
 
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-               405: "method_not_allowed", 408: "request_timeout", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type",
-               429: "too_many_requests"}
+               405: "method_not_allowed", 408: "request_timeout", 409: "conflict", 413: "payload_too_large",
+               415: "unsupported_media_type", 429: "too_many_requests", 431: "header_fields_too_large",
+               503: "unavailable", 504: "timeout"}
+BODY_ABANDONED: web.RequestKey[bool] = web.RequestKey("hostagent.body_abandoned")  # set by read_json (abandon_body)
+SERVER_HEADER = "hostagent"  # the Server header of every response: the product, not its Python or aiohttp version
+
+
+def http_code(status: int) -> str:
+    """The error model's code for an HTTP status the agent answers itself (not for a domain error)."""
+    return _HTTP_CODES.get(status, "http_error")
+
+
+async def hide_server_version(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: replace aiohttp's `Server: Python/3.x aiohttp/3.x`, which tells a scanner what to try."""
+    response.headers["Server"] = SERVER_HEADER
 
 
 @web.middleware
@@ -46,11 +62,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except HostAgentError as exc:
         headers = {"Retry-After": str(int(exc.details.get("retry_after", 1)))} if exc.retryable else None
-        return web.json_response({"error": exc.to_dict()}, status=exc.http_status, headers=headers)
+        resp = web.json_response({"error": exc.to_dict()}, status=exc.http_status, headers=headers)
+        if request.get(BODY_ABANDONED):
+            resp.force_close()  # what is left of a body that failed to decode cannot be told from a next request
+        return resp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = _HTTP_CODES.get(exc.status, "http_error")
+        code = http_code(exc.status)
         message = exc.reason
         if exc.status == 404:
             message = f"no such endpoint: {request.method} {request.path}"
@@ -67,12 +86,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Resolve the caller's identity (None for anonymous); handlers decide what they need."""
+    """Resolve the caller's identity from its bearer token (None for anonymous); handlers decide what they need.
+
+    Only the Authorization header counts: the dashboard's session cookie never authenticates the API, which has no
+    CSRF protection (a browser would send the cookie with any site's forged request)."""
     rt = request.app[RUNTIME]
     identity: Identity | None = None
     token = bearer(request)
-    if token is None:
-        token = request.get("session_token")
     if token is not None:
         identity = rt.tokens.resolve(token)
         if identity is None:
@@ -90,12 +110,40 @@ async def read_json(request: web.Request) -> Any:
             raw = await request.read()
     except TimeoutError:
         raise web.HTTPRequestTimeout(reason="the request body did not arrive in time") from None
+    except (HttpProcessingError, web.RequestPayloadError):  # a bad chunk, or a Content-Encoding it is not in
+        abandon_body(request)
+        raise InvalidInput("the request body does not match its Transfer-Encoding or Content-Encoding") from None
     if not raw:
         return {}
+    return parse_json(raw)
+
+
+def abandon_body(request: web.Request) -> None:
+    """After a body that failed to decode, have the error response close the connection (Connection: close): the
+    stream is out of step. And mark the body ended, or aiohttp lingers after the response to read the rest, which
+    re-raises the failure and logs it as an unhandled exception."""
+    request.content.feed_eof()
+    request[BODY_ABANDONED] = True
+
+
+def _no_constant(name: str) -> Any:
+    """json.loads hook: NaN and Infinity are Python's extension, not JSON; a NaN would slip past range checks."""
+    raise InvalidInput(f"malformed JSON: {name} is not a JSON number")
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict JSON, every failure a 400 whose message says where the body broke and never quotes the exception:
+    its text names Python internals (and once advised calling sys.set_int_max_str_digits())."""
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"malformed JSON: {exc}") from exc
+        return json.loads(raw, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"malformed JSON at line {exc.lineno}, column {exc.colno}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"malformed JSON: the body is not UTF-8 (byte {exc.start})") from None
+    except RecursionError:  # ~1000 nested [ or { exhaust the parser's stack well under max_body_bytes
+        raise InvalidInput("malformed JSON: arrays or objects are nested too deeply") from None
+    except ValueError:  # the json module's one other ValueError: an integer longer than sys.get_int_max_str_digits()
+        raise InvalidInput("malformed JSON: a number has too many digits") from None
 
 
 def ident(request: web.Request, *, operator: bool = False) -> Identity:
@@ -158,11 +206,17 @@ async def create_lease(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     body = await read_json(request)
     domain_uuid = who.domain_uuid
-    if who.is_operator:
-        if not isinstance(body, dict) or "domain" not in body:
-            raise InvalidInput("an operator must name the VM with 'domain' (name or UUID)", field="domain")
+    if isinstance(body, dict) and "domain" in body:  # as the document says: a string; a guest's own VM only
         body = dict(body)
-        domain_uuid = str(body.pop("domain"))
+        named = body.pop("domain")
+        if not isinstance(named, str) or not 1 <= len(named) <= 256:
+            raise InvalidInput("domain must be a VM name or UUID", field="domain")
+        if who.is_operator:
+            domain_uuid = named
+        elif named not in (who.domain_uuid, who.domain_name):
+            raise Forbidden("a guest may lease only for its own VM", field="domain")
+    elif who.is_operator:
+        raise InvalidInput("an operator must name the VM with 'domain' (name or UUID)", field="domain")
     req = parse_lease_request(body, now=time.time(), max_duration_s=rt.settings.leases.max_duration_s)
     assert domain_uuid is not None
     lease = await rt.manager.request(domain_uuid, req, actor=who.subject)
@@ -182,6 +236,9 @@ async def list_leases(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     states = None
     if "state" in request.query:
+        if not re.fullmatch(STATE_FILTER_PATTERN.strip("^$"), request.query["state"]):
+            raise InvalidInput(f"state must be comma-separated names of {', '.join(s.value for s in LeaseState)}",
+                               field="state")
         try:
             states = [LeaseState(s.strip().upper()) for s in request.query["state"].split(",") if s.strip()]
         except ValueError:
@@ -229,13 +286,23 @@ async def renew_lease(request: web.Request) -> web.Response:
     """Extend the TTL."""
     who = ident(request)
     rt = request.app[RUNTIME]
-    body = await read_json(request)
+    body = await read_json(request) if request.body_exists else {}  # the body is optional (OpenAPI: required false)
     if not isinstance(body, dict) or set(body) - {"duration_s"}:
         bad = sorted(set(body) - {"duration_s"})[0] if isinstance(body, dict) else None
         raise InvalidInput(f"unknown field {bad!r}" if bad else "body must be a JSON object", field=bad)
     lease = await rt.manager.renew(request.match_info["lease_id"], duration_s=body.get("duration_s"),
                                    actor=who.subject, domain_uuid=who.scope)
     return web.json_response(lease_view(lease, rt.manager))
+
+
+def _finite(value: Any) -> bool:
+    """A JSON number that is finite as a float: a 400-digit integer is not (math.isfinite overflows on it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def parse_samples(body: Any, gpu_ids: set[str], now: float) -> list[dict[str, Any]]:
@@ -262,24 +329,25 @@ def parse_samples(body: Any, gpu_ids: set[str], now: float) -> list[dict[str, An
             if key not in s:
                 raise InvalidInput(f"{where}.{key} is required", field=f"{where}.{key}")
         ts, gpu, util = s["ts"], s["gpu"], s["util_pct"]
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        if not _finite(ts):
             raise InvalidInput(f"{where}.ts must be unix seconds", field=f"{where}.ts")
         if ts > now + SAMPLE_FUTURE_SKEW_S:
             raise InvalidInput(f"{where}.ts is {ts - now:.0f} s in the future (skew bound {SAMPLE_FUTURE_SKEW_S:.0f} s)",
                                field=f"{where}.ts")
         if ts < now - SAMPLE_MAX_AGE_S:
             raise InvalidInput(f"{where}.ts is older than {SAMPLE_MAX_AGE_S / 86400:.0f} days", field=f"{where}.ts")
+        if not isinstance(gpu, str):  # a list here is unhashable, and its repr could echo a megabyte back
+            raise InvalidInput(f"{where}.gpu must be a GPU id (a string)", field=f"{where}.gpu")
         if gpu not in gpu_ids:
-            raise InvalidInput(f"{where}.gpu {gpu!r} is not a GPU of this lease", field=f"{where}.gpu")
+            raise InvalidInput(f"{where}.gpu {gpu[:64]!r} is not a GPU of this lease", field=f"{where}.gpu")
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 <= util <= 100:
             raise InvalidInput(f"{where}.util_pct must be 0..100", field=f"{where}.util_pct")
         mem = s.get("mem_used_bytes", 0)
         if isinstance(mem, bool) or not isinstance(mem, int) or not 0 <= mem <= 2**50:
             raise InvalidInput(f"{where}.mem_used_bytes must be a non-negative integer", field=f"{where}.mem_used_bytes")
         rate = s.get("work_rate")
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
-                                 or not math.isfinite(rate) or rate < 0):
-            raise InvalidInput(f"{where}.work_rate must be a non-negative number", field=f"{where}.work_rate")
+        if rate is not None and (not _finite(rate) or not 0 <= rate <= MAX_WORK_RATE):
+            raise InvalidInput(f"{where}.work_rate must be a number 0..{MAX_WORK_RATE:g}", field=f"{where}.work_rate")
         out.append({"ts": float(ts), "gpu_id": gpu, "util_pct": float(util), "mem_used_bytes": mem,
                     "work_rate": None if rate is None else float(rate)})
     return out
@@ -338,11 +406,13 @@ async def openapi(request: web.Request) -> web.Response:
     """The OpenAPI 3 document of this API."""
     from hostagent.web.openapi import document
 
-    return web.json_response(document())
+    return web.json_response(document(max_duration_s=request.app[RUNTIME].settings.leases.max_duration_s))
 
 
 def add_api_routes(app: web.Application) -> None:
-    """Register every JSON API route (the OpenAPI test walks these)."""
+    """Register every JSON API route (the OpenAPI test walks these), and hide the server's version on every response
+    of the app (make_app calls this for every app it builds, served by serve.py or by a test client)."""
+    app.on_response_prepare.append(hide_server_version)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/v1/openapi.json", openapi)

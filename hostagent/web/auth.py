@@ -51,7 +51,12 @@ class TokenBook:
         self._lookup = lookup
 
     def resolve(self, token: str) -> Identity | None:
-        """Identity for a token, None when unknown. The digest comparison is constant-time."""
+        """Identity for a token, None when unknown.
+
+        The operator's digest is compared with hmac.compare_digest (constant time). Issued tokens are looked up by
+        their SHA-256 in an indexed SQL column: the index walk compares digests, not the token, and the attacker
+        cannot choose digest bytes one at a time, so the lookup's timing tells nothing about a valid token.
+        """
         digest = hash_token(token)
         if self._operator and hmac.compare_digest(digest, self._operator):
             return Identity("operator", subject="operator(config)")

@@ -179,7 +179,7 @@ def _page(handler: Handler) -> Handler:
         session = dash.sessions.get(request.cookies.get(SESSION_COOKIE))
         identity = dashboard_identity(dash.rt.tokens.resolve(session.token)) if session else None
         if session is not None and identity is None:  # credential revoked or rotated: the session ends with it
-            dash.sessions.drop(session.sid)
+            dash.sessions.end(session)
             session = None
         if session is None:
             if is_api:
@@ -278,9 +278,9 @@ async def login_submit(request: web.Request) -> web.StreamResponse:
     dash.throttle.succeeded(who)
     old = request.cookies.get(SESSION_COOKIE)
     dash.sessions.drop(old)
-    session = dash.sessions.create(token)
+    sid, session = dash.sessions.create(token)
     resp = _see_other(safe_next(form.get("next")))
-    resp.set_cookie(SESSION_COOKIE, session.sid, httponly=True, samesite="Strict", secure=request.secure, path="/")
+    resp.set_cookie(SESSION_COOKIE, sid, httponly=True, samesite="Strict", secure=request.secure, path="/")
     resp.del_cookie(LOGIN_COOKIE, path="/ui/login")
     log.info("dashboard login: %s from %s", identity.subject, who)
     return resp
@@ -293,7 +293,7 @@ async def logout(request: web.Request) -> web.StreamResponse:
     session: Session = request[DASH_SESSION]
     if not check_csrf(session, form.get("csrf")):  # type: ignore[arg-type]
         raise Forbidden("the form's CSRF token is missing or stale", field="csrf")
-    _dash(request).sessions.drop(session.sid)
+    _dash(request).sessions.end(session)
     resp = _see_other("/ui/login")
     resp.del_cookie(SESSION_COOKIE, path="/")
     return resp

@@ -1,7 +1,9 @@
 """Dashboard sessions: operator login by credential, server-side sessions, per-session CSRF tokens, login throttling.
 
-The cookie carries only a random session id (HttpOnly, SameSite=Strict, Secure under TLS). The credential stays
-on the server and is resolved again on every request, so revoking or rotating it ends the session at once.
+The cookie carries only a random session id (HttpOnly, SameSite=Strict, Secure under TLS); the server keeps only
+its SHA-256. The credential stays on the server and is resolved again on every request, so revoking or rotating
+it ends the session at once. Secrets are compared in constant time (CSRF tokens) or looked up by digest (session
+ids), never by a comparison that stops at the first differing byte of the secret.
 """
 
 from __future__ import annotations
@@ -22,11 +24,18 @@ LOGIN_COOKIE = "hostagent_login"  # binds the login form's CSRF token to one bro
 DASHBOARD_ROLES = ("operator", "reader")
 
 
+def session_key(sid: str) -> str:
+    """The store's key for a cookie's session id: its SHA-256. The store never holds the id itself, and looking a
+    cookie up hashes it first, so the dict lookup's timing depends on a digest the caller cannot steer byte by byte
+    (the id is 256 random bits, so a fast hash is enough)."""
+    return hashlib.sha256(sid.encode()).hexdigest()
+
+
 @dataclass
 class Session:
     """One logged-in browser."""
 
-    sid: str
+    key: str  # session_key() of the cookie's id
     token: str
     csrf: str
     created: float
@@ -46,35 +55,40 @@ class SessionBook:
         self._sessions: dict[str, Session] = {}
         self._login_key = secrets.token_bytes(32)
 
-    def create(self, token: str) -> Session:
-        """A fresh session (a new id on every login: no fixation)."""
+    def create(self, token: str) -> tuple[str, Session]:
+        """A fresh session and its id for the cookie (a new id on every login: no fixation)."""
         now = self.clock()
         self._expire(now)
         while len(self._sessions) >= self.max_sessions:
             oldest = min(self._sessions.values(), key=lambda s: s.last_seen)
-            del self._sessions[oldest.sid]
-        s = Session(secrets.token_urlsafe(32), token, secrets.token_urlsafe(32), now, now)
-        self._sessions[s.sid] = s
-        return s
+            del self._sessions[oldest.key]
+        sid = secrets.token_urlsafe(32)
+        s = Session(session_key(sid), token, secrets.token_urlsafe(32), now, now)
+        self._sessions[s.key] = s
+        return sid, s
 
     def get(self, sid: str | None) -> Session | None:
         """The live session for a cookie value, touching it; None when unknown or expired."""
         if not sid:
             return None
-        s = self._sessions.get(sid)
+        s = self._sessions.get(session_key(sid))
         if s is None:
             return None
         now = self.clock()
         if now - s.last_seen > self.idle_s or now - s.created > self.absolute_s:
-            del self._sessions[sid]
+            del self._sessions[s.key]
             return None
         s.last_seen = now
         return s
 
     def drop(self, sid: str | None) -> None:
-        """Log a session out."""
+        """Log out the session of a cookie value."""
         if sid:
-            self._sessions.pop(sid, None)
+            self._sessions.pop(session_key(sid), None)
+
+    def end(self, session: Session) -> None:
+        """Log a session out (logout, or its credential was revoked)."""
+        self._sessions.pop(session.key, None)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -150,4 +164,4 @@ def safe_next(target: Any) -> str:
 
 
 __all__ = ["LOGIN_COOKIE", "SESSION_COOKIE", "LoginThrottle", "Session", "SessionBook", "check_csrf",
-           "dashboard_identity", "safe_next"]
+           "dashboard_identity", "safe_next", "session_key"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from hostagent import __version__
-from hostagent.domain.lease import MAX_GPUS_PER_REQUEST, NUMA_POLICIES, PRECISIONS, LeaseState
+from hostagent.config import LeaseSettings
+from hostagent.domain.lease import LABEL_PATTERN, MAX_GPUS_PER_REQUEST, NUMA_POLICIES, PRECISIONS, LeaseState
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -26,30 +27,50 @@ _SECURED = [{"bearer": []}]
 
 _NULLABLE_NUM = {"type": "number", "nullable": True}
 _NULLABLE_STR = {"type": "string", "nullable": True}
+# Comma-separated lease states, any letter case, blanks around the names (GET /v1/leases?state=); the handler
+# checks the same pattern before it parses, so what the document allows and what the server accepts are one set.
+STATE_FILTER_PATTERN = "^ *({names})? *(, *({names})? *)*$".format(names="|".join(
+    "".join(f"[{c}{c.lower()}]" if c.isalpha() else c for c in s.value) for s in LeaseState))
+MAX_HEARTBEAT_MEM_BYTES = 2**50
+MAX_WORK_RATE = 1e15  # the usage store's bound; the heartbeat handler checks it before anything is written
 
 
-def document() -> dict[str, Any]:
-    """The whole OpenAPI document."""
+def _label(max_len: int, **extra: Any) -> dict[str, Any]:
+    """A free-text label of the lease request: no control or invisible formatting characters, as the request
+    parser checks (the same pattern)."""
+    return {"type": "string", "minLength": 1, "maxLength": max_len, "pattern": LABEL_PATTERN, **extra}
+
+
+def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str, Any]:
+    """The whole OpenAPI document; `max_duration_s` is the agent's configured [leases] maximum.
+
+    Each operation's `x-runtime-checks` names the request fields whose last check depends on the caller or on
+    the server's state or clock (a static schema cannot say it): a schema-valid value there may still get a 400
+    whose error `field` names it. The schemathesis test tolerates a 400 on a valid request for those fields only.
+    """
     lease_request = {
         "type": "object",
         "additionalProperties": False,
         "properties": {
             "gpus": {"type": "integer", "minimum": 1, "maximum": MAX_GPUS_PER_REQUEST, "default": 1},
-            "task_type": {"type": "string", "minLength": 1, "maxLength": 64},
-            "data_scale": {"type": "number", "minimum": 0, "nullable": True},
+            "task_type": _label(64),
+            "data_scale": {"type": "number", "minimum": 0, "maximum": 1e18, "nullable": True},
             "precision": {"type": "string", "enum": list(PRECISIONS), "nullable": True},
             "min_memory_gib": {"type": "number", "minimum": 0, "maximum": 4096},
-            "duration_s": {"type": "integer", "minimum": 1, "nullable": True},
+            "duration_s": {"type": "integer", "minimum": 1, "maximum": max_duration_s, "nullable": True},
             "priority": {"type": "integer", "minimum": -1000, "maximum": 1000},
             "accept_partial": {"type": "boolean"},
             "accept_deferred": {"type": "boolean"},
-            "not_after": {"type": "number", "nullable": True, "description": "unix seconds"},
-            "idempotency_key": {"type": "string", "maxLength": 128, "nullable": True},
-            "vendor": {"type": "string", "maxLength": 128, "nullable": True},
-            "model": {"type": "string", "maxLength": 128, "nullable": True},
+            "not_after": {"type": "number", "minimum": 0, "maximum": 1e11, "nullable": True,
+                          "description": "unix seconds, in the future (checked against the agent's clock)"},
+            "idempotency_key": _label(128, nullable=True),
+            "vendor": _label(128, nullable=True),
+            "model": _label(128, nullable=True),
             "numa_policy": {"type": "string", "enum": list(NUMA_POLICIES), "nullable": True},
-            "project": {"type": "string", "maxLength": 128, "nullable": True},
-            "domain": {"type": "string", "description": "operators only: the VM (name or UUID) to lease for"},
+            "project": _label(128, nullable=True),
+            "domain": {"type": "string", "minLength": 1, "maxLength": 256,
+                       "description": "the VM (name or UUID) to lease for: required from an operator (400 without "
+                                      "it); a guest may send only its own VM's name or UUID (403 otherwise)"},
         },
     }
     lease = {
@@ -105,11 +126,12 @@ def document() -> dict[str, Any]:
     sample = {
         "type": "object", "additionalProperties": False, "required": ["ts", "gpu", "util_pct"],
         "properties": {
-            "ts": {"type": "number", "description": "unix seconds"},
-            "gpu": {"type": "string"},
+            "ts": {"type": "number", "description": "unix seconds, at most 300 s ahead of the agent's clock and at "
+                                                   "most 7 days behind it"},
+            "gpu": {"type": "string", "description": "a GPU id of this lease"},
             "util_pct": {"type": "number", "minimum": 0, "maximum": 100},
-            "mem_used_bytes": {"type": "integer", "minimum": 0},
-            "work_rate": {"type": "number", "minimum": 0, "nullable": True},
+            "mem_used_bytes": {"type": "integer", "minimum": 0, "maximum": MAX_HEARTBEAT_MEM_BYTES},
+            "work_rate": {"type": "number", "minimum": 0, "maximum": MAX_WORK_RATE, "nullable": True},
         },
     }
     paths: dict[str, Any] = {
@@ -137,6 +159,8 @@ def document() -> dict[str, Any]:
                                                    **_STD}}},
         "/v1/leases": {
             "post": {"summary": "ask for GPUs", "operationId": "createLease", "security": _SECURED,
+                     "x-runtime-checks": {"domain": "an operator must name the VM; a guest may name only its own",
+                                          "not_after": "must be in the future"},
                      "requestBody": {"required": True, "content": {"application/json": {
                          "schema": {"$ref": "#/components/schemas/LeaseRequest"}}}},
                      "responses": {"201": _ok("granted and attached", "Lease"),
@@ -147,8 +171,9 @@ def document() -> dict[str, Any]:
             "get": {"summary": "leases, newest first (a guest sees its own)", "operationId": "listLeases",
                     "security": _SECURED,
                     "parameters": [
-                        {"name": "state", "in": "query", "schema": {"type": "string"},
-                         "description": "comma-separated states"},
+                        {"name": "state", "in": "query", "schema": {"type": "string",
+                                                                    "pattern": STATE_FILTER_PATTERN},
+                         "description": "comma-separated states (any letter case)"},
                         {"name": "since", "in": "query", "schema": {"type": "number"},
                          "description": "unix seconds: leases created or still running since then"},
                         {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
@@ -170,6 +195,8 @@ def document() -> dict[str, Any]:
         "/v1/leases/{lease_id}/heartbeat": {"post": {
             "summary": "usage samples; the reply carries warnings and reclaim notices", "operationId": "heartbeat",
             "security": _SECURED, "parameters": [_LEASE_ID],
+            "x-runtime-checks": {"samples[].ts": "within the skew bounds of the agent's clock",
+                                 "samples[].gpu": "one of the lease's GPUs"},
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "additionalProperties": False,
                 "properties": {"samples": {"type": "array", "maxItems": 1000, "items": sample}}}}}},
@@ -185,7 +212,9 @@ def document() -> dict[str, Any]:
             "parameters": [_LEASE_ID],
             "requestBody": {"required": False, "content": {"application/json": {"schema": {
                 "type": "object", "additionalProperties": False,
-                "properties": {"duration_s": {"type": "integer", "minimum": 1}}}}}},
+                "properties": {"duration_s": {"type": "integer", "minimum": 1, "maximum": max_duration_s,
+                                              "nullable": True, "description": "absent or null: the lease's own "
+                                                                               "duration, else the default"}}}}}},
             "responses": {"200": _ok("renewed", "Lease"), "409": _err("not renewable in this state"),
                           "415": _err("wrong content type"), **_STD}}},
         "/v1/leases/{lease_id}/reclaim": {"post": {

@@ -341,7 +341,7 @@ async def test_refusals_are_explained(live: LiveAgent, tmp_path: Path, capsys: p
             await b.release(lease["id"])
         assert e.value.status in (403, 404)
         with pytest.raises(ApiError) as e:
-            await a.request("POST", f"/v1/leases/{lease['id']}/renew")  # no JSON body
+            await a.request("POST", f"/v1/leases/{lease['id']}/heartbeat")  # no JSON body (renew's is optional)
         assert e.value.status == 415 and "only accepts application/json" in e.value.message
         await a.release(lease["id"])
         with pytest.raises(ApiError) as e:

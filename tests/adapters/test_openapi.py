@@ -1,7 +1,8 @@
-"""The OpenAPI document validates and matches the registered routes exactly."""
+"""The OpenAPI document validates, matches the registered routes exactly, and says what the server accepts."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ from openapi_spec_validator import validate
 
 from hostagent.runtime import make_app
 from hostagent.web.openapi import document
-from tests.support.agent import make_rig
+from tests.support.agent import make_rig, start_rig
 
 UNDOCUMENTED = {"/metrics"}  # Prometheus text, not JSON API
 
@@ -40,3 +41,60 @@ async def test_served_document_is_the_same(tmp_path: Path, aiohttp_client: Any) 
     client = await aiohttp_client(make_app(make_rig(tmp_path).runtime))
     r = await client.get("/v1/openapi.json")
     assert r.status == 200 and await r.json() == document()
+
+
+async def test_served_document_carries_the_configured_maximum(tmp_path: Path, aiohttp_client: Any) -> None:
+    """duration_s's maximum is the agent's [leases] max_duration_s, in the request schema and in renew's."""
+    rig = make_rig(tmp_path, leases={"max_duration_s": 3600, "default_duration_s": 600})
+    doc = await (await (await aiohttp_client(make_app(rig.runtime))).get("/v1/openapi.json")).json()
+    assert doc["components"]["schemas"]["LeaseRequest"]["properties"]["duration_s"]["maximum"] == 3600
+    renew = doc["paths"]["/v1/leases/{lease_id}/renew"]["post"]["requestBody"]["content"]["application/json"]
+    assert renew["schema"]["properties"]["duration_s"]["maximum"] == 3600
+
+
+async def test_what_the_document_allows_the_server_accepts(tmp_path: Path, aiohttp_client: Any) -> None:
+    """The cases the audit found refused although the document allowed them: an empty renew body (requestBody
+    optional), a guest naming its own VM, the state filter in any letter case; and what it forbids is refused."""
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    r = await rig.client.post("/v1/leases", json={"gpus": 1, "domain": "vm-a", "task_type": "train resnet-50"},
+                              headers=rig.auth("vm-a"))
+    assert r.status == 201, await r.text()
+    lease = await r.json()
+    r = await rig.client.post("/v1/leases", json={"gpus": 1, "domain": "vm-b"}, headers=rig.auth("vm-a"))
+    assert r.status == 403 and (await r.json())["error"]["field"] == "domain"
+    r = await rig.client.post(f"/v1/leases/{lease['id']}/renew", headers=rig.auth("vm-a"))
+    assert r.status == 200, await r.text()
+    r = await rig.client.get("/v1/leases?state= active ,Queued", headers=rig.auth("vm-a"))
+    assert r.status == 200 and [x["id"] for x in (await r.json())["leases"]] == [lease["id"]]
+    for state in ("ACTIVE\t", "act\u0131ve"):  # a tab; a dotless i, which str.upper() turns into I
+        r = await rig.client.get("/v1/leases", params={"state": state}, headers=rig.auth("vm-a"))
+        assert r.status == 400, state
+    r = await rig.client.post("/v1/leases", json={"gpus": 1, "task_type": "caf\u00e9", "project": "\u6771\u4eac"},
+                              headers=rig.auth("vm-b"))
+    assert r.status == 201 and (await r.json())["request"]["project"] == "\u6771\u4eac", await r.text()
+    for field, value in (("task_type", "a\tb"), ("project", "a\u202eb"), ("data_scale", 2e18),
+                         ("duration_s", 604801), ("not_after", 2e11)):
+        r = await rig.client.post("/v1/leases", json={"gpus": 1, field: value}, headers=rig.auth("vm-b"))
+        assert r.status == 400 and (await r.json())["error"]["field"] == field, (field, await r.text())
+
+
+def test_label_pattern_is_the_parsers_rule() -> None:
+    """The document's pattern for labels and the request parser agree on every character class; beyond the pattern
+    the parser refuses only lone surrogates (no Unicode scalar value, so no schema regex names them) and a trailing
+    newline (which Python's $ lets through, a JSON Schema validator's does not)."""
+    from hostagent.domain.errors import InvalidInput
+    from hostagent.domain.lease import LABEL_PATTERN, parse_lease_request
+
+    def accepted(text: str) -> bool:
+        try:
+            parse_lease_request({"task_type": text}, now=0.0, max_duration_s=3600)
+        except InvalidInput:
+            return False
+        return True
+
+    rule = re.compile(LABEL_PATTERN)
+    for ch in map(chr, [*range(0, 0x250), 0x61C, 0x200B, 0x2028, 0x202E, 0x2066, 0xFEFF, 0x6771, 0x1F600]):
+        text = f"a{ch}b"
+        assert accepted(text) == bool(rule.match(text)), repr(ch)
+        assert not accepted(text + "\n"), repr(ch)
+    assert not accepted("a\ud800b") and not accepted("\udfff")
