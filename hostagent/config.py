@@ -33,6 +33,9 @@ class AgentSettings:
     log_level: str = "INFO"
     max_body_bytes: int = 1_048_576
     body_timeout_s: float = 10.0  # a client that does not finish sending its body in this time gets 408
+    header_timeout_s: float = 10.0  # request line + headers not all in this long after connect / their first byte: 408
+    idle_timeout_s: float = 75.0  # a keep-alive connection idle this long between requests is closed
+    max_connections: int = 256  # open HTTP connections at most; one more gets 503 and is closed
     gc_freeze: bool = True  # after start (and each model swap), freeze the heap out of the collector's reach
 
 
@@ -193,7 +196,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "placement.outcome": ("work_rate", "utilization", "completion"),
 }
 _POSITIVE = {
-    "agent.max_body_bytes", "agent.body_timeout_s", "host.step_timeout_s", "libvirt.detach_timeout_s", "store.queue_max",
+    "agent.max_body_bytes", "agent.body_timeout_s", "agent.header_timeout_s", "agent.idle_timeout_s",
+    "agent.max_connections", "host.step_timeout_s", "libvirt.detach_timeout_s", "store.queue_max",
     "store.flush_interval_s", "store.flush_batch", "leases.default_duration_s", "leases.max_duration_s",
     "reclaim.check_interval_s", "reclaim.grace_s", "placement.retrain_interval_s",
 }
@@ -268,6 +272,9 @@ def _check_cross(s: Settings) -> None:
     """Rules that involve more than one key."""
     if not (0 <= s.agent.port <= 65535):
         raise ConfigError(f"agent.port: must be 0..65535, got {s.agent.port}", field="agent.port")
+    if s.agent.header_timeout_s > s.agent.idle_timeout_s:
+        raise ConfigError("agent.header_timeout_s must not exceed agent.idle_timeout_s (the idle timer would close a "
+                          "silent new connection first, without the 408)", field="agent.header_timeout_s")
     if bool(s.agent.tls_cert) != bool(s.agent.tls_key):
         raise ConfigError("agent.tls_cert and agent.tls_key must be set together", field="agent.tls_cert")
     for v in s.host.gpu_vendors:

@@ -1,22 +1,37 @@
-"""Run the agent's web app: TLS or loopback-only plain HTTP, systemd notify (READY, STOPPING, WATCHDOG)."""
+"""Run the agent's web app: TLS or loopback-only plain HTTP, systemd notify (READY, STOPPING, WATCHDOG), and the
+connection-level limits aiohttp leaves open: a deadline for the request head, an idle timeout, a connection cap, and
+parser errors in the API's error model."""
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import ipaddress
+import json
 import logging
 import os
 import signal
 import socket
 import ssl
+import time
 from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any, cast
 
 from aiohttp import web
+from aiohttp.http_exceptions import (BadHttpMethod, BadStatusLine, HttpProcessingError, InvalidHeader, InvalidURLError,
+                                     LineTooLong)
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
-from hostagent.config import Settings
+from hostagent.config import AgentSettings, Settings
 from hostagent.domain.errors import ConfigError
+from hostagent.web.app import SERVER_HEADER, error_body, http_code
 
 log = logging.getLogger("hostagent.serve")
+
+SHED_GRACE_S = 1.0  # a connection answered 408/503 by the guard gets this long to read it before it is closed hard
+CAP_LOG_INTERVAL_S = 60.0  # "connection cap reached" is logged at most this often (a flood would flood the log)
 
 
 def sd_notify(message: str) -> bool:
@@ -63,6 +78,222 @@ def ssl_context(settings: Settings) -> ssl.SSLContext | None:
     return None
 
 
+def _raw_response(status: int, message: str, *, retry_after: int | None = None) -> bytes:
+    """A whole HTTP/1.1 response in the API's error model, for a connection that has no request object to answer."""
+    body = json.dumps(error_body(http_code(status), message)).encode()
+    head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json; charset=utf-8",
+            f"Content-Length: {len(body)}", "Connection: close", f"Server: {SERVER_HEADER}",
+            f"Date: {email.utils.formatdate(usegmt=True)}"]
+    if retry_after is not None:
+        head.append(f"Retry-After: {retry_after}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def describe_parse_error(exc: BaseException | None, max_line: int, max_headers: int) -> tuple[int, str]:
+    """Status and a fixed message for a request aiohttp's parser refused.
+
+    aiohttp's own answer is text/plain with the parser's message, which quotes the offending input back (an over-long
+    header's first 100 bytes, the bad request line); this says what was wrong without repeating any of it. The
+    parser's text is only looked at to tell the cases apart, never sent.
+    """
+    text = (getattr(exc, "message", "") or "").partition(":")[0].lower()
+    if isinstance(exc, LineTooLong):
+        return 431, f"the request line or a header is longer than {max_line} bytes"
+    if "too many headers" in text:
+        return 431, f"more than {max_headers} headers"
+    if isinstance(exc, BadHttpMethod):
+        return 400, "malformed request line: unknown method (is this TLS or non-HTTP traffic?)"
+    if isinstance(exc, InvalidURLError):
+        return 400, "malformed request line: invalid URL"
+    if isinstance(exc, BadStatusLine):
+        return 400, "malformed request line: expected METHOD /path HTTP/1.1"
+    if "content-length" in text:
+        return 400, "invalid Content-Length header"
+    if "content-encoding" in text:
+        return 400, "unsupported or invalid Content-Encoding"
+    if "transfer-encoding" in text or "chunk" in text:
+        return 400, "invalid Transfer-Encoding header or chunked body"
+    if "host" in text:
+        return 400, "an HTTP/1.1 request needs one Host header"
+    if isinstance(exc, InvalidHeader) or "header" in text:
+        return 400, "malformed header"
+    return 400, "malformed HTTP request"
+
+
+class GuardedServer(web.Server):
+    """aiohttp's low-level server, making GuardedRequestHandler connections and counting them against the cap."""
+
+    def __init__(self, handler: Any, *, agent: AgentSettings, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self.agent = agent
+        self.refused = 0
+        self._cap_logged_at = -CAP_LOG_INTERVAL_S
+
+    def __call__(self) -> RequestHandler:
+        return GuardedRequestHandler(self, loop=self._loop, agent=self.agent, **self._kwargs)
+
+    def full(self) -> bool:
+        """True when a new connection would exceed agent.max_connections (counts itself, logs now and then)."""
+        if len(self._connections) < self.agent.max_connections:
+            return False
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._cap_logged_at >= CAP_LOG_INTERVAL_S:
+            self._cap_logged_at = now
+            log.warning("connection cap reached (agent.max_connections=%d): refusing new connections with 503 "
+                        "(%d refused so far)", self.agent.max_connections, self.refused)
+        return True
+
+
+class GuardedRequestHandler(RequestHandler):
+    """One HTTP connection: aiohttp's protocol plus the limits it lacks.
+
+    A slow body is bounded where the handler reads it (read_json's body_timeout_s), but aiohttp has no deadline for
+    the request head: a client sending its headers a byte at a time held a connection for as long as aiohttp's
+    keep-alive timer (an hour by default). Here the head has its own deadline: header_timeout_s from connect for
+    the first request, and from the first byte of each later one; before that byte, a keep-alive connection may
+    idle for idle_timeout_s (aiohttp's keep-alive timer, which closes it silently). A head begun while the previous
+    request was still being handled (pipelining, which no client of the agent does) is bounded by that idle timer.
+    A connection over agent.max_connections is answered 503 before anything is parsed. Both answers are written in
+    the API's JSON error model, then the write side is shut and the client given SHED_GRACE_S to read it: closing
+    at once, with its bytes unread, would reset the connection and could lose the answer.
+
+    Relies on aiohttp's handler internals (_waiter, _request_count, _messages, _current_request, _manager, _loop)
+    as of aiohttp 3.14.
+    """
+
+    def __init__(self, manager: GuardedServer, *, loop: asyncio.AbstractEventLoop, agent: AgentSettings,
+                 **kwargs: Any) -> None:
+        super().__init__(manager, loop=loop, **kwargs)
+        self._agent = agent
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._shed_timer: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if cast(GuardedServer, self._manager).full():
+            self._refused = True  # never registered with the server, never parsed: it does not count against the cap
+            self._shed(cast(asyncio.Transport, transport), 503, "too many connections to the agent; retry shortly",
+                       retry_after=1)
+            return
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        parsed = self._request_count
+        super().data_received(data)
+        if self._request_count != parsed:  # a head arrived (or a parse error, answered by handle_error)
+            self._cancel_head_timer()
+            self._fail_body_being_read()
+        elif data and self._head_timer is None and self._waiter is not None and not self._waiter.done():
+            self._arm_head_timer()  # the first byte of a request on an idle keep-alive connection
+
+    def _fail_body_being_read(self) -> None:
+        """A parse error in the body of the request being handled (a bad chunk size) is queued by aiohttp as if it were
+        the next request, and the handler's read waits for body bytes that will never come: a 408 body_timeout_s
+        later. Hand the error to the body being read instead, so read_json answers 400 at once."""
+        request = self._current_request
+        if request is None or request.content.is_eof() or not self._messages:
+            return
+        exc = getattr(self._messages[-1][0], "exc", None)  # an aiohttp _ErrInfo, not a RawRequestMessage
+        if isinstance(exc, HttpProcessingError):
+            request.content.set_exception(exc)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._cancel_head_timer()
+        if self._shed_timer is not None:
+            self._shed_timer.cancel()
+            self._shed_timer = None
+        if self._refused:
+            return  # nothing of aiohttp's was set up for it
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self._loop.call_later(self._agent.header_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        transport = self.transport
+        if transport is None or self._force_close or self._close:
+            return
+        log.debug("request head from %s incomplete after %.1f s: 408", transport.get_extra_info("peername"),
+                  self._agent.header_timeout_s)
+        self.close()  # parse nothing more; the handler's loop, waiting for this head, ends
+        self._shed(cast(asyncio.Transport, transport), 408,
+                   f"the request line and headers did not arrive within {self._agent.header_timeout_s:g} s")
+
+    def _shed(self, transport: asyncio.Transport, status: int, message: str, *, retry_after: int | None = None) -> None:
+        """Answer and hang up, letting the client read the answer (closing on its EOF, or after SHED_GRACE_S)."""
+        transport.write(_raw_response(status, message, retry_after=retry_after))
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._shed_timer = self._loop.call_later(SHED_GRACE_S, transport.close)
+        else:  # TLS: no half-close; close() still sends what was written first
+            transport.close()
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """The API's error model for what never reached the app: parser errors, and failures outside its middleware.
+
+        aiohttp's version answers text/plain with the parser's message (which quotes the input) and logs a client's
+        malformed request as an exception with a traceback; a bad request is the client's problem, logged at debug.
+        """
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was already sent in part; cannot send the error")
+        if status >= 500:
+            log.error("error handling %s %s", request.method, request.path, exc_info=exc)
+            text = "the request took too long" if status == 504 else "internal error; see the agent's log"
+        else:
+            log.debug("malformed request from %s: %s", request.remote, type(exc).__name__)
+            status, text = describe_parse_error(exc, max(self.max_line_size, self.max_field_size), self.max_headers)
+        resp = web.json_response(error_body(http_code(status), text), status=status,
+                                 headers={"Server": SERVER_HEADER})
+        resp.force_close()
+        return resp
+
+
+class AgentRunner(web.AppRunner):
+    """The app runner serve() uses (and tests of the served limits): GuardedServer with the agent's limits."""
+
+    __slots__ = ("_agent",)
+
+    def __init__(self, app: web.Application, agent: AgentSettings, **kwargs: Any) -> None:
+        kwargs.setdefault("access_log", None)
+        super().__init__(app, handle_signals=False, keepalive_timeout=agent.idle_timeout_s, **kwargs)
+        self._agent = agent
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()  # starts the app; the Server it builds only lends its arguments
+        return GuardedServer(plain.request_handler, request_factory=plain.request_factory,
+                             handler_cancellation=plain.handler_cancellation, loop=plain._loop,  # noqa: SLF001
+                             agent=self._agent, **plain._kwargs)  # noqa: SLF001
+
+
+async def start_server(app: web.Application, settings: Settings,
+                       ctx: ssl.SSLContext | None = None) -> tuple[web.AppRunner, str]:
+    """Start the app (its lifecycle included) on agent.listen:agent.port with the agent's connection limits; return
+    the runner (cleanup() stops it) and the bound URL."""
+    runner = AgentRunner(app, settings.agent)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.agent.listen, settings.agent.port, ssl_context=ctx)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    sockets = site._server.sockets if site._server else []  # noqa: SLF001 - the bound port for port=0
+    port = sockets[0].getsockname()[1] if sockets else settings.agent.port
+    host = settings.agent.listen if ":" not in settings.agent.listen else f"[{settings.agent.listen}]"
+    return runner, f"{'https' if ctx else 'http'}://{host}:{port}"
+
+
 async def _watchdog(app: web.Application) -> AsyncIterator[None]:
     """Ping systemd's watchdog from the event loop (a stuck loop stops the pings)."""
     usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
@@ -102,14 +333,7 @@ async def _serve(settings: Settings, ctx: ssl.SSLContext | None, banner: str | N
     runtime = build_runtime(settings)
     app = make_app(runtime)
     app.cleanup_ctx.append(_watchdog)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.agent.listen, settings.agent.port, ssl_context=ctx)
-    await site.start()
-    sockets = site._server.sockets if site._server else []  # noqa: SLF001 - the bound port for port=0
-    port = sockets[0].getsockname()[1] if sockets else settings.agent.port
-    host = settings.agent.listen if ":" not in settings.agent.listen else f"[{settings.agent.listen}]"
-    url = f"{'https' if ctx else 'http'}://{host}:{port}"
+    runner, url = await start_server(app, settings, ctx)
     if banner:
         print(banner.replace("{url}", url), flush=True)
     print(f"hostagent: serving on {url}", flush=True)
