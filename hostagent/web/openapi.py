@@ -155,8 +155,11 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                                       "responses": {"200": _ok("the GPU", "Gpu"), "404": _err("unknown GPU")}}},
         "/v1/gpus/{gpu_id}/clear-quarantine": {"post": {
             "summary": "operator: clear a quarantine", "operationId": "clearQuarantine", "security": _SECURED,
-            "parameters": [_GPU_ID], "responses": {"200": _ok("the GPU", "Gpu"), "409": _err("not quarantined"),
-                                                   **_STD}}},
+            "parameters": [_GPU_ID],
+            "responses": {"200": _ok("the GPU", "Gpu"),
+                          "409": _err("not quarantined, or not safe to give back to the host (attached without a "
+                                      "lease, domains unreadable, give-back failed): the quarantine is kept"),
+                          **_STD}}},
         "/v1/leases": {
             "post": {"summary": "ask for GPUs", "operationId": "createLease", "security": _SECURED,
                      "x-runtime-checks": {"domain": "an operator must name the VM; a guest may name only its own",
