@@ -49,6 +49,7 @@ from hostagent.bench.rig import build_agent  # noqa: E402
 from hostagent.bench.stats import percentile  # noqa: E402
 from hostagent.domain.lease import LeaseRequest, LeaseState, new_lease  # noqa: E402
 from hostagent.runtime import make_app  # noqa: E402
+from hostagent.web.serve import AgentRunner  # noqa: E402
 from hostagent.store.journal import Journal  # noqa: E402
 
 ATTACH_TARGET_PCT = 1.0
@@ -227,7 +228,7 @@ async def run_case(leases: int, warmup: int, hv_kwargs: dict[str, float],
                 served.append((a, b, sum(sec for _, sec in rt.manager.step_timings.since(a[0], b[0]))))
 
         app.middlewares.insert(0, in_agent)
-        runner = web.AppRunner(app, access_log=None)
+        runner = AgentRunner(app, rt.settings.agent)  # the served agent's connection handling (serve.py's limits)
         await runner.setup()
         sock_log: list[tuple[str, float]] = []
         server = await asyncio.get_running_loop().create_server(
