@@ -40,7 +40,7 @@ from hostagent.store.journal import Journal
 from hostagent.virt.libvirt_adapter import LibvirtHypervisor
 from hostagent.virt.port import DomainEvent
 from tests.e2e.guest_vfio import cli
-from tests.support.libvirtd import tiny_domain_xml
+from hostagent.bench.libvirtd import tiny_domain_xml
 
 URI = "qemu:///system"
 GUEST_BUS = 1  # the inner domain's first pcie-root-port (libvirt gives it index 1)
