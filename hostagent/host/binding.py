@@ -64,29 +64,31 @@ class VfioBinder:
         # The fake kernel loads modules itself; a real host runs modprobe.
         self.load_module = load_module or getattr(sysfs, "load_module", None) or modprobe
         self.vfio_node_wait_s = vfio_node_wait_s
-        # address -> step whose write hung and has not returned yet: no operation touches the device meanwhile
-        self.stuck: dict[str, str] = {}
-        self._hung: dict[str, threading.Thread] = {}  # address -> the worker thread still inside that write
+        # address -> (the step whose write hung, the worker thread still inside it): no operation touches the device
+        # until that write has returned
+        self._hung: dict[str, tuple[str, threading.Thread]] = {}
 
-    def forget_stuck(self, address: PciAddress | str) -> None:
-        """An operator checked a device whose write hung: allow operations on it again."""
-        self.stuck.pop(str(address), None)
-        self._hung.pop(str(address), None)
+    @property
+    def stuck(self) -> dict[str, str]:
+        """address -> the step whose write hung and has not returned yet."""
+        return {addr: step for addr, (step, _) in self._hung.items()}
 
-    def _settle(self) -> None:
-        """Drop the mark of every hung write that has since returned.
+    def _stuck_error(self, addrs: list[str]) -> str | None:
+        """Why these functions cannot be touched now (one is inside a hung write), or None.
 
-        The mark guards a device while a write may still land on it; once the write returned, the device's state is
-        whatever sysfs reads back, like after a restart (the mark lives only in memory). Keeping the device out of
-        placement until an operator looks is the lease service's quarantine (journaled), not this mark: were the mark
-        kept until the agent restarts, an operator's clear of the quarantine would leave a GPU that looks free but
-        fails, and is quarantined again, at every grant.
+        Marks of hung writes that have since returned are dropped first. The mark guards a device while a write may
+        still land on it; once the write returned, the device's state is whatever sysfs reads back, like after a
+        restart (the mark lives only in memory). Keeping the device out of placement until an operator looks is the
+        lease service's quarantine (journaled), not this mark: were the mark kept until the agent restarts, an
+        operator's clear of the quarantine would leave a GPU that looks free but fails, and is quarantined again, at
+        every grant.
         """
-        for addr, t in list(self._hung.items()):
-            if not t.is_alive() and self._hung.pop(addr, None) is t:  # one caller settles it (ops run in threads)
-                step = self.stuck.pop(addr, None)
-                log.warning("hung %s of %s has returned; the device is on %s now", step, addr,
+        for addr, entry in list(self._hung.items()):
+            if not entry[1].is_alive() and self._hung.pop(addr, None) is entry:  # one caller settles it (threads)
+                log.warning("hung %s of %s has returned; the device is on %s now", entry[0], addr,
                             self.driver_of(addr) or "no driver")
+        stuck = [a for a in addrs if a in self._hung]
+        return f"{stuck[0]} is stuck after a hung {self._hung[stuck[0]][0]}; needs attention" if stuck else None
 
     # -- reading ------------------------------------------------------------------------------------------------
     def driver_of(self, address: PciAddress | str) -> str | None:
@@ -141,16 +143,14 @@ class VfioBinder:
     # -- bind ---------------------------------------------------------------------------------------------------
     def bind_group(self, group: IommuGroup, on_step: OnStep | None = None) -> BindResult:
         """Move every non-bridge function of the group to vfio-pci; undo everything on any failure."""
-        self._settle()
         run = _Run(self, on_step)
         addrs = [str(a) for a in group.addresses]
         original = {a: self.driver_of(a) for a in addrs}
         if not addrs:
             return BindResult(False, error=f"group {group.number} has no function to bind", original_drivers=original)
-        stuck = [a for a in addrs if a in self.stuck]
+        stuck = self._stuck_error(addrs)
         if stuck:
-            return BindResult(False, error=f"{stuck[0]} is stuck after a hung {self.stuck[stuck[0]]}; needs attention",
-                              needs_attention=True, original_drivers=original)
+            return BindResult(False, error=stuck, needs_attention=True, original_drivers=original)
         try:
             self._ensure_modules(run)
             for addr in addrs:
@@ -189,14 +189,13 @@ class VfioBinder:
         so the group stays whole on vfio-pci). Phase 2 returns each function to its host driver, best effort:
         a function that does not come back is reported and the group needs attention.
         """
-        self._settle()
         run = _Run(self, on_step)
         addrs = [str(a) for a in group.addresses]
         original = {str(k): v for k, v in original_drivers.items()}
-        stuck = [a for a in addrs if a in self.stuck]
+        stuck = self._stuck_error(addrs)
         if stuck:
-            return BindResult(False, error=f"{stuck[0]} is stuck after a hung {self.stuck[stuck[0]]}; needs attention",
-                              needs_attention=True, original_drivers=original, drivers=self._drivers(addrs))
+            return BindResult(False, error=stuck, needs_attention=True, original_drivers=original,
+                              drivers=self._drivers(addrs))
         try:
             for addr in addrs:
                 if self.driver_of(addr) == VFIO_PCI:
@@ -273,8 +272,7 @@ class VfioBinder:
         t.start()
         t.join(self.step_timeout_s)
         if t.is_alive():
-            self.stuck[address] = step
-            self._hung[address] = t
+            self._hung[address] = (step, t)
             run.hung = True
             raise StepTimeout(f"{step} of {address} did not return within {self.step_timeout_s:g} s",
                               address=address, step=step)

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -823,9 +823,8 @@ class LeaseManager:
     async def _give_back_unleased(self, gpu: Gpu, actor: str) -> None:
         """Return a GPU no lease holds from vfio-pci to its host drivers, or raise Conflict saying why not."""
         async with self._group_lock(gpu.iommu_group if gpu.iommu_group is not None else -1):
-            drivers = await self._run(self.host.current_drivers, gpu)
-            on_vfio = sorted(a for a, d in drivers.items() if d == VFIO_DRIVER)
-            if not on_vfio or any(a in self.policy.pinned for a in drivers):
+            drivers, on_vfio = await self.stranded_functions(gpu)
+            if not on_vfio:
                 return
             try:
                 where = await self.attached_anywhere()
@@ -836,13 +835,25 @@ class LeaseManager:
             if held:
                 raise Conflict(f"GPU {gpu.id} is attached to {', '.join(held)} without a lease: detach it there "
                                "first; quarantine kept", field="id")
-            res = await self._run(self.host.give_back, gpu, {a: ANY_HOST_DRIVER for a in drivers}, None)
+            res = await self.give_back_to_host(gpu, drivers)
             await self._run(self.journal.event, "repair", actor=actor, gpu_id=gpu.id,
                             detail=f"clearing the quarantine: {', '.join(on_vfio)} on vfio-pci without a lease; "
                                    + ("gave back to the host drivers" if res.ok else f"give-back failed: {res.error}"))
             if not res.ok:
                 raise Conflict(f"GPU {gpu.id} would not return to its host drivers ({res.error}); quarantine kept",
                                field="id")
+
+    async def stranded_functions(self, gpu: Gpu) -> tuple[dict[str, str | None], list[str]]:
+        """A GPU's functions with their drivers, and those on vfio-pci that must go back to the host when no lease
+        holds the GPU: none when one of its functions is pinned to vfio-pci (policy.pinned)."""
+        drivers = await self._run(self.host.current_drivers, gpu)
+        if any(a in self.policy.pinned for a in drivers):
+            return drivers, []
+        return drivers, sorted(a for a, d in drivers.items() if d == VFIO_DRIVER)
+
+    async def give_back_to_host(self, gpu: Gpu, drivers: Mapping[str, str | None]) -> HostOpResult:
+        """Give every function of a GPU no lease holds to whatever host driver the kernel probes for it."""
+        return await self._run(self.host.give_back, gpu, {a: ANY_HOST_DRIVER for a in drivers}, None)
 
     async def attached_anywhere(self) -> dict[str, str]:
         """PCI address -> the domain it is attached to, over every domain the hypervisor knows (a domain that

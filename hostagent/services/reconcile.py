@@ -12,7 +12,7 @@ from typing import Any
 from hostagent.domain.errors import HostAgentError, NotFound
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseState
 from hostagent.domain.pci import PciAddress
-from hostagent.services.leases import ANY_HOST_DRIVER, LeaseManager, render_hostdevs
+from hostagent.services.leases import LeaseManager, render_hostdevs
 from hostagent.services.leases import VFIO_DRIVER as VFIO
 
 log = logging.getLogger("hostagent.reconcile")
@@ -215,11 +215,8 @@ class Reconciler:
         for gpu in self.m.gpus.values():
             if gpu.id in owned or not gpu.viable:
                 continue
-            drivers = await self.m._run(self.m.host.current_drivers, gpu)
-            on_vfio = [a for a, d in drivers.items() if d == VFIO]
+            drivers, on_vfio = await self.m.stranded_functions(gpu)
             if not on_vfio:
-                continue
-            if any(a in self.m.policy.pinned for a in drivers):
                 continue
             where = {attached_anywhere[a] for a in drivers if a in attached_anywhere}
             if where:
@@ -227,7 +224,7 @@ class Reconciler:
                 await self._note(gpu.id, f"on vfio-pci and attached to {', '.join(sorted(where))} without a lease",
                                  "left bound (a guest may use it); needs an operator", gpu_id=gpu.id)
                 continue
-            res = await self.m._run(self.m.host.give_back, gpu, {a: ANY_HOST_DRIVER for a in drivers}, None)
+            res = await self.m.give_back_to_host(gpu, drivers)
             await self._note(gpu.id, f"on vfio-pci without a lease ({', '.join(on_vfio)})",
                              "gave back to the host driver" if res.ok else f"give-back failed: {res.error}; quarantined",
                              gpu_id=gpu.id)
