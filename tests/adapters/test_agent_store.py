@@ -8,7 +8,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from tests.support.store import (
     mysql_database,
     mysql_url,
 )
+from tests.support.waits import until
 
 SampleKey = tuple[str, str, int]  # (lease id, GPU id, ts_ms): a sample's identity in usage_samples, for one host
 
@@ -49,14 +50,6 @@ async def settle(rig: AgentRig) -> None:
 
 def samples_for(gpu: str, start: float, n: int, util: float = 60.0) -> list[dict[str, Any]]:
     return [{"ts": start + i * 0.01, "gpu": gpu, "util_pct": util, "mem_used_bytes": 2**30} for i in range(n)]
-
-
-async def until(cond: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
-    """Wait for a condition (bounded, not a timed assertion)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what}: not reached in {timeout:g} s"
-        await asyncio.sleep(0.02)
 
 
 @dataclass
@@ -285,12 +278,12 @@ async def test_mariadb_stopped_and_restarted_under_heartbeat_load(tmp_path: Path
         guests = [Guest(rig, vm, await grant(rig, vm), 0.2 + 0.1 * i / BEFORE, ledger)
                   for i, vm in enumerate(vms[:BEFORE])]
         await until(lambda: all(g.accepted_since(0) >= 3 for g in guests)
-                    and rt.store.status()["samples_inserted"] > 0, what="heartbeats reaching MySQL")
+                    and rt.store.status()["samples_inserted"] > 0, 60.0, "heartbeats reaching MySQL")
         inserted_before = rt.store.status()["samples_inserted"]
         try:
             stop_began = time.monotonic()
             down_at = await asyncio.to_thread(mariadb_server.stop)
-            await until(lambda: rt.store.degraded, what="the agent seeing the outage")  # a flush found it gone
+            await until(lambda: rt.store.degraded, 60.0, "the agent seeing the outage")  # a flush found it gone
 
             # Leasing goes on. A release: its guest stops first, the GPU goes back to its host driver.
             gone = guests.pop(0)
@@ -316,7 +309,7 @@ async def test_mariadb_stopped_and_restarted_under_heartbeat_load(tmp_path: Path
             up_at = await asyncio.to_thread(mariadb_server.start)
         finally:
             mariadb_server.ensure_running()  # whatever happened above: the database is dropped below, others use it
-        await until(lambda: all(g.accepted_since(up_at) >= 3 for g in guests), what="heartbeats after the restart")
+        await until(lambda: all(g.accepted_since(up_at) >= 3 for g in guests), 60.0, "heartbeats after the restart")
         for g in guests:
             await g.halt()
         await recover(rig, kick=False)  # the agent finds the server back by itself

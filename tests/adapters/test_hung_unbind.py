@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,29 +24,12 @@ from hostagent.host.binding import VfioBinder
 from hostagent.host.fakekernel import FakeKernel
 from tests.support.agent import AgentRig, make_rig, start_rig
 from tests.support.host import drivers, fake_host
+from tests.support.waits import until, wait_until
 
 STEP_S = 1.0  # host.step_timeout_s for these agents
 HANG_S = 5.0  # how long the armed unbind blocks in the fake kernel: well past the step timeout
 MARGIN_S = 2.5  # what a release may take beyond its step timeout on a loaded test machine (still < HANG_S)
 VFIO = "vfio-pci"
-
-
-async def until(cond: Callable[[], bool], what: str, within: float) -> None:
-    """Wait for a condition that another thread or the fake kernel makes true, with a deadline."""
-    deadline = time.monotonic() + within
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within:g} s: {what}")
-        await asyncio.sleep(0.01)
-
-
-def wait_until(cond: Callable[[], bool], what: str, within: float) -> None:
-    """`until` for tests without an event loop."""
-    deadline = time.monotonic() + within
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within:g} s: {what}")
-        time.sleep(0.01)
 
 
 def sysfs_writes_in_flight(address: str) -> list[str]:
@@ -94,8 +76,8 @@ async def hung_give_back(rig: AgentRig, kernel: FakeKernel) -> tuple[str, list[s
 
 async def settled(kernel: FakeKernel, address: str) -> None:
     """Wait until the hung write has returned (and had its effect) and its worker thread has ended."""
-    await until(lambda: address not in kernel.hanging() and not sysfs_writes_in_flight(address),
-                "the hung unbind returned", HANG_S + 5)
+    await until(lambda: address not in kernel.hanging() and not sysfs_writes_in_flight(address), HANG_S + 5,
+                "the hung unbind returned", interval=0.01)
 
 
 @pytest.fixture
@@ -115,7 +97,8 @@ async def test_hung_give_back_answers_in_time_quarantines_and_other_gpus_still_l
     kernel.set_fault("hang_unbind", funcs[1], str(HANG_S))
     t0 = time.monotonic()
     release = asyncio.create_task(rig.client.delete(f"/v1/leases/{lease['id']}", headers=rig.auth("vm-a")))
-    await until(lambda: funcs[1] in kernel.hanging(), "the give-back's unbind is blocked in the kernel", 10)
+    await until(lambda: funcs[1] in kernel.hanging(), 10, "the give-back's unbind is blocked in the kernel",
+                interval=0.01)
 
     # While that write is blocked, another GPU leases and releases, and the read endpoints answer.
     r = await rig.client.post("/v1/leases", json={"gpus": 1, "model": "4090"}, headers=rig.auth("vm-b"))
@@ -263,7 +246,8 @@ def test_binder_leaves_a_device_alone_while_its_hung_write_is_in_flight_and_only
     for again in (binder.release_group(group, native), binder.bind_group(group)):
         assert not again.ok and again.needs_attention and again.steps == ()
         assert f"{funcs[1]} is stuck after a hung unbind-vfio" in (again.error or "")
-    wait_until(lambda: not kernel.hanging() and not sysfs_writes_in_flight(funcs[1]), "the hung unbind returned", 10)
+    returned = wait_until(lambda: not kernel.hanging() and not sysfs_writes_in_flight(funcs[1]), 10, interval=0.01)
+    assert returned, "the hung unbind returned"
     assert drivers(kernel, funcs) == {**{a: VFIO for a in funcs}, funcs[1]: None}
     # Returned: the device reads back like after a restart, and the next operation may take it (keeping it out of
     # placement until an operator looks is the lease service's quarantine).

@@ -12,9 +12,7 @@ import asyncio
 import contextlib
 import os
 import signal
-import time
 import uuid as uuidlib
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,16 +28,9 @@ from hostagent.virt.port import DomainEvent, DomainInfo, EventKind
 from hostagent.virt.sim import SimulatedHypervisor
 from tests.support.agent import make_rig, rig_settings
 from tests.support.libvirtd import PrivateLibvirtd, libvirtd, tiny_domain_xml  # noqa: F401 (libvirtd: a fixture)
+from tests.support.waits import until
 
 S = LeaseState
-
-
-async def until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    """Wait for a condition (bounded, not a timed assertion)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
-        await asyncio.sleep(0.02)
 
 
 def state_of(rt: Runtime, lease_id: str) -> LeaseState:
@@ -102,7 +93,7 @@ async def test_reread_error_keeps_the_lease_and_reads_again(tmp_path: Path) -> N
         assert state_of(rt, a.id) is S.ACTIVE, rt.journal.get(a.id)
         assert rig.sysfs_driver(fa) == "vfio-pci"  # still the guest's: never rebound under a running guest
         assert (await real_get("vm-a")).state == "running"
-        await until(lambda: state_of(rt, b.id) is S.RELEASED, what="vm-b's lease released")
+        await until(lambda: state_of(rt, b.id) is S.RELEASED, 20.0, "vm-b's lease released")
         done_b = rt.journal.get(b.id)
         assert done_b is not None and done_b.end_reason == f"domain undefined ({MISSED_WHILE_AWAY})"
         assert rig.sysfs_driver(fb) == "nvidia"
@@ -111,7 +102,7 @@ async def test_reread_error_keeps_the_lease_and_reads_again(tmp_path: Path) -> N
         hv.shutdown("vm-a")
         hv._subscribers.extend(listeners)
         answering.set()
-        await until(lambda: state_of(rt, a.id) is S.RELEASED, what="vm-a's lease released by the retry")
+        await until(lambda: state_of(rt, a.id) is S.RELEASED, 20.0, "vm-a's lease released by the retry")
         done_a = rt.journal.get(a.id)
         assert done_a is not None and done_a.end_reason == f"domain stopped ({MISSED_WHILE_AWAY})"
         assert releasing_actor(rt, a.id) == "reconnect"
@@ -204,10 +195,10 @@ async def test_agent_misses_no_stop_across_a_libvirtd_restart(libvirtd: PrivateL
 
         # 4. libvirtd dies; A's guest dies while nobody watches; libvirtd comes back.
         await asyncio.to_thread(libvirtd.kill_libvirtd)
-        await until(lambda: not rt.hypervisor_ok, what="the agent noticing the lost connection")
+        await until(lambda: not rt.hypervisor_ok, 20.0, "the agent noticing the lost connection")
         pid = int((libvirtd.base / "run" / "qemu" / "vm-ra.pid").read_text().strip())
         os.kill(pid, signal.SIGKILL)
-        await until(lambda: _qemu_gone(pid), what="vm-ra's QEMU gone")
+        await until(lambda: _qemu_gone(pid), 20.0, "vm-ra's QEMU gone")
         assert state_of(rt, a.id) is S.ACTIVE  # nothing can have told the agent yet
         await asyncio.to_thread(libvirtd.start_libvirtd)
 
@@ -225,7 +216,7 @@ async def test_agent_misses_no_stop_across_a_libvirtd_restart(libvirtd: PrivateL
 
         # 6. B stops now: the event path (re-subscribed) ends its lease, not a re-read.
         await asyncio.to_thread(libvirtd.virsh, "destroy", uids["vm-rb"])
-        await until(lambda: state_of(rt, b.id) is S.RELEASED, what="B's lease released by the stop event")
+        await until(lambda: state_of(rt, b.id) is S.RELEASED, 20.0, "B's lease released by the stop event")
         done_b = rt.journal.get(b.id)
         assert done_b is not None and done_b.end_reason == "domain stopped"
         assert releasing_actor(rt, b.id) == "libvirt"

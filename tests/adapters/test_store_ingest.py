@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +19,10 @@ from hostagent.store.aio import AsyncUsageStore
 from hostagent.store.ingest import SampleIngestor
 from hostagent.store.samples import Sample
 from tests.support.store import backend_url, lease_doc, sample_rows  # noqa: F401
+from tests.support.waits import until
 
 NOW = time.time()
 T0 = int(NOW) - 7200
-
-
-async def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Wait for a condition (a bounded wait, not a timed assertion)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -54,7 +47,8 @@ async def test_flush_by_size_then_close_drains(facade: AsyncUsageStore) -> None:
     rows = sample_rows(["gpu-0", "gpu-1", "gpu-2", "gpu-3"], "L1", T0, 30)  # 120 samples
     for i in range(0, 120, 8):
         assert ing.submit(rows[i:i + 8]) == 8
-    await until(lambda: ing.flushed >= 100)  # the interval is an hour: only size can have flushed them
+    # the flush interval is an hour: only size can have flushed them
+    await until(lambda: ing.flushed >= 100, 30.0, interval=0.01)
     await ing.close()
     assert await asyncio.to_thread(stored, facade) == 120
     fig = ing.figures()
@@ -65,7 +59,7 @@ async def test_flush_by_time(facade: AsyncUsageStore) -> None:
     ing = SampleIngestor(facade.store.add_samples, batch=10_000, interval_s=0.05)
     ing.start()
     ing.submit(sample_rows(["gpu-0"], "L1", T0, 7))
-    await until(lambda: ing.flushed == 7)
+    await until(lambda: ing.flushed == 7, 30.0, interval=0.01)
     await ing.close()
     assert await asyncio.to_thread(stored, facade) == 7
 
@@ -119,12 +113,12 @@ async def test_overloaded_only_when_full_and_nothing_dropped() -> None:
     rows = sample_rows(["gpu-0"], "L1", T0, 100)
     for i in range(0, 100, 10):
         ing.submit(rows[i:i + 10])  # fills the queue exactly: no refusal yet
-    await until(lambda: ing.figures()["queue_depth"] == 100 and ing._inflight > 0)
+    await until(lambda: ing.figures()["queue_depth"] == 100 and ing._inflight > 0, 30.0, interval=0.01)
     with pytest.raises(Overloaded) as err:
         ing.submit(sample_rows(["gpu-1"], "L1", T0, 1))
     assert err.value.details["retry_after_s"] >= 1 and err.value.http_status == 503
     gate.set()
-    await until(lambda: ing.depth == 0)
+    await until(lambda: ing.depth == 0, 30.0, interval=0.01)
     ing.submit(sample_rows(["gpu-1"], "L1", T0, 1))  # room again
     await ing.close()
     fig = ing.figures()

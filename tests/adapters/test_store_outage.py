@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,17 +30,10 @@ from tests.support.store import (
     sample_rows,
     wait_until,
 )
+from tests.support.waits import until
 
 GPUS = [f"gpu-{i}" for i in range(4)]
 T0 = int(time.time()) - 3600
-
-
-async def until(cond: Callable[[], bool], timeout: float = 60.0) -> None:
-    """Wait for a condition (bounded, not a timed assertion)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -94,10 +87,10 @@ async def test_cut_under_heartbeat_load_every_sample_lands_exactly_once(db: str,
             await asyncio.sleep(0.002)
 
     load = asyncio.create_task(heartbeats(300))
-    await until(lambda: ing.flushed > 200)
+    await until(lambda: ing.flushed > 200, 60.0)
     await asyncio.to_thread(proxy.cut)  # mid-load
     await load
-    await until(lambda: f.degraded and f.spool_depth > 0)
+    await until(lambda: f.degraded and f.spool_depth > 0, 60.0)
     # leasing goes on: a transition mirrored during the outage is spooled, not lost, and nothing waits on MySQL
     await f.update_lease("L1", {"state": "RELEASING"})
     await f.add_lease_event("L1", actor="agent", from_state="ACTIVE", to_state="RELEASING")
@@ -109,7 +102,7 @@ async def test_cut_under_heartbeat_load_every_sample_lands_exactly_once(db: str,
     await asyncio.to_thread(proxy.restore)
     await heartbeats(100)
     await ing.close()
-    await until(lambda: not f.degraded)
+    await until(lambda: not f.degraded, 60.0)
     assert f.spool_depth == 0 and f.status()["spool_dead"] == 0 and f.status()["outages"] >= 1
     assert ing.figures()["dropped"] == 0 and ing.figures()["rejected"] == 0 and ing.flushed == sent
 

@@ -22,6 +22,7 @@ import pymysql
 import pytest
 
 from hostagent.store.repo import UsageStore
+from tests.support.waits import wait_until
 
 MYSQL_HOST = os.environ.get("HOSTAGENT_TEST_MYSQL_HOST", "127.0.0.1")
 MYSQL_PORT = int(os.environ.get("HOSTAGENT_TEST_MYSQL_PORT", "3306"))
@@ -240,13 +241,3 @@ def mariadb_server() -> Iterator[MariaDBServer]:
         yield server
     finally:
         server.ensure_running()
-
-
-def wait_until(cond: Any, timeout: float = 30.0, interval: float = 0.05) -> bool:
-    """Poll ``cond()`` until true or ``timeout`` seconds pass (a wait, not a timed assertion)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval)
-    return bool(cond())
