@@ -26,7 +26,7 @@ from hostagent.runtime import MISSED_WHILE_AWAY, Runtime, build_runtime
 from hostagent.virt.libvirt_adapter import LibvirtHypervisor
 from hostagent.virt.port import DomainEvent, DomainInfo, EventKind
 from hostagent.virt.sim import SimulatedHypervisor
-from tests.support.agent import make_rig, rig_settings
+from tests.support.agent import make_rig, rig_settings, sysfs_driver
 from tests.support.libvirtd import PrivateLibvirtd, libvirtd, tiny_domain_xml  # noqa: F401 (libvirtd: a fixture)
 from tests.support.waits import until
 
@@ -41,12 +41,6 @@ def state_of(rt: Runtime, lease_id: str) -> LeaseState:
     ended = rt.journal.get(lease_id)
     assert ended is not None, lease_id
     return ended.state
-
-
-def driver_of(sys_root: Path, address: str) -> str | None:
-    """A function's driver in the fake sysfs tree, read back from the filesystem."""
-    link = sys_root / "bus/pci/devices" / address / "driver"
-    return link.resolve().name if link.is_symlink() else None
 
 
 def releasing_actor(rt: Runtime, lease_id: str) -> str:
@@ -191,7 +185,7 @@ async def test_agent_misses_no_stop_across_a_libvirtd_restart(libvirtd: PrivateL
             (note,) = [r for r in rt.repairs if r.subject == lease.id]
             assert note.action.startswith("re-attach failed"), note  # and the lease kept, as on any refused re-attach
         functions = {x.id: [(f, o) for d in x.devices for f, o in zip(d.functions, d.original_drivers)] for x in (a, b)}
-        assert all(driver_of(tree.sys_root, f) == "vfio-pci" for fs in functions.values() for f, _ in fs)
+        assert all(sysfs_driver(tree.sys_root, f) == "vfio-pci" for fs in functions.values() for f, _ in fs)
 
         # 4. libvirtd dies; A's guest dies while nobody watches; libvirtd comes back.
         await asyncio.to_thread(libvirtd.kill_libvirtd)
@@ -208,11 +202,11 @@ async def test_agent_misses_no_stop_across_a_libvirtd_restart(libvirtd: PrivateL
         done_a = rt.journal.get(a.id)
         assert done_a is not None and done_a.end_reason == f"domain stopped ({MISSED_WHILE_AWAY})"
         assert releasing_actor(rt, a.id) == "reconnect"
-        assert all(driver_of(tree.sys_root, f) == orig for f, orig in functions[a.id])
+        assert all(sysfs_driver(tree.sys_root, f) == orig for f, orig in functions[a.id])
         inactive_a = await asyncio.to_thread(libvirtd.virsh, "dumpxml", uids["vm-ra"], "--inactive")
         assert parse_domain_hostdevs(inactive_a) == ()  # the agent's CONFIG detach went through the new connection
         assert state_of(rt, b.id) is S.ACTIVE
-        assert all(driver_of(tree.sys_root, f) == "vfio-pci" for f, _ in functions[b.id])
+        assert all(sysfs_driver(tree.sys_root, f) == "vfio-pci" for f, _ in functions[b.id])
 
         # 6. B stops now: the event path (re-subscribed) ends its lease, not a re-read.
         await asyncio.to_thread(libvirtd.virsh, "destroy", uids["vm-rb"])
@@ -220,7 +214,7 @@ async def test_agent_misses_no_stop_across_a_libvirtd_restart(libvirtd: PrivateL
         done_b = rt.journal.get(b.id)
         assert done_b is not None and done_b.end_reason == "domain stopped"
         assert releasing_actor(rt, b.id) == "libvirt"
-        assert all(driver_of(tree.sys_root, f) == orig for f, orig in functions[b.id])
+        assert all(sysfs_driver(tree.sys_root, f) == orig for f, orig in functions[b.id])
     finally:
         await rt.stop()
         for uid in uids.values():

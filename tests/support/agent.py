@@ -50,8 +50,13 @@ class AgentRig:
 
     def sysfs_driver(self, address: str) -> str | None:
         """The driver of a function in the fake tree, read back from the filesystem."""
-        link = self.tree.sys_root / "bus/pci/devices" / address / "driver"
-        return link.resolve().name if link.is_symlink() else None
+        return sysfs_driver(self.tree.sys_root, address)
+
+
+def sysfs_driver(sys_root: Path, address: str) -> str | None:
+    """The driver of a function in a fake sysfs tree, read back from the filesystem."""
+    link = sys_root / "bus/pci/devices" / address / "driver"
+    return link.resolve().name if link.is_symlink() else None
 
 
 def rig_settings(tmp: Path, tree: FakeHost, hv_path: Path, operator: str, **sections: dict[str, Any]) -> Settings:

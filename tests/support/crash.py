@@ -129,23 +129,33 @@ def make_agent_process(tmp: Path, *, scenario: str = "dgx8", reclaim: dict[str, 
     if refuse_detach:
         hv.set_refuse_detach(dom.uuid)
     hv.save()
+    rec = {"enabled": False} if reclaim is None else {"enabled": True, **reclaim}
+    config, port, operator, vm_token = _write_agent(tmp, tree, f"sim://{hv_path}", dom.uuid, dom.name, reclaim=rec)
+    return AgentProcess(tmp, tree, hv_path, config, port, operator, vm_token, dom.uuid)
+
+
+def _write_agent(tmp: Path, tree: FakeHost, uri: str, domain_uuid: str, domain_name: str, *,
+                 reclaim: dict[str, Any], leases: dict[str, Any] | None = None) -> tuple[Path, int, str, str]:
+    """A journal holding the VM's token and a config for an agent over `tree` and the hypervisor at `uri`; returns
+    the config file, the agent's port, the operator token and the VM's token."""
     operator, vm_token = new_token("op"), new_token("vm")
     state = tmp / "state"
     j = Journal(state / "journal.sqlite3")
-    j.add_token(hash_token(vm_token), role="guest", domain_uuid=dom.uuid, domain_name=dom.name)
+    j.add_token(hash_token(vm_token), role="guest", domain_uuid=domain_uuid, domain_name=domain_name)
     j.close()
     port = free_port()
-    rec = {"enabled": False} if reclaim is None else {"enabled": True, **reclaim}
     lines = [
         "[agent]", f'state_dir = "{state}"', f"port = {port}", 'host_id = "crash-host"', 'log_format = "json"',
         "[host]", f'sysfs_root = "{tree.sys_root}"', "step_timeout_s = 3.0",
-        "[libvirt]", f'uri = "sim://{hv_path}"', "detach_timeout_s = 2.0",
+        "[libvirt]", f"uri = {json.dumps(uri)}", "detach_timeout_s = 2.0",
         "[auth]", f'operator_token_sha256 = "{hash_token(operator)}"',
-        "[reclaim]", *[f"{k} = {json.dumps(v)}" for k, v in rec.items()],
+        "[reclaim]", *[f"{k} = {json.dumps(v)}" for k, v in reclaim.items()],
     ]
+    if leases:
+        lines += ["[leases]", *[f"{k} = {json.dumps(v)}" for k, v in leases.items()]]
     config = tmp / "hostagent.toml"
     config.write_text("\n".join(lines) + "\n")
-    return AgentProcess(tmp, tree, hv_path, config, port, operator, vm_token, dom.uuid)
+    return config, port, operator, vm_token
 
 
 def make_libvirtd_agent_process(tmp: Path, libvirtd: PrivateLibvirtd, *, scenario: str = "dgx8") -> AgentProcess:
@@ -161,22 +171,8 @@ def make_libvirtd_agent_process(tmp: Path, libvirtd: PrivateLibvirtd, *, scenari
     libvirtd.virsh("define", str(xml))
     uuid = libvirtd.virsh("domuuid", name).strip()
     tree = build_tree(tmp / "host", scenario)
-    operator, vm_token = new_token("op"), new_token("vm")
-    state = tmp / "state"
-    j = Journal(state / "journal.sqlite3")
-    j.add_token(hash_token(vm_token), role="guest", domain_uuid=uuid, domain_name=name)
-    j.close()
-    port = free_port()
-    lines = [
-        "[agent]", f'state_dir = "{state}"', f"port = {port}", 'host_id = "crash-host"', 'log_format = "json"',
-        "[host]", f'sysfs_root = "{tree.sys_root}"', "step_timeout_s = 3.0",
-        "[libvirt]", f"uri = {json.dumps(libvirtd.uri)}", "detach_timeout_s = 2.0",
-        "[leases]", "keep_on_domain_stop = true",
-        "[auth]", f'operator_token_sha256 = "{hash_token(operator)}"',
-        "[reclaim]", "enabled = false",
-    ]
-    config = tmp / "hostagent.toml"
-    config.write_text("\n".join(lines) + "\n")
+    config, port, operator, vm_token = _write_agent(tmp, tree, libvirtd.uri, uuid, name, reclaim={"enabled": False},
+                                                    leases={"keep_on_domain_stop": True})
     return AgentProcess(tmp, tree, tmp / "no-sim.json", config, port, operator, vm_token, uuid, libvirtd=libvirtd,
                         keep_on_domain_stop=True)
 
