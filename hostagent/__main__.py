@@ -1,5 +1,5 @@
 """`python -m hostagent` runs the CLI."""
 
-from hostagent.cli import main
+from hostagent.cli.parser import main
 
 raise SystemExit(main())

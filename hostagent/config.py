@@ -44,6 +44,7 @@ class HostSettings:
     """[host]: where the kernel's interfaces are and what counts as a GPU."""
 
     sysfs_root: str = "/sys"
+    kernel: str = "sysfs"  # sysfs: the running kernel | fake: the fake kernel over a fake tree (the demo, test rigs)
     dev_root: str = ""  # default: /dev, or <sysfs_root>/../dev for a fake tree
     proc_root: str = ""  # default: /proc, or <sysfs_root>/../proc for a fake tree
     pci_ids_path: str = "/usr/share/misc/pci.ids"
@@ -79,6 +80,7 @@ class StoreSettings:
     flush_batch: int = 1000
     raw_retention_days: int = 30
     minute_retention_days: int = 90
+    max_lag_s: float = 60.0  # readiness turns degraded when the mirror or the sample queue is further behind
 
 
 @dataclass(frozen=True)
@@ -192,13 +194,14 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "agent.log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "leases.numa_policy": ("required", "preferred", "any"),
     "host.guest_layout": ("auto", "multifunction", "per-function"),
+    "host.kernel": ("sysfs", "fake"),
     "reclaim.no_heartbeat": ("host-signal", "never-idle"),
     "placement.outcome": ("work_rate", "utilization", "completion"),
 }
 _POSITIVE = {
     "agent.max_body_bytes", "agent.body_timeout_s", "agent.header_timeout_s", "agent.idle_timeout_s",
     "agent.max_connections", "host.step_timeout_s", "libvirt.detach_timeout_s", "store.queue_max",
-    "store.flush_interval_s", "store.flush_batch", "leases.default_duration_s", "leases.max_duration_s",
+    "store.flush_interval_s", "store.flush_batch", "store.max_lag_s", "leases.default_duration_s", "leases.max_duration_s",
     "reclaim.check_interval_s", "reclaim.grace_s", "placement.retrain_interval_s",
 }
 

@@ -36,7 +36,7 @@ def prepare_demo(state_dir: Path, *, scenario: str = "demo16", db: str | None = 
     creds_path = state_dir / CREDENTIALS
     overrides: dict[str, dict[str, Any]] = {
         "agent": {"state_dir": str(state_dir), "port": port, "listen": listen, "host_id": "demo-host"},
-        "host": {"sysfs_root": str(host_dir / "sys")},
+        "host": {"sysfs_root": str(host_dir / "sys"), "kernel": "fake"},  # the fake kernel answers the tree's writes
         "libvirt": {"uri": f"sim://{hv_path}", "detach_timeout_s": 5.0},
     }
     if db:

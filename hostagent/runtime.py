@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import gc
+import hashlib
 import importlib
 import logging
 import threading
@@ -23,7 +24,7 @@ from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseState, Quota
 from hostagent.host.adapter import SysfsHost
 from hostagent.host.discovery import Inventory, discover
-from hostagent.host.sysfs import open_sysfs
+from hostagent.host.sysfs import Sysfs
 from hostagent.domain.placement import Exploration
 from hostagent.services.leases import LeaseManager, LeasePolicy, lease_view
 from hostagent.services.placement import Placer
@@ -35,6 +36,7 @@ from hostagent.web.auth import Identity, TokenBook
 log = logging.getLogger("hostagent.runtime")
 MIRROR_MAX_DEFER_S = 1.0  # the store mirror waits for a quiet moment at most this long (see LeaseManager.quiet)
 MIRROR_SETTLE_S = 0.002  # ... and a moment counts once it has lasted this long
+SET_ASIDE_KIND = "store-set-aside"  # journal event: the usage store refused a write, kept for `hostagent db rejected`
 RECLAIM_KINDS = frozenset({"strike-one", "strike-two", "strike-cleared", "reclaim", "reclaim-outcome"})
 REREAD_RETRY_S = 5.0  # a domain whose state could not be re-read after a reconnect is read again after this long...
 REREAD_RETRY_MAX_S = 60.0  # ... doubling up to this, until it answers or a newer reconnect re-reads everything
@@ -54,9 +56,20 @@ def open_hypervisor(settings: Settings) -> Any:
     return LibvirtHypervisor(uri)
 
 
+def open_kernel(settings: Settings) -> Sysfs:
+    """The sysfs at `host.sysfs_root`, answered by the running kernel; `host.kernel = "fake"` composes the fake kernel
+    instead, for a tree that hostagent.host.fakesysfs built (the demo and the test rigs choose it; the real adapters
+    never import a fake, and nothing picks one from what a tree holds)."""
+    if settings.host.kernel == "fake":
+        from hostagent.host.fakekernel import FakeKernel
+
+        return FakeKernel(settings.host.sysfs_root)
+    return Sysfs(settings.host.sysfs_root)
+
+
 def discover_host(settings: Settings) -> Inventory:
     """Read the host's PCI inventory (read-only)."""
-    sysfs = open_sysfs(settings.host.sysfs_root)
+    sysfs = open_kernel(settings)
     allow = frozenset(tuple(int(x, 16) for x in pair.split(":")) for pair in settings.host.group_allow_list)
     return discover(sysfs, vendors=tuple(v.lower() for v in settings.host.gpu_vendors),
                     pci_ids_path=settings.host.pci_ids_path, allow_list=allow)  # type: ignore[arg-type]
@@ -107,6 +120,8 @@ class Runtime:
     reread_retry_s: float = REREAD_RETRY_S
     _reconnects: int = 0
     _mirror_lock: threading.Lock = field(default_factory=threading.Lock)
+    mirror_backlog: tuple[int, float | None] = (0, None)  # journal events not yet in the store; the oldest's time
+    mirror_error: str | None = None  # why the last mirror batch failed (None once one succeeds)
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a blocking call in a worker thread."""
@@ -206,10 +221,38 @@ class Runtime:
             "hypervisor": {"ok": self.hypervisor_ok},
         }
         if self.store is not None:
-            st = self.store.status()
-            checks["store"] = {"ok": not st["degraded"], "required": False, "reachable": st["reachable"],
-                               "spool_depth": st["spool_depth"]}
+            checks["store"] = self.store_health()
         return checks
+
+    def store_health(self) -> dict[str, Any]:
+        """Whether the usage store is taking everything the agent records, in time, and what is behind: the
+        mirror's backlog and lag, samples waiting, writes spooled during an outage and writes the store refused
+        (set aside). ``ok`` is false, with each reason in ``problems``, when the store is unreachable, replays a
+        spool, has writes set aside, the mirror's last batch failed, or anything waits longer than store.max_lag_s.
+        Read on the event loop: no I/O (the mirror measures its backlog after each batch)."""
+        st = self.store.status()
+        bound = self.settings.store.max_lag_s
+        pending, oldest = self.mirror_backlog
+        lag = max(0.0, self.clock() - oldest) if oldest is not None else 0.0
+        waiting = self.ingestor.depth if self.ingestor is not None else 0
+        waited = self.ingestor.oldest_age_s() if self.ingestor is not None else 0.0
+        problems = []
+        if not st["reachable"]:
+            problems.append("unreachable: writes go to the local spool")
+        elif st["spool_depth"]:
+            problems.append(f"{st['spool_depth']} spooled write(s) waiting for replay")
+        if st["set_aside"]:
+            problems.append(f"{st['set_aside']} write(s) refused by the store are set aside (hostagent db rejected)")
+        if self.mirror_error:
+            problems.append(f"the journal mirror is failing: {self.mirror_error}")
+        if lag > bound:
+            problems.append(f"the journal mirror is {lag:.0f} s behind (store.max_lag_s {bound:g})")
+        if waited > bound:
+            problems.append(f"heartbeat samples have waited {waited:.0f} s to be written (store.max_lag_s {bound:g})")
+        return {"ok": not problems, "required": False, "reachable": st["reachable"], "problems": problems,
+                "spool_depth": st["spool_depth"], "set_aside": st["set_aside"], "rows_lost": st["rows_lost"],
+                "unmirrored_events": pending, "mirror_lag_s": round(lag, 3), "samples_waiting": waiting,
+                "samples_oldest_s": round(waited, 3), "max_lag_s": bound}
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -256,6 +299,8 @@ class Runtime:
             Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         self.store = await AsyncUsageStore.open(url, self.settings.agent.host_id, spool_path=self.settings.spool_path,
                                                 auto_upgrade=st.auto_upgrade)
+        self.store.store.on_set_aside = self._note_set_aside
+        self.mirror_backlog = await self.run(self.journal.backlog)
         with contextlib.suppress(HostAgentError):
             await self.store.upsert_gpus(list(self.manager.gpus.values()))
         self.ingestor = SampleIngestor(self._write_samples, max_queue=st.queue_max, batch=st.flush_batch,
@@ -296,27 +341,50 @@ class Runtime:
         always in the store before the sample (the store refuses samples of unknown leases)."""
         while self._mirror_batch():
             pass
-        return self.store.store.write_samples(samples)
+        return self.store.store.write_samples(samples, set_aside=True)
 
     def _mirror_batch(self) -> int:
-        """One batch of the mirror (worker thread). Writes spool when MySQL is down, so this rarely fails."""
+        """One batch of the mirror (worker thread). Writes spool when MySQL is down and set aside what the store
+        refuses, so this rarely fails; the backlog left is measured after every batch, failed or not."""
         with self._mirror_lock:
-            return self._mirror_batch_locked()
+            try:
+                moved = self._mirror_batch_locked()
+            except Exception as exc:
+                self.mirror_error = f"{type(exc).__name__}: {exc}"[:300]
+                raise
+            else:
+                self.mirror_error = None
+                return moved
+            finally:
+                with contextlib.suppress(Exception):
+                    self.mirror_backlog = self.journal.backlog()
+                    self.store.store.spool.refresh()  # `hostagent db replay` may have emptied it
+
+    def _note_set_aside(self, op: str, payload: Any, rows: int, error: str) -> None:
+        """The store refused a write and it was set aside: journal it (so the dashboard and the store's own event
+        log show it), unless the refused write is itself such a note (no loop of notes the store refuses)."""
+        events = payload.get("events", [payload]) if isinstance(payload, dict) else []
+        if any(isinstance(e, dict) and e.get("kind") == SET_ASIDE_KIND for e in events):
+            return
+        self.journal.event(SET_ASIDE_KIND, actor="mirror",
+                           detail=f"{rows} row(s) of a {op} write set aside (hostagent db rejected): {error}"[:1000])
 
     def _mirror_batch_locked(self) -> int:
         events = self.journal.unmirrored(200)
-        store = self.store.store
+        if not events:
+            return 0
+        host = self.settings.agent.host_id
         # Each lease's document once (it is the current one for all its events), as stored, and all the events:
-        # one store transaction for the batch (a lease's 8 transitions once cost sixteen).
+        # one store transaction for the batch (a lease's 8 transitions once cost sixteen). An event whose lease the
+        # journal no longer holds goes in without its lease.
         docs = self.journal.docs(ev.lease_id for ev in events if ev.lease_id)
-        store.mirror(list(docs.values()), [ev for ev in events if (ev.lease_id or "") in docs])
-        for ev in events:
-            if (ev.lease_id or "") not in docs:
-                store.add_lease_event(None, actor=ev.actor, kind=ev.kind, ts=ev.ts, detail=ev.detail, error=ev.error,
-                                      gpu_id=ev.gpu_id, uid=f"{self.settings.agent.host_id}/{ev.seq}"[:32])
-            if ev.kind in RECLAIM_KINDS:
-                store.add_reclaim_event(action=ev.kind, lease_id=ev.lease_id, gpu_id=ev.gpu_id, reason=ev.detail,
-                                        ts=ev.ts, uid=f"r/{self.settings.agent.host_id}/{ev.seq}"[:32])
+        rows = [ev.to_dict() | ({} if (ev.lease_id or "") in docs else {"lease_id": None}) for ev in events]
+        reclaims = [{"action": ev.kind, "lease_id": ev.lease_id if ev.lease_id in docs else None,
+                     "gpu_id": ev.gpu_id, "reason": ev.detail, "ts": ev.ts,
+                     "uid": "r" + hashlib.sha256(f"{host}/{ev.seq}".encode()).hexdigest()[:31]}
+                    for ev in events if ev.kind in RECLAIM_KINDS]
+        # A row the store refuses is set aside (and journaled) and the rest written: nothing after it waits.
+        self.store.store.mirror(list(docs.values()), rows, reclaims=reclaims, set_aside=True)
         self.journal.mark_mirrored(ev.seq for ev in events)
         return len(events)
 
@@ -469,7 +537,7 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
     """Construct (but do not start) everything from settings; tests may inject the hypervisor and a clock."""
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     inventory = discover_host(settings)
-    sysfs = open_sysfs(settings.host.sysfs_root)
+    sysfs = open_kernel(settings)
     host = SysfsHost(sysfs, dev_root=settings.dev_root, proc_root=settings.proc_root,
                      step_timeout_s=settings.host.step_timeout_s, inventory=inventory)
     hypervisor = hypervisor if hypervisor is not None else open_hypervisor(settings)

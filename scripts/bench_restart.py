@@ -34,7 +34,7 @@ from hostagent.bench.machine import header_line  # noqa: E402
 from hostagent.bench.stats import percentile  # noqa: E402
 
 TARGET_S = 2.0
-IMPORTS = "import hostagent.cli, hostagent.demo, hostagent.runtime, hostagent.web.serve, hostagent.web.app, " \
+IMPORTS = "import hostagent.cli.parser, hostagent.demo, hostagent.runtime, hostagent.web.serve, hostagent.web.app, " \
           "hostagent.web.dashboard, hostagent.web.metrics, hostagent.store.aio, hostagent.store.ingest, " \
           "hostagent.virt.sim, hostagent.host.fakekernel, hostagent.learn.lifecycle"
 

@@ -96,7 +96,7 @@ def build_agent(tmp: Path, *, scenario: str = "demo16", vms: tuple[str, ...] = (
     raw: dict[str, Any] = {
         "agent": {"state_dir": str(tmp / "state"), "port": 0, "host_id": "bench-host", "log_format": "text",
                   "log_level": "WARNING"},
-        "host": {"sysfs_root": str(tree.sys_root)},
+        "host": {"sysfs_root": str(tree.sys_root), "kernel": "fake"},
         "libvirt": {"uri": f"sim://{hv_path}"},
         "auth": {"operator_token_sha256": hash_token(operator)},
     }

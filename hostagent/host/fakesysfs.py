@@ -1,8 +1,9 @@
 """Fake host trees (sysfs, /dev/vfio, /proc) shaped like real ones, for tests and the demo.
 
-`build_tree(root, scenario)` writes `root/sys` (the sysfs root, marked for the fake kernel), `root/dev`,
-`root/proc` and `root/lib/modules`. Scenario names are an API: `dgx8`, `workstation`, `shared-rootport`,
-`iommu-off`, `demo16`.
+`build_tree(root, scenario)` writes `root/sys` (the sysfs root), `root/dev`, `root/proc` and `root/lib/modules`.
+Scenario names are an API: `dgx8`, `workstation`, `shared-rootport`, `iommu-off`, `demo16`. Writes to the tree
+behave like the kernel's only through hostagent.host.fakekernel.FakeKernel, which whoever built the tree composes
+explicitly (`host.kernel = "fake"` in the agent's settings, or `FakeKernel(tree.sys_root)` in a test).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hostagent.domain.pci import PciAddress
-from hostagent.host.sysfs import FAKE_KERNEL_MARKER
 
 NATIVE_DRIVER_FILE = ".fake_native_driver"
 KERNEL_RELEASE = "6.1.0-18-amd64"
@@ -394,7 +394,6 @@ def build_tree(root: str | os.PathLike[str], scenario: str) -> FakeHost:
             d.group = numbers.setdefault(d.group_key, len(numbers))
 
     sys_root.mkdir(parents=True, exist_ok=True)
-    (sys_root / FAKE_KERNEL_MARKER).write_text(f"{scenario}\n")
     (sys_root / "bus/pci/devices").mkdir(parents=True, exist_ok=True)
     _write(sys_root / "bus/pci/drivers_probe", "")
     _write(sys_root / "bus/pci/drivers_autoprobe", "1\n")

@@ -1,4 +1,7 @@
-"""sysfs behind a tiny interface with an injectable root, so tests build a tree under tmp_path."""
+"""sysfs behind a tiny interface with an injectable root, so tests build a tree under tmp_path.
+
+This is the real kernel's interface only: a fake tree's writes are answered by hostagent.host.fakekernel, which the
+composition (runtime.open_kernel, `host.kernel = "fake"`) or a test passes in where a Sysfs is expected."""
 
 from __future__ import annotations
 
@@ -7,8 +10,6 @@ import os
 from pathlib import Path
 
 from hostagent.domain.errors import HostError
-
-FAKE_KERNEL_MARKER = ".hostagent-fake-kernel"
 
 
 class Sysfs:
@@ -78,12 +79,3 @@ class Sysfs:
                 path=str(p),
                 errno=exc.errno,
             ) from exc
-
-
-def open_sysfs(root: str | os.PathLike[str] = "/sys") -> Sysfs:
-    """The Sysfs for `root`: the fake kernel when the tree was made by the fake-sysfs generator."""
-    if os.path.exists(os.path.join(root, FAKE_KERNEL_MARKER)):
-        from hostagent.host.fakekernel import FakeKernel
-
-        return FakeKernel(root)
-    return Sysfs(root)

@@ -41,11 +41,11 @@ def host_topology(scenario: str) -> Topology:
     """Build the fake tree for `scenario` in a temporary directory and read its topology."""
     from hostagent.host.discovery import discover
     from hostagent.host.fakesysfs import build_tree
-    from hostagent.host.sysfs import open_sysfs
+    from hostagent.host.sysfs import Sysfs
 
     with tempfile.TemporaryDirectory(prefix="packing-sim-") as tmp:
         tree = build_tree(tmp, scenario)
-        inv = discover(open_sysfs(tree.sys_root))
+        inv = discover(Sysfs(tree.sys_root))  # read only: no fake kernel needed to answer writes
     return Topology.from_gpus(inv.gpus)
 
 

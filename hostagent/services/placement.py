@@ -22,14 +22,14 @@ from hostagent.domain.placement import (
     explore,
     score_devices,
 )
-from hostagent.services.leases import Placement
+from hostagent.services.lease_types import Placement
 
 if TYPE_CHECKING:
     from hostagent.services.topology import TopologyPlacer
 
 
 class Placer:
-    """A PlaceFn (see services.leases) holding the current scorer; the retraining job swaps it atomically."""
+    """A PlaceFn (see services.lease_types) holding the current scorer; the retraining job swaps it atomically."""
 
     def __init__(self, gpus: Callable[[], Sequence[Gpu]], *, quarantined: Callable[[], dict[str, str]],
                  probe_scores: Callable[[], dict[str, float]] | None = None,

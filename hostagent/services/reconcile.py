@@ -12,8 +12,9 @@ from typing import Any
 from hostagent.domain.errors import HostAgentError, NotFound
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseState
 from hostagent.domain.pci import PciAddress
-from hostagent.services.leases import LeaseManager, render_hostdevs
-from hostagent.services.leases import VFIO_DRIVER as VFIO
+from hostagent.services.lease_types import VFIO_DRIVER as VFIO
+from hostagent.services.lease_types import render_hostdevs
+from hostagent.services.leases import LeaseManager
 
 log = logging.getLogger("hostagent.reconcile")
 S = LeaseState

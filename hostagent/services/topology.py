@@ -18,7 +18,7 @@ from hostagent.domain.inventory import Gpu, GpuState
 from hostagent.domain.lease import LeaseRequest
 from hostagent.domain.placement import RULE_NONE, DeviceViews, PlacementRequest, Scored, Scorer, score_devices
 from hostagent.domain.topology import BLOCK_KINDS, Block, Level, Topology, capacity, choose, free_blocks, parse_nvlink_hints
-from hostagent.services.leases import Placement
+from hostagent.services.lease_types import Placement
 
 log = logging.getLogger("hostagent.topology")
 

@@ -38,7 +38,11 @@ def make_engine(url: str, *, connect_timeout: float = 3.0, io_timeout: float = 3
         kwargs["connect_args"] = {"connect_timeout": max(1, int(connect_timeout)),
                                   "read_timeout": max(1, int(io_timeout)),
                                   "write_timeout": max(1, int(io_timeout)),
-                                  "charset": "utf8mb4"}
+                                  "charset": "utf8mb4",
+                                  # strict whatever the server's default: a value the column cannot hold is refused,
+                                  # never cut or zeroed (the repository checks first; this is the backstop)
+                                  "init_command": "SET SESSION sql_mode = TRIM(BOTH ',' FROM "
+                                                  "CONCAT(@@SESSION.sql_mode, ',STRICT_ALL_TABLES'))"}
         kwargs.update(paramstyle="format", pool_pre_ping=True, pool_recycle=1800, pool_size=5, max_overflow=5, pool_timeout=io_timeout)
     return create_engine(url, **kwargs)
 

@@ -39,8 +39,10 @@ class SampleIngestor:
         self._skew = max_skew_s
         self._clock = clock
         self._groups: collections.deque[list[Sample]] = collections.deque()  # one group per submit call
+        self._since: collections.deque[float] = collections.deque()  # when each group was accepted (monotonic)
         self._depth = 0
         self._inflight = 0
+        self._inflight_since: float | None = None
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
@@ -67,6 +69,7 @@ class SampleIngestor:
             return 0
         self._check_room(len(batch))
         self._groups.append(batch)
+        self._since.append(time.monotonic())
         self._depth += len(batch)
         if self._depth >= self.batch:
             self._wake.set()
@@ -121,11 +124,15 @@ class SampleIngestor:
     async def _flush_once(self) -> int:
         async with self._lock:
             groups: list[list[Sample]] = []
+            since: list[float] = []
             n = 0
             while self._groups and n < self.batch:
                 g = self._groups.popleft()
                 groups.append(g)
+                since.append(self._since.popleft())
                 n += len(g)
+            if since:
+                self._inflight_since = since[0]
             if not groups:
                 return 0
             self._depth -= n
@@ -134,10 +141,12 @@ class SampleIngestor:
                 written = await self._write_groups(groups)
             except BaseException:
                 self._groups.extendleft(reversed(groups))  # back at the front, in order
+                self._since.extendleft(reversed(since))
                 self._depth += n
                 raise
             finally:
                 self._inflight -= n
+                self._inflight_since = None
             return written
 
     async def _write_groups(self, groups: list[list[Sample]]) -> int:
@@ -153,6 +162,7 @@ class SampleIngestor:
                     await loop.run_in_executor(self._executor, self._write, g)
                     written += len(g)
                 except (InvalidInput, NotFound) as exc:
+                    # (the agent's writer sets refused samples aside instead of raising: this is for other writers)
                     self.rejected += len(g)
                     self.dropped += len(g)
                     log.warning("dropped %d samples the store refused: %s", len(g), exc)
@@ -181,6 +191,7 @@ class SampleIngestor:
             if lost:
                 self.dropped += lost
                 self._groups.clear()
+                self._since.clear()
                 self._depth = 0
                 log.error("sample ingestion closed with %d accepted samples unwritten: they are lost", lost)
             raise
@@ -190,6 +201,11 @@ class SampleIngestor:
     def depth(self) -> int:
         """Samples queued, not yet handed to the store."""
         return self._depth + self._inflight
+
+    def oldest_age_s(self) -> float:
+        """How long the oldest sample not yet written has waited (0 when none waits)."""
+        oldest = self._inflight_since if self._inflight_since is not None else (self._since[0] if self._since else None)
+        return max(0.0, time.monotonic() - oldest) if oldest is not None else 0.0
 
     def figures(self) -> dict[str, int]:
         """Queue depth, flushed, dropped (accepted samples that will never be written), and refusals."""

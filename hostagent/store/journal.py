@@ -250,6 +250,12 @@ class Journal:
             ).fetchall()
         return [JournalEvent(*r) for r in rows]
 
+    def backlog(self) -> tuple[int, float | None]:
+        """Events not yet copied to the usage store: how many, and the oldest one's time (None when none)."""
+        with self._lock:
+            n, oldest = self._db.execute("SELECT count(*), min(ts) FROM events WHERE mirrored=0").fetchone()
+        return int(n), oldest
+
     def mark_mirrored(self, seqs: Iterable[int]) -> None:
         """Mark events as copied."""
         s = list(seqs)

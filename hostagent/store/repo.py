@@ -13,6 +13,7 @@ it first, as does an empty ``write_samples([])`` (the ingestor's flush), so read
 
 from __future__ import annotations
 
+import collections
 import csv
 import hashlib
 import logging
@@ -27,16 +28,17 @@ from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 from sqlalchemy import Connection, Select, and_, delete, func, insert, or_, select, update
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
 
 from hostagent.domain.errors import HostAgentError, InvalidInput, NotFound, StoreUnavailable
 from hostagent.domain.inventory import Gpu
 from hostagent.store import schema as t
 from hostagent.store.engine import HeldConnection, is_unavailable, make_engine
+from hostagent.store.limits import fit_row
 from hostagent.store.migrate import upgrade
 from hostagent.store.rollup import pending, roll_up_step, rollup_engine
 from hostagent.store.samples import MAX_SKEW_S, Sample, validate_samples
-from hostagent.store.spool import Spool
+from hostagent.store.spool import SET_ASIDE_MAX, Spool
 from hostagent.store.upsert import insert_ignore, upsert
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,59 @@ def gpu_record(gpu: Gpu, **extra: Any) -> dict[str, Any]:
     return rec
 
 
+def gpu_ids(value: str | Sequence[str] | None) -> list[str]:
+    """The GPU ids an event names: the journal joins a multi-GPU lease's with commas; a list is taken as it is."""
+    if value is None:
+        return []
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    out = [p.strip() if isinstance(p, str) else p for p in parts]
+    out = [p for p in out if p != ""]
+    for g in out:
+        if not isinstance(g, str) or not 0 < len(g) <= t.ID:
+            raise InvalidInput(f"an event's GPU id must be 1..{t.ID} characters; got {g!r:.80}", field="gpu_id")
+    return sorted(set(out))
+
+
+def _transient(exc: BaseException) -> bool:
+    """The database could not be reached: spool and retry."""
+    if isinstance(exc, SQLAlchemyError):
+        return is_unavailable(exc)
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+def _refused(exc: BaseException) -> bool:
+    """The store refused the write itself (a value it cannot hold, a missing reference): no retry will help."""
+    return isinstance(exc, (DataError, IntegrityError, InvalidInput, NotFound))
+
+
+def _error_text(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None)
+    text = str(orig) if orig is not None else str(exc)
+    return f"{type(exc).__name__}: {text}"[:2000]
+
+
+def _split(op: str, payload: Any) -> list[tuple[str, Any]] | None:
+    """The parts of a write, to find the rows the store refuses (None: one row, nothing to split)."""
+    if op == "samples" and len(payload) > 1:
+        half = len(payload) // 2
+        return [("samples", payload[:half]), ("samples", payload[half:])]
+    if op == "gpus" and len(payload) > 1:
+        return [("gpus", [row]) for row in payload]
+    if op == "mirror":
+        leases, events, reclaims = payload["leases"], payload["events"], payload.get("reclaims") or []
+        if reclaims:
+            rest = [("mirror", {"leases": leases, "events": events})] if leases or events else []
+            return rest + [("reclaim", r) for r in reclaims]
+        if leases:
+            return [("lease", x) for x in leases] + ([("mirror", {"leases": [], "events": events})] if events else [])
+        if len(events) > 1:
+            half = len(events) // 2
+            return [("mirror", {"leases": [], "events": events[:half]}),
+                    ("mirror", {"leases": [], "events": events[half:]})]
+        return [("lease_event", events[0])] if events else None
+    return None
+
+
 def _as_dict(x: Any) -> dict[str, Any]:
     """A journal object's dict form (its ``to_dict()``), or a mapping as a dict."""
     return x.to_dict() if hasattr(x, "to_dict") else dict(x)
@@ -104,6 +159,7 @@ class UsageStore:
         self.auto_upgrade = auto_upgrade
         self.engine = make_engine(url, connect_timeout=connect_timeout, io_timeout=io_timeout)
         self.spool = Spool(spool_path)
+        self.spool.owner(self.host_id)  # the first store to open a spool owns it (see replay_rejected)
         self._clock = clock
         self._wlock = threading.RLock()  # one writer at a time keeps spool order == write order
         self._down = False
@@ -127,7 +183,10 @@ class UsageStore:
         self._writer = HeldConnection(self.engine)
         self._roller_conn = HeldConnection(rollup_engine(self.engine))
         self.figures: dict[str, int] = {"samples_inserted": 0, "samples_duplicate": 0, "samples_rolled_up": 0,
-                                        "rollup_errors": 0, "ops_spooled": 0, "ops_replayed": 0, "outages": 0}
+                                        "rollup_errors": 0, "ops_spooled": 0, "ops_replayed": 0, "outages": 0,
+                                        "rows_set_aside": 0, "rows_lost": 0}
+        # Told of every write set aside (op, payload, rows, error), in the writer's thread: the agent journals it.
+        self.on_set_aside: Callable[[str, Any, int, str], None] | None = None
         self._ensure_schema()
         self.upsert_host()
         if not self.degraded:
@@ -166,7 +225,7 @@ class UsageStore:
     def status(self) -> dict[str, Any]:
         """Figures for /readyz and metrics."""
         return {"degraded": self.degraded, "reachable": not self._down, "spool_depth": self.spool.depth,
-                "spool_dead": self.spool.dead, **self.figures}
+                "spool_dead": self.spool.dead, "set_aside": self.spool.dead, **self.figures}
 
     def _ensure_schema(self) -> None:
         if self._schema_ready:
@@ -186,22 +245,150 @@ class UsageStore:
         self._down = True
 
     # -- the write path ------------------------------------------------------------------------------------------
-    def _write(self, op: str, payload: Any) -> Any:
-        """Apply a write now, or spool it when the store is down or older writes still wait (order matters)."""
+    def _write(self, op: str, payload: Any, *, set_aside: bool = False) -> Any:
+        """Apply a write now, or spool it when the store is down or older writes still wait (order matters).
+
+        A write the store refuses for a reason no retry can fix (a data error, a row the store cannot hold) raises,
+        unless ``set_aside``: then its rows are tried one part at a time, every part the store takes is written,
+        and each row it refuses is set aside in the spool with its error (:meth:`replay_rejected` tries them again).
+        """
         with self._wlock:
             if not self.degraded:
                 try:
                     with self._writer.begin() as conn:
                         return self._apply(conn, op, payload)
-                except SQLAlchemyError as exc:
-                    if not is_unavailable(exc):
+                except Exception as exc:
+                    if _transient(exc):
+                        self._mark_down(exc)
+                    elif set_aside and _refused(exc):
+                        self._apply_parts(op, payload, exc, in_replay=False)
+                        return None
+                    else:
                         raise
-                    self._mark_down(exc)
-                except (ConnectionError, TimeoutError) as exc:
-                    self._mark_down(exc)
-            self.spool.append(op, [x.to_dict() for x in payload] if op == "samples" else payload)
-            self.figures["ops_spooled"] += 1
+            self._spool(op, payload)
             return None
+
+    def _spool(self, op: str, payload: Any) -> None:
+        self.spool.append(op, [x.to_dict() if isinstance(x, Sample) else x for x in payload]
+                          if op == "samples" else payload)
+        self.figures["ops_spooled"] += 1
+
+    def _apply_parts(self, op: str, payload: Any, exc: BaseException, *, in_replay: bool) -> None:
+        """Write what the store takes of a refused write, part by part in order; set aside the rows it refuses.
+
+        An outage in the middle spools the parts left (live), or raises StoreUnavailable so that the spooled write
+        stays where it is and is tried again whole (replay: every write is idempotent, and a row set aside twice is
+        kept once)."""
+        todo = collections.deque(_split(op, payload) or [])
+        if not todo:
+            self._set_aside(op, payload, exc)
+            return
+        gone = False  # an outage began during this call
+        while todo:
+            part_op, part = todo.popleft()
+            if gone:
+                self._spool(part_op, part)
+                continue
+            try:
+                with self._writer.begin() as conn:
+                    self._apply(conn, part_op, part)
+            except Exception as e:
+                if _transient(e):
+                    self._mark_down(e)
+                    if in_replay:
+                        raise StoreUnavailable("the usage store went away during a replay",
+                                               field="store.url") from e
+                    gone = True
+                    todo.appendleft((part_op, part))
+                    continue
+                if not _refused(e):
+                    raise
+                smaller = _split(part_op, part)
+                if smaller:
+                    todo.extendleft(reversed(smaller))
+                else:
+                    self._set_aside(part_op, part, e)
+
+    def _set_aside(self, op: str, payload: Any, exc: BaseException) -> None:
+        error = _error_text(exc)
+        rows = len(payload) if op == "samples" else 1
+        stored = [x.to_dict() if isinstance(x, Sample) else x for x in payload] if op == "samples" else payload
+        if self.spool.set_aside(op, stored, error):
+            self.figures["rows_set_aside"] += rows
+            log.error("the usage store refused a %s write (%d row(s)); set aside for `hostagent db rejected`: %s",
+                      op, rows, error)
+        elif self.spool.dead >= SET_ASIDE_MAX:
+            self.figures["rows_lost"] += rows
+            log.error("the usage store refused a %s write and %d writes are already set aside: %d row(s) lost: %s",
+                      op, self.spool.dead, rows, error)
+        if self.on_set_aside is not None:
+            try:
+                self.on_set_aside(op, stored, rows, error)
+            except Exception:
+                log.exception("the set-aside listener failed")
+
+    def rejected(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """Writes set aside (refused by the store), oldest first, with what they hold and the store's error."""
+        return [{"seq": d.seq, "op": d.op, "rows": len(d.payload) if d.op == "samples" else 1, "ts": d.ts,
+                 "error": d.error, "payload": d.payload} for d in self.spool.dead_ops(limit)]
+
+    def replay_rejected(self, seqs: Iterable[int] | None = None) -> dict[str, Any]:
+        """Try the set-aside writes again (all, or those of ``seqs``), oldest first: each one the store now takes is
+        written (once: every write is idempotent) and forgotten; one it refuses again keeps its place with the new
+        error. StoreUnavailable when the store cannot be reached (nothing is lost)."""
+        owner = self.spool.owner()
+        if owner != self.host_id:
+            raise InvalidInput(f"the spool {self.spool.path} holds the writes of host {owner!r}, not "
+                               f"{self.host_id!r}: replay them as that host", field="host")
+        wanted = None if seqs is None else set(seqs)
+        items = [d for d in self.spool.dead_ops() if wanted is None or d.seq in wanted]
+        stored, failed, errors = 0, 0, []
+        with self._wlock:
+            if self.degraded:
+                raise StoreUnavailable("the usage store is unreachable or still replaying its spool; try again",
+                                       field="store.url")
+            for item in items:
+                try:
+                    with self._writer.begin() as conn:
+                        self._apply(conn, item.op, self._rebuilt(item.op, item.payload))
+                except Exception as exc:
+                    if _transient(exc):
+                        self._mark_down(exc)
+                        raise StoreUnavailable("the usage store went away during the replay",
+                                               field="store.url") from exc
+                    if not _refused(exc):
+                        raise
+                    failed += 1
+                    self.spool.note_dead_error(item.seq, _error_text(exc))
+                    errors.append({"seq": item.seq, "op": item.op, "error": _error_text(exc)})
+                    continue
+                if item.op == "samples":
+                    self._wrote_samples()
+                self.spool.forget_dead(item.seq)
+                stored += 1
+        if stored:
+            self.settle_rollups()
+        return {"stored": stored, "failed": failed, "left": self.spool.dead, "errors": errors}
+
+    def discard_rejected(self, seqs: Iterable[int]) -> int:
+        """Forget set-aside writes an operator decided not to keep; returns how many."""
+        return sum(1 for s in seqs if self.spool.forget_dead(s))
+
+    def _rebuilt(self, op: str, payload: Any) -> Any:
+        """A set-aside write as it is applied now: a lease document refused before it became a row is built again
+        (a newer agent may take what an older one refused)."""
+        if op == "lease_doc":
+            row, devices = self._lease_row(payload)
+            return {"row": row, "devices": devices}
+        if op == "event_doc":
+            return self._mirror_event_row(payload, "agent")
+        return payload
+
+    def _apply_lease_doc(self, conn: Connection, p: dict[str, Any]) -> None:
+        self._apply_lease(conn, p)
+
+    def _apply_event_doc(self, conn: Connection, row: dict[str, Any]) -> None:
+        self._apply_lease_events(conn, [row])
 
     def replay_spool(self, max_ops: int = 200) -> bool:
         """Replay spooled writes in order; True when the store is reachable and the spool is empty."""
@@ -221,16 +408,16 @@ class UsageStore:
                     try:
                         with self._writer.begin() as conn:
                             self._apply(conn, item.op, item.payload)
-                    except (SQLAlchemyError, ConnectionError, TimeoutError) as exc:
-                        if isinstance(exc, SQLAlchemyError) and not is_unavailable(exc):
+                    except Exception as exc:
+                        if _transient(exc):
+                            self._mark_down(exc)
+                            return False
+                        if not _refused(exc):
                             log.error("spooled %s #%d refused by the store, moved aside: %s", item.op, item.seq, exc)
-                            self.spool.bury(item, str(exc))
+                            self.spool.bury(item, _error_text(exc))
                             continue
-                        self._mark_down(exc)
-                        return False
-                    except HostAgentError as exc:
-                        self.spool.bury(item, f"{exc.__class__.__name__}: {exc}")
-                        continue
+                        # one bad row must not take the batch's good rows with it: set aside only what is refused
+                        self._apply_parts(item.op, item.payload, exc, in_replay=True)
                     self.spool.done(item.seq)
                     self.figures["ops_replayed"] += 1
             except StoreUnavailable:
@@ -267,8 +454,9 @@ class UsageStore:
     def upsert_host(self, info: Mapping[str, Any] | None = None) -> None:
         """Record (or refresh) this host."""
         now = self._clock()
-        self._write("host", {"id": self.host_id, "hostname": self.hostname, "agent_version": self.agent_version,
-                             "first_seen": now, "last_seen": now, "info": dict(info) if info else None})
+        self._write("host", fit_row(t.hosts, {
+            "id": self.host_id, "hostname": self.hostname, "agent_version": self.agent_version, "first_seen": now,
+            "last_seen": now, "info": dict(info) if info else None}))
 
     def _apply_host(self, conn: Connection, row: dict[str, Any]) -> None:
         upsert(conn, t.hosts, [row], keys=["id"], replace=["hostname", "agent_version", "last_seen", "info"])
@@ -285,8 +473,8 @@ class UsageStore:
             for req in ("gpu_id", "address"):
                 if not isinstance(d.get(req), str) or not d[req]:
                     raise InvalidInput(f"gpus[{i}].{req} is required", field=f"gpus[{i}].{req}")
-            rows.append({c: d.get(c) for c in GPU_COLUMNS} | {"host_id": self.host_id, "first_seen": now,
-                                                              "last_seen": now})
+            rows.append(fit_row(t.gpus, {c: d.get(c) for c in GPU_COLUMNS} | {"host_id": self.host_id,
+                                                                                "first_seen": now, "last_seen": now}))
         self._write("gpus", rows)
         self._known_gpus.update(r["gpu_id"] for r in rows)
         return len(rows)
@@ -342,6 +530,7 @@ class UsageStore:
             "outcome": d.get("outcome") or outcome_of(state, d.get("end_reason")), "error": d.get("error"),
             "updated_at": self._clock(),
         }
+        row = fit_row(t.leases, row)
         devices = None
         if "devices" in d:
             devices = [self._device_row(lease_id, i, dev) for i, dev in enumerate(d["devices"] or [])]
@@ -352,8 +541,9 @@ class UsageStore:
             dev = {"gpu_id": dev}
         if not isinstance(dev, Mapping) or not isinstance(dev.get("gpu_id"), str):
             raise InvalidInput(f"devices[{i}].gpu_id is required", field=f"devices[{i}].gpu_id")
-        return {"lease_id": lease_id, "gpu_id": dev["gpu_id"], "host_id": self.host_id,
-                "functions": list(dev.get("functions") or []), "iommu_group": dev.get("iommu_group")}
+        return fit_row(t.lease_devices, {"lease_id": lease_id, "gpu_id": dev["gpu_id"], "host_id": self.host_id,
+                                         "functions": list(dev.get("functions") or []),
+                                         "iommu_group": dev.get("iommu_group")})
 
     def _apply_lease(self, conn: Connection, p: dict[str, Any]) -> None:
         row = p["row"]
@@ -405,37 +595,61 @@ class UsageStore:
             events.append({**e, "lease_id": e.get("lease_id") or d["id"]})
         self.mirror([d], events, actor=actor)
 
-    def mirror(self, leases: Sequence[Any], events: Sequence[Any], *, actor: str = "agent") -> None:
+    def mirror(self, leases: Sequence[Any], events: Sequence[Any], *, actor: str = "agent",
+               reclaims: Sequence[Mapping[str, Any]] = (), set_aside: bool = False) -> None:
         """Mirror journal leases (each written once, as it is now) and then their events, all events in one write.
 
         The journal's sequence number in each event's uid makes this idempotent across agent restarts too. One
-        store transaction for the whole call (one spooled write while the store is down)."""
+        store transaction for the whole call (one spooled write while the store is down). With ``set_aside`` (the
+        agent's mirror), a lease or event the store refuses is set aside with its error and everything else is
+        written: one bad row never holds up the rows after it."""
         lease_ops = []
         for lease in leases:
-            row, devices = self._lease_row(_as_dict(lease))
+            doc = _as_dict(lease)
+            try:
+                row, devices = self._lease_row(doc)
+            except InvalidInput as exc:
+                if not set_aside:
+                    raise
+                self._set_aside("lease_doc", doc, exc)
+                continue
             lease_ops.append({"row": row, "devices": devices})
         mirrored = {op["row"]["id"] for op in lease_ops}
         rows = []
         for event in events:
             e = _as_dict(event)
-            seq = e.get("seq")
-            rows.append(self._event_row(
-                e["lease_id"], kind=e.get("kind") or "transition", from_state=e.get("from_state"),
-                to_state=e.get("to_state"), actor=e.get("actor") or actor, ts=e.get("ts"), error=e.get("error"),
-                detail=e.get("detail"), gpu_id=e.get("gpu_id"),
-                uid=hashlib.sha256(f"{self.host_id}/{e['lease_id']}/{seq}".encode()).hexdigest()[:32] if seq else None,
-            ))
-        others = sorted({r["lease_id"] for r in rows if r["lease_id"] and r["lease_id"] not in mirrored})
-        if others:
+            try:
+                rows.append(self._mirror_event_row(e, actor))
+            except InvalidInput as exc:
+                if not set_aside:
+                    raise
+                self._set_aside("event_doc", {**e, "actor": e.get("actor") or actor}, exc)
+        reclaim_rows = [self._reclaim_row(**r) for r in reclaims]
+        others = sorted({r["lease_id"] for r in rows + reclaim_rows if r["lease_id"] and r["lease_id"] not in mirrored})
+        if others and not set_aside:  # no foreign keys on events: a set-aside lease's events still go in
             self._require_leases(others, field="lease_id")
-        if lease_ops or rows:
-            self._write("mirror", {"leases": lease_ops, "events": rows})
+        if lease_ops or rows or reclaim_rows:
+            payload: dict[str, Any] = {"leases": lease_ops, "events": rows}
+            if reclaim_rows:
+                payload["reclaims"] = reclaim_rows
+            self._write("mirror", payload, set_aside=set_aside)
             self._remember_leases(sorted(mirrored))
+
+    def _mirror_event_row(self, e: Mapping[str, Any], actor: str) -> dict[str, Any]:
+        seq = e.get("seq")
+        return self._event_row(
+            e["lease_id"], kind=e.get("kind") or "transition", from_state=e.get("from_state"),
+            to_state=e.get("to_state"), actor=e.get("actor") or actor, ts=e.get("ts"), error=e.get("error"),
+            detail=e.get("detail"), gpu_id=e.get("gpu_ids", e.get("gpu_id")),
+            uid=hashlib.sha256(f"{self.host_id}/{e['lease_id']}/{seq}".encode()).hexdigest()[:32] if seq else None,
+        )
 
     def _apply_mirror(self, conn: Connection, p: dict[str, Any]) -> None:
         for op in p["leases"]:
             self._apply_lease(conn, op)
         self._apply_lease_events(conn, p["events"])
+        if p.get("reclaims"):
+            self._upsert_events(conn, t.reclaim_events, p["reclaims"])
 
     def get_lease(self, lease_id: str) -> dict[str, Any]:
         """One lease with its devices and events; NotFound when unknown."""
@@ -447,9 +661,9 @@ class UsageStore:
             lease = dict(r._mapping)
             lease["devices"] = self._devices(c, [(self.host_id, lease_id)]).get((self.host_id, lease_id), [])
             ev = t.lease_events.c
-            lease["events"] = [dict(e._mapping) for e in c.execute(
+            lease["events"] = self._with_gpu_ids(c, [dict(e._mapping) for e in c.execute(
                 select(t.lease_events).where(ev.host_id == self.host_id, ev.lease_id == lease_id)
-                .order_by(t.lease_events.c.ts, t.lease_events.c.id))]
+                .order_by(t.lease_events.c.ts, t.lease_events.c.id))])
             return lease
         return self._read(q)
 
@@ -523,9 +737,10 @@ class UsageStore:
     # -- events --------------------------------------------------------------------------------------------------
     def add_lease_event(self, lease_id: str | None, *, actor: str, kind: str = "transition",
                         from_state: str | None = None, to_state: str | None = None, ts: float | None = None,
-                        error: str | None = None, detail: str | None = None, gpu_id: str | None = None,
-                        uid: str | None = None) -> str:
-        """Record a lease state transition (or other lease event); returns its uid."""
+                        error: str | None = None, detail: str | None = None,
+                        gpu_id: str | Sequence[str] | None = None, uid: str | None = None) -> str:
+        """Record a lease state transition (or other lease event); returns its uid. ``gpu_id`` names the GPUs
+        the event concerns: one id, a list, or the journal's comma-joined ids."""
         if lease_id:
             self._require_leases([lease_id], field="lease_id")
         row = self._event_row(lease_id, actor=actor, kind=kind, from_state=from_state, to_state=to_state, ts=ts,
@@ -535,20 +750,42 @@ class UsageStore:
 
     def _event_row(self, lease_id: str | None, *, actor: str, kind: str, from_state: str | None,
                    to_state: str | None, ts: float | None, error: str | None, detail: str | None,
-                   gpu_id: str | None, uid: str | None) -> dict[str, Any]:
+                   gpu_id: str | Sequence[str] | None, uid: str | None) -> dict[str, Any]:
         if not actor:
             raise InvalidInput("actor is required", field="actor")
-        return {"uid": uid or new_uid(), "host_id": self.host_id, "lease_id": lease_id or None, "gpu_id": gpu_id,
-                "ts": self._clock() if ts is None else float(ts), "kind": kind, "from_state": from_state,
-                "to_state": to_state, "actor": actor, "detail": detail, "error": error}
+        row = fit_row(t.lease_events, {
+            "uid": uid or new_uid(), "host_id": self.host_id, "lease_id": lease_id or None,
+            "ts": self._clock() if ts is None else float(ts), "kind": kind, "from_state": from_state,
+            "to_state": to_state, "actor": actor, "detail": detail, "error": error})
+        return row | {"gpu_ids": gpu_ids(gpu_id)}
 
     def _apply_lease_event(self, conn: Connection, row: dict[str, Any]) -> None:
         self._apply_lease_events(conn, [row])
 
     def _apply_lease_events(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
-        upsert(conn, t.lease_events, rows, keys=["uid"])
+        self._upsert_events(conn, t.lease_events, rows)
 
-    def add_reclaim_event(self, *, action: str, lease_id: str | None = None, gpu_id: str | None = None,
+    def _upsert_events(self, conn: Connection, table: Any, rows: list[dict[str, Any]]) -> None:
+        """Event rows (each with its ``gpu_ids``) and their event_gpus rows; a replayed event is written once."""
+        upsert(conn, table, [{k: v for k, v in r.items() if k not in ("gpu_ids", "gpu_id")} for r in rows],
+               keys=["uid"])
+        links = [{"uid": r["uid"], "gpu_id": g, "host_id": r["host_id"]}
+                 for r in rows for g in (r["gpu_ids"] if "gpu_ids" in r else gpu_ids(r.get("gpu_id")))]
+        upsert(conn, t.event_gpus, links, keys=["uid", "gpu_id"])
+
+    def _with_gpu_ids(self, c: Connection, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Rows of lease_events or reclaim_events, each with the ``gpu_ids`` (sorted) of its event."""
+        uids = [r["uid"] for r in rows]
+        found: dict[str, list[str]] = {}
+        e = t.event_gpus.c
+        for i in range(0, len(uids), 500):
+            for uid, gpu in c.execute(select(e.uid, e.gpu_id).where(e.uid.in_(uids[i:i + 500]))
+                                      .order_by(e.uid, e.gpu_id)):
+                found.setdefault(uid, []).append(gpu)
+        return [r | {"gpu_ids": found.get(r["uid"], [])} for r in rows]
+
+    def add_reclaim_event(self, *, action: str, lease_id: str | None = None,
+                          gpu_id: str | Sequence[str] | None = None,
                           reason: str | None = None, details: Mapping[str, Any] | None = None,
                           ts: float | None = None, uid: str | None = None) -> str:
         """Record a reaper step (strike, clear, notice, detach, rebind); returns its uid."""
@@ -556,14 +793,21 @@ class UsageStore:
             raise InvalidInput("action is required", field="action")
         if lease_id:
             self._require_leases([lease_id], field="lease_id")
-        row = {"uid": uid or new_uid(), "host_id": self.host_id, "lease_id": lease_id, "gpu_id": gpu_id,
-               "ts": self._clock() if ts is None else float(ts), "action": action, "reason": reason,
-               "details": dict(details) if details else None}
+        row = self._reclaim_row(action=action, lease_id=lease_id, gpu_id=gpu_id, reason=reason, details=details,
+                                ts=ts, uid=uid)
         self._write("reclaim", row)
         return str(row["uid"])
 
+    def _reclaim_row(self, *, action: str, lease_id: str | None = None, gpu_id: str | Sequence[str] | None = None,
+                     reason: str | None = None, details: Mapping[str, Any] | None = None, ts: float | None = None,
+                     uid: str | None = None) -> dict[str, Any]:
+        return fit_row(t.reclaim_events, {
+            "uid": uid or new_uid(), "host_id": self.host_id, "lease_id": lease_id or None,
+            "ts": self._clock() if ts is None else float(ts), "action": action, "reason": reason,
+            "details": dict(details) if details else None}) | {"gpu_ids": gpu_ids(gpu_id)}
+
     def _apply_reclaim(self, conn: Connection, row: dict[str, Any]) -> None:
-        upsert(conn, t.reclaim_events, [row], keys=["uid"])
+        self._upsert_events(conn, t.reclaim_events, [row])
 
     def list_reclaim_events(self, *, lease_id: str | None = None, since: float | None = None,
                             limit: int = 500) -> list[dict[str, Any]]:
@@ -574,16 +818,17 @@ class UsageStore:
         if since is not None:
             q = q.where(t.reclaim_events.c.ts >= since)
         q = q.order_by(t.reclaim_events.c.ts, t.reclaim_events.c.id).limit(limit)
-        return self._read(lambda c: [dict(r._mapping) for r in c.execute(q)])
+        return self._read(lambda c: self._with_gpu_ids(c, [dict(r._mapping) for r in c.execute(q)]))
 
     def add_probe_result(self, gpu_id: str, *, score: float | None, spread: float | None = None, ok: bool = True,
                          details: Mapping[str, Any] | None = None, ts: float | None = None,
                          uid: str | None = None) -> str:
         """Record a GPU health probe's result; returns its uid."""
         self._require_gpus([gpu_id], field="gpu_id")
-        row = {"uid": uid or new_uid(), "host_id": self.host_id, "gpu_id": gpu_id,
-               "ts": self._clock() if ts is None else float(ts), "score": score, "spread": spread, "ok": bool(ok),
-               "details": dict(details) if details else None}
+        row = fit_row(t.probe_results, {
+            "uid": uid or new_uid(), "host_id": self.host_id, "gpu_id": gpu_id,
+            "ts": self._clock() if ts is None else float(ts), "score": score, "spread": spread, "ok": bool(ok),
+            "details": dict(details) if details else None})
         self._write("probe", row)
         return str(row["uid"])
 
@@ -616,24 +861,54 @@ class UsageStore:
             self.settle_rollups()
         return n
 
-    def write_samples(self, batch: Sequence[Sample], *, check_refs: bool = True) -> int:
+    def write_samples(self, batch: Sequence[Sample], *, check_refs: bool = True, set_aside: bool = False) -> int:
         """Write Samples that ``validate_samples`` already produced (the ingestor's path); see add_samples.
 
         The rollups of the batch are made in the background, overlapping the next write. An empty batch is the
-        ingestor's flush marker: it waits until the rollups include every sample written before it.
+        ingestor's flush marker: it waits until the rollups include every sample written before it. With
+        ``set_aside`` (the agent's flusher), samples the store refuses (an unknown lease or GPU, a row it cannot
+        hold) are set aside with the error instead of failing the batch; the count returned includes them.
         """
         if not batch:
             self.settle_rollups()
             return 0
-        if check_refs:
-            self._require_gpus({s.gpu_id for s in batch}, field="samples.gpu_id")
-            self._require_leases({s.lease_id for s in batch}, field="samples.lease_id")
+        if check_refs and set_aside:
+            unknown = self._unknown_refs(batch)
+            if unknown:
+                batch = [s for s in batch if s not in unknown]
+                bad = next(iter(unknown.values()))
+                self._set_aside("samples", list(unknown), NotFound(bad, field="samples.lease_id"))
+                if not batch:
+                    return len(unknown)
+            n_aside = len(unknown)
+        else:
+            n_aside = 0
+            if check_refs:
+                self._require_gpus({s.gpu_id for s in batch}, field="samples.gpu_id")
+                self._require_leases({s.lease_id for s in batch}, field="samples.lease_id")
         with self._wlock:
-            self._write("samples", batch if isinstance(batch, list) else list(batch))
+            self._write("samples", batch if isinstance(batch, list) else list(batch), set_aside=set_aside)
             applied = not self.degraded  # else it went to the spool, and the replay rolls it up
         if applied:
             self._wrote_samples()
-        return len(batch)
+        return len(batch) + n_aside
+
+    def _unknown_refs(self, batch: Sequence[Sample]) -> dict[Sample, str]:
+        """The samples of a batch whose GPU or lease the store does not know, each with why."""
+        out: dict[Sample, str] = {}
+        for ids, require, what in (({s.gpu_id for s in batch}, self._require_gpus, "gpu_id"),
+                                   ({s.lease_id for s in batch}, self._require_leases, "lease_id")):
+            missing = set()
+            for x in sorted(ids):
+                try:
+                    require([x], field=f"samples.{what}")
+                except NotFound:
+                    missing.add(x)
+            if missing:
+                for s in batch:
+                    if getattr(s, what) in missing and s not in out:
+                        out[s] = f"unknown {what.split('_')[0].replace('gpu', 'GPU')} {getattr(s, what)}"
+        return out
 
     def _apply_samples(self, conn: Connection, rows: list[dict[str, Any]] | list[Sample]) -> int:
         # INSERT IGNORE: a sample already stored (a replay, a retried heartbeat) is skipped by its unique key, and
@@ -861,27 +1136,43 @@ class UsageStore:
             return out
         return self._read(run)
 
-    def export_csv(self, kind: str, since: float | None, until: float | None, out: TextIO | Path | str) -> int:
-        """Write rows of ``kind`` (one of EXPORT_KINDS) in [since, until) as CSV; returns the row count."""
+    def export_csv(self, kind: str, since: float | None, until: float | None, out: TextIO | Path | str, *,
+                   host_id: str | None = None, all_hosts: bool = False) -> int:
+        """Write rows of ``kind`` (one of EXPORT_KINDS) in [since, until) as CSV; returns the row count.
+
+        Rows of this store's host by default, of ``host_id`` when given, of every host with ``all_hosts``. Event
+        kinds carry the event's GPUs in a ``gpu_ids`` column, space-separated."""
         if kind not in EXPORT_KINDS:
             raise InvalidInput(f"kind must be one of {', '.join(EXPORT_KINDS)}", field="kind")
-        q = _export_query(kind, self.host_id, since, until)
+        q = _export_query(kind, None if all_hosts else host_id or self.host_id, since, until)
         if kind.startswith("rollups"):
             self.settle_rollups()
         if isinstance(out, (str, Path)):
             with open(out, "w", newline="") as fh:
-                return self.export_csv(kind, since, until, fh)
+                return self.export_csv(kind, since, until, fh, host_id=host_id, all_hosts=all_hosts)
+        events = kind in ("lease_events", "reclaim_events")
 
         def run(c: Connection) -> int:
             result = c.execution_options(stream_results=True, yield_per=2000).execute(q)
             w = csv.writer(out)
-            w.writerow(list(result.keys()))
+            keys = list(result.keys())
+            w.writerow(keys + ["gpu_ids"] if events else keys)
             n = 0
-            for row in result:
-                w.writerow(row)
-                n += 1
+            for part in result.partitions(2000):
+                if events:
+                    rows = self._with_gpu_ids(c, [dict(r._mapping) for r in part])
+                    w.writerows([*(r[k] for k in keys), " ".join(r["gpu_ids"])] for r in rows)
+                else:
+                    w.writerows(part)
+                n += len(part)
             return n
         return self._read(run)
+
+    def host_ids(self) -> dict[str, int]:
+        """The hosts whose leases this store holds, with how many leases each (for "exported 0 rows: ...")."""
+        c = t.leases.c
+        return self._read(lambda conn: {r[0]: int(r[1]) for r in conn.execute(
+            select(c.host_id, func.count()).group_by(c.host_id).order_by(c.host_id))})
 
     # -- model versions ------------------------------------------------------------------------------------------
     def save_model_version(self, version: str, *, kind: str = "placement", artifact: bytes | None = None,
@@ -1098,9 +1389,9 @@ def _resolution(resolution: int | str, span: float) -> int:
                        "or of 3600 s", field="resolution")
 
 
-def _export_query(kind: str, host_id: str, since: float | None, until: float | None) -> Select[Any]:
+def _export_query(kind: str, host_id: str | None, since: float | None, until: float | None) -> Select[Any]:
     def window(col: Any, scale: int = 1) -> list[Any]:
-        conds = []
+        conds = [] if host_id is None else [col.table.c.host_id == host_id]
         if since is not None:
             conds.append(col >= since * scale)
         if until is not None:
@@ -1108,21 +1399,21 @@ def _export_query(kind: str, host_id: str, since: float | None, until: float | N
         return conds
     if kind == "leases":
         c = t.leases.c
-        return select(t.leases).where(c.host_id == host_id, *window(c.created_at)).order_by(c.created_at, c.id)
+        return select(t.leases).where(*window(c.created_at)).order_by(c.created_at, c.id)
     if kind == "lease_events":
         c = t.lease_events.c
-        return select(t.lease_events).where(c.host_id == host_id, *window(c.ts)).order_by(c.ts, c.id)
+        return select(t.lease_events).where(*window(c.ts)).order_by(c.ts, c.id)
     if kind == "samples":
         c = t.usage_samples.c
-        return (select(*[x for x in t.usage_samples.c if x.name != "id"]).where(c.host_id == host_id, *window(c.ts_ms, 1000))
+        return (select(*[x for x in t.usage_samples.c if x.name != "id"]).where(*window(c.ts_ms, 1000))
                 .order_by(c.ts_ms, c.gpu_id))
     if kind in ("rollups_minute", "rollups_hour"):
         c = t.usage_rollups.c
         res = t.RES_MINUTE if kind == "rollups_minute" else t.RES_HOUR
-        return (select(t.usage_rollups).where(c.host_id == host_id, c.resolution == res, *window(c.bucket))
+        return (select(t.usage_rollups).where(c.resolution == res, *window(c.bucket))
                 .order_by(c.bucket, c.gpu_id, c.lease_id))
     if kind == "reclaim_events":
         c = t.reclaim_events.c
-        return select(t.reclaim_events).where(c.host_id == host_id, *window(c.ts)).order_by(c.ts, c.id)
+        return select(t.reclaim_events).where(*window(c.ts)).order_by(c.ts, c.id)
     c = t.probe_results.c
-    return select(t.probe_results).where(c.host_id == host_id, *window(c.ts)).order_by(c.ts, c.id)
+    return select(t.probe_results).where(*window(c.ts)).order_by(c.ts, c.id)

@@ -27,6 +27,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import mysql
 
+from hostagent.store.limits import attach_sqlite_guards
+
 # Constraint names are fixed so that migrations and the metadata agree on every backend.
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -44,6 +46,8 @@ Artifact = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
 
 HOST = 64
 ID = 64
+LABEL = 128  # the API's limit on a request's labels (project, idempotency key)
+ACTOR = 300  # "guest:" + a domain name of up to 255 characters, with room to spare
 
 RES_MINUTE = 60
 RES_HOUR = 3600
@@ -101,7 +105,7 @@ leases = Table(
     Column("accept_deferred", Boolean, nullable=False),
     Column("not_after", Double, nullable=True),
     Column("idempotency_key", String(128), nullable=True),
-    Column("project", String(64), nullable=True),
+    Column("project", String(LABEL), nullable=True),
     Column("request", JSON, nullable=True),  # the whole request as sent, for fields added later
     # what happened
     Column("granted_gpus", Integer, nullable=False),
@@ -137,17 +141,26 @@ lease_events = Table(
     Column("uid", String(32), nullable=False),  # client-made, so a replayed event is written once
     Column("host_id", String(HOST), nullable=False),
     Column("lease_id", String(ID), nullable=True),
-    Column("gpu_id", String(ID), nullable=True),
     Column("ts", Double, nullable=False),
     Column("kind", String(32), nullable=False),
     Column("from_state", String(32), nullable=True),
     Column("to_state", String(32), nullable=True),
-    Column("actor", String(128), nullable=False),
+    Column("actor", String(ACTOR), nullable=False),
     Column("detail", Text, nullable=True),
     Column("error", Text, nullable=True),
     UniqueConstraint("uid"),
     Index(None, "host_id", "lease_id", "ts"),
     Index(None, "host_id", "ts"),
+)
+
+# The GPUs an event concerns, one row each (a lease's event names every GPU of the lease: up to 64 of them). Keyed
+# by the event's uid, which lease_events and reclaim_events make unique across both tables.
+event_gpus = Table(
+    "event_gpus", metadata,
+    Column("uid", String(32), primary_key=True),
+    Column("gpu_id", String(ID), primary_key=True),
+    Column("host_id", String(HOST), nullable=False),
+    Index(None, "host_id", "gpu_id"),
 )
 
 usage_samples = Table(
@@ -215,7 +228,6 @@ reclaim_events = Table(
     Column("uid", String(32), nullable=False),
     Column("host_id", String(HOST), nullable=False),
     Column("lease_id", String(ID), nullable=True),
-    Column("gpu_id", String(ID), nullable=True),
     Column("ts", Double, nullable=False),
     Column("action", String(32), nullable=False),  # strike1 | cleared | strike2 | notified | detached | rebound ...
     Column("reason", Text, nullable=True),
@@ -271,3 +283,5 @@ tokens = Table(
     Column("note", String(255), nullable=True),
     Index(None, "domain_uuid"),
 )
+
+attach_sqlite_guards(metadata)

@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client import Counter as PCounter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from hostagent.domain.inventory import GpuState
 from hostagent.domain.lease import Lease, LeaseState
@@ -97,6 +97,22 @@ class _Gauges:
                                 value=1 if st["degraded"] else 0)
         yield GaugeMetricFamily("hostagent_store_spool_depth", "writes waiting in the local spool",
                                 value=st["spool_depth"])
+        if self.rt.store is not None:
+            h = self.rt.store_health()  # the figures of /readyz's store check
+            yield GaugeMetricFamily("hostagent_store_healthy", "1 when the usage store takes every write in time "
+                                    "(the store check of /readyz)", value=1 if h["ok"] else 0)
+            yield GaugeMetricFamily("hostagent_store_mirror_lag_seconds", "age of the oldest journal entry not yet "
+                                    "in the usage store (0 when none waits)", value=h["mirror_lag_s"])
+            yield GaugeMetricFamily("hostagent_store_unmirrored_events", "journal entries not yet in the usage store",
+                                    value=h["unmirrored_events"])
+            yield GaugeMetricFamily("hostagent_store_samples_waiting_seconds", "how long the oldest heartbeat "
+                                    "sample not yet written has waited", value=h["samples_oldest_s"])
+            yield GaugeMetricFamily("hostagent_store_set_aside_writes", "writes the usage store refused, set aside "
+                                    "for `hostagent db rejected` / `replay`", value=h["set_aside"])
+            yield CounterMetricFamily("hostagent_store_rows_set_aside", "rows set aside since start (refused by the "
+                                      "usage store)", value=st.get("rows_set_aside", 0))
+            yield CounterMetricFamily("hostagent_store_rows_lost", "refused rows dropped because the set-aside table "
+                                      "was full", value=st.get("rows_lost", 0))
         ing = self.rt.ingestor
         yield GaugeMetricFamily("hostagent_ingest_queue_depth", "heartbeat samples waiting to be written",
                                 value=ing.depth if ing is not None else 0)

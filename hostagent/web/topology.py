@@ -17,7 +17,6 @@ from hostagent.domain.errors import NotFound
 from hostagent.domain.placement import Scorer
 from hostagent.domain.topology import Topology
 from hostagent.host.probes import default_runners, select_runners
-from hostagent.host.sysfs import open_sysfs
 from hostagent.services.probes import ProbeService, ProbeSettings
 from hostagent.services.topology import TopologyPlacer, load_topology, make_topology_place, topology_view
 from hostagent.web import openapi_ext
@@ -41,15 +40,16 @@ def build_parts(runtime: Any, *, probe_settings: ProbeSettings | None = None, ru
                 scorer: Callable[[], Scorer | None] | None = None) -> TopologyParts:
     """Topology from the runtime's GPUs and `host.nvlink_hints`, the probe service, and the placer.
 
-    `runners`: probe runners to choose from (default: every runner in hostagent.host.probes); `scorer`: a callable
-    returning the active learned Scorer or None (the cold-start rule then decides).
+    `runners`: probe runners to choose from (default: every runner in hostagent.host.probes, over the runtime's own
+    sysfs, opened for `host.kernel` by the composition); `scorer`: a callable returning the active learned Scorer
+    or None (the cold-start rule then decides).
     """
     from hostagent.store.repo import gpu_record
 
     settings = runtime.settings
     manager = runtime.manager
     topology = load_topology(list(manager.gpus.values()), settings.host.nvlink_hints)
-    candidates = runners if runners is not None else default_runners(open_sysfs(settings.host.sysfs_root))
+    candidates = runners if runners is not None else default_runners(runtime.host.sysfs)
     chosen, status = select_runners(candidates)
     probes = ProbeService(manager, chosen, settings=probe_settings or ProbeSettings(), runner_status=status,
                           gpu_row=gpu_record, clock=runtime.clock)

@@ -350,9 +350,9 @@ async def test_mirror_writes_a_batch_in_one_store_transaction(tmp_path: Path, ai
     writes: list[tuple[str, Any]] = []
     write = rt.store.store._write
 
-    def counted(op: str, payload: Any) -> Any:
+    def counted(op: str, payload: Any, **kw: Any) -> Any:
         writes.append((op, payload))
-        return write(op, payload)
+        return write(op, payload, **kw)
 
     rt.store.store._write = counted  # type: ignore[method-assign]
     h = rig.auth("vm-a")

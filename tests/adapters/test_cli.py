@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from hostagent.cli import main
+from hostagent.cli.parser import main
 from hostagent.host.fakesysfs import build_tree
 from hostagent.virt.sim import SimulatedHypervisor
 from tests.support.agent import make_rig, start_rig
@@ -27,6 +27,13 @@ def drivers(sys_root: Path) -> dict[str, str | None]:
         link = dev / "driver"
         out[dev.name] = link.resolve().name if link.is_symlink() else None
     return out
+
+
+@pytest.fixture(autouse=True)
+def fake_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trees here are fake: the CLI drives them through the fake kernel, chosen as any setting is (here from the
+    environment, `host.kernel`), never from what the tree holds."""
+    monkeypatch.setenv("HOSTAGENT_HOST__KERNEL", "fake")
 
 
 @pytest.fixture

@@ -9,19 +9,20 @@ import sys
 
 import pytest
 
+from hostagent.config import settings_from_dict
 from hostagent.domain.errors import HostError
 from hostagent.host.fakekernel import FakeKernel
 from hostagent.host.fakesysfs import SCENARIOS, build_tree
-from hostagent.host.sysfs import Sysfs, open_sysfs
+from hostagent.host.sysfs import Sysfs
+from hostagent.runtime import open_kernel
 from tests.support.host import drivers, fake_host
 
 GPU = "0000:02:00.0"  # workstation's Turing card, function 0
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_every_scenario_builds_a_marked_tree(tmp_path, scenario) -> None:
+def test_every_scenario_builds_a_tree(tmp_path, scenario) -> None:
     host = build_tree(tmp_path, scenario)
-    assert isinstance(open_sysfs(host.sys_root), FakeKernel)
     assert (host.proc_root / "interrupts").exists() and (host.proc_root / "cmdline").exists()
     assert (host.dev_root / "vfio").is_dir()
     assert host.gpus
@@ -53,6 +54,21 @@ def test_iommu_off_has_no_groups(tmp_path) -> None:
     assert s.listdir("kernel/iommu_groups") == []
     assert not s.exists("bus/pci/devices/0000:01:00.0/iommu_group")
     assert "intel_iommu=on" not in (host.proc_root / "cmdline").read_text()
+
+
+def test_host_kernel_setting_alone_chooses_the_fake_kernel(tmp_path) -> None:
+    """`host.kernel` is the only switch: a fake tree under the default `sysfs` gets the real kernel's plain Sysfs,
+    whose writes move no driver; `fake` composes the fake kernel, whose writes do."""
+    host = build_tree(tmp_path, "workstation")
+    settings = settings_from_dict({"host": {"sysfs_root": str(host.sys_root)}})
+    plain = open_kernel(settings)
+    assert type(plain) is Sysfs
+    fake = open_kernel(settings.replace(host={"kernel": "fake"}))
+    assert isinstance(fake, FakeKernel) and fake.root == host.sys_root
+    plain.write(f"bus/pci/devices/{GPU}/driver/unbind", GPU)
+    assert drivers(fake, [GPU]) == {GPU: "nvidia"}
+    fake.write(f"bus/pci/devices/{GPU}/driver/unbind", GPU)
+    assert drivers(fake, [GPU]) == {GPU: None}
 
 
 def test_cli_entry_prints_the_sysfs_root(tmp_path) -> None:
@@ -127,7 +143,7 @@ def test_new_id_is_recorded_and_grabs_matching_devices(tmp_path) -> None:
 
 def test_writes_from_another_process_see_the_same_kernel(tmp_path) -> None:
     host, k, _ = fake_host(tmp_path, "workstation")
-    code = ("from hostagent.host.sysfs import open_sysfs; import sys; k = open_sysfs(sys.argv[1]); "
+    code = ("from hostagent.host.fakekernel import FakeKernel; import sys; k = FakeKernel(sys.argv[1]); "
             f"k.write('bus/pci/devices/{GPU}/driver/unbind', '{GPU}')")
     subprocess.run([sys.executable, "-c", code, str(host.sys_root)], check=True)
     assert drivers(k, [GPU]) == {GPU: None}

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from hostagent.cli import main
+from hostagent.cli.parser import main
 from hostagent.host.binding import VfioBinder
 from hostagent.host.fakekernel import FakeKernel
 from tests.support.agent import AgentRig, make_rig, start_rig

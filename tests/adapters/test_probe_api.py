@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from hostagent.host.fakekernel import FakeKernel
 from hostagent.host.probes import SysfsHealthRunner, default_runners
-from hostagent.host.sysfs import open_sysfs
 from hostagent.services.probes import ProbeSettings
 from tests.support.topology import ALL, SWITCH_A, FakeComputeRunner, FakeHealthRunner, topology_rig
 
@@ -167,7 +167,7 @@ async def test_periodic_sweep_probes_only_free_stale_gpus(tmp_path: Path, aiohtt
 
 async def test_without_compute_runners_the_probe_says_so(tmp_path: Path, aiohttp_client: Any) -> None:
     """The real runner set on the fake host: sysfs only (no NVML library, no torch/cupy here)."""
-    rig, app, parts = topology_rig(tmp_path, runners=default_runners(open_sysfs(tmp_path / "host" / "sys")))
+    rig, app, parts = topology_rig(tmp_path, runners=default_runners(FakeKernel(tmp_path / "host" / "sys")))
     client = await aiohttp_client(app)
     status = await (await client.get("/v1/probes")).json()
     runners = {r["name"]: r for r in status["runners"]}
@@ -188,7 +188,7 @@ def test_sysfs_runner_reads_link_and_aer(tmp_path: Path) -> None:
     (dev / "current_link_width").write_text("8\n")
     (dev / "aer_dev_fatal").write_text("Undefined 0\nDLP 1\nTOTAL_ERR_FATAL 1\n")
     (dev / "aer_dev_correctable").write_text("RxErr 4\nTOTAL_ERR_COR 4\n")
-    sysfs = open_sysfs(tree.sys_root)
+    sysfs = FakeKernel(tree.sys_root)
     gpu = discover(sysfs).gpu(ALL[0])
     assert gpu is not None
     res = SysfsHealthRunner(sysfs).run(gpu, 1.0)

@@ -127,7 +127,7 @@ async def test_operator_pause_exempts_a_lease(rig: AgentRig) -> None:
 
 
 async def test_reaper_status_cli(rig: AgentRig, capsys: pytest.CaptureFixture[str]) -> None:
-    from hostagent.cli import main
+    from hostagent.cli.parser import main
 
     body = await lease(rig)
     await check(rig, body["id"], 61, util=0.0)

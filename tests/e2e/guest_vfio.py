@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hostagent.cli import main as hostagent_main
+from hostagent.cli.parser import main as hostagent_main
 
 SYS = Path("/sys/bus/pci/devices")
 

@@ -65,7 +65,7 @@ def rig_settings(tmp: Path, tree: FakeHost, hv_path: Path, operator: str, **sect
         # gc_freeze off: a full collection at each test agent's start costs ~0.1 s (test_runtime_heap.py covers it)
         "agent": {"state_dir": str(tmp / "state"), "port": 0, "host_id": "test-host", "log_format": "text",
                   "gc_freeze": False},
-        "host": {"sysfs_root": str(tree.sys_root), "step_timeout_s": 2.0},
+        "host": {"sysfs_root": str(tree.sys_root), "kernel": "fake", "step_timeout_s": 2.0},
         "libvirt": {"uri": f"sim://{hv_path}", "detach_timeout_s": 0.5},
         "reclaim": {"enabled": False},
         "auth": {"operator_token_sha256": hash_token(operator)},

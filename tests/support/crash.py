@@ -19,8 +19,8 @@ from typing import Any
 from hostagent.domain.hostdev import parse_domain_hostdevs
 from hostagent.domain.lease import LeaseState
 from hostagent.host.discovery import discover
+from hostagent.host.fakekernel import FakeKernel
 from hostagent.host.fakesysfs import FakeHost, build_tree
-from hostagent.host.sysfs import open_sysfs
 from hostagent.services.leases import lease_view
 from hostagent.store.journal import Journal
 from hostagent.virt.sim import SimulatedHypervisor
@@ -146,7 +146,7 @@ def _write_agent(tmp: Path, tree: FakeHost, uri: str, domain_uuid: str, domain_n
     port = free_port()
     lines = [
         "[agent]", f'state_dir = "{state}"', f"port = {port}", 'host_id = "crash-host"', 'log_format = "json"',
-        "[host]", f'sysfs_root = "{tree.sys_root}"', "step_timeout_s = 3.0",
+        "[host]", f'sysfs_root = "{tree.sys_root}"', 'kernel = "fake"', "step_timeout_s = 3.0",
         "[libvirt]", f"uri = {json.dumps(uri)}", "detach_timeout_s = 2.0",
         "[auth]", f'operator_token_sha256 = "{hash_token(operator)}"',
         "[reclaim]", *[f"{k} = {json.dumps(v)}" for k, v in reclaim.items()],
@@ -195,7 +195,7 @@ def read_world(ap: AgentProcess) -> World:
 
     The simulated hypervisor's own loader is used on purpose: a detach the guest would acknowledge counts as done
     (the guest ran on while the agent was dead), one it refuses stays attached."""
-    inv = discover(open_sysfs(ap.tree.sys_root))
+    inv = discover(FakeKernel(ap.tree.sys_root))
     attached: dict[str, str] = {}
     if ap.libvirtd is not None:
         domains, unacked = _read_libvirtd(ap.libvirtd, attached, ap.vm_uuid)

@@ -9,14 +9,12 @@ from pathlib import Path
 from hostagent.host.discovery import Inventory, discover
 from hostagent.host.fakekernel import FakeKernel
 from hostagent.host.fakesysfs import FakeHost, build_tree
-from hostagent.host.sysfs import open_sysfs
 
 
 def fake_host(root: Path, scenario: str) -> tuple[FakeHost, FakeKernel, Inventory]:
     """Build a scenario under root; return the tree, its fake kernel and the discovered inventory."""
     host = build_tree(root, scenario)
-    kernel = open_sysfs(host.sys_root)
-    assert isinstance(kernel, FakeKernel)
+    kernel = FakeKernel(host.sys_root)
     return host, kernel, discover(kernel)
 
 

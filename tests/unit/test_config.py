@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hostagent.cli import main
+from hostagent.cli.parser import main
 from hostagent.config import Settings, load_settings, settings_from_dict
 from hostagent.domain.errors import ConfigError
 
@@ -17,6 +17,7 @@ def test_defaults_when_no_file() -> None:
     s = settings_from_dict({})
     assert s.agent.port == 8470 and s.reclaim.grace_s == 1200 and s.reclaim.check_interval_s == 3600
     assert s.store_url.startswith("sqlite:///") and s.dev_root == Path("/dev")
+    assert s.host.kernel == "sysfs"  # the running kernel unless a composition (demo, test rig) says fake
 
 
 def test_file_env_and_overrides_layer(tmp_path: Path) -> None:
@@ -38,6 +39,7 @@ def test_file_env_and_overrides_layer(tmp_path: Path) -> None:
     ("[host]\ngpu_vendors = ['nvidia']\n", "host.gpu_vendors"),
     ("[agent]\ntls_cert = '/x'\n", "agent.tls_cert"),
     ("[leases]\nnuma_policy = 'sometimes'\n", "leases.numa_policy"),
+    ("[host]\nkernel = 'auto'\n", "host.kernel"),
 ])
 def test_invalid_file_names_the_key(tmp_path: Path, text: str, key: str) -> None:
     f = tmp_path / "h.toml"

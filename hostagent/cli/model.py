@@ -1,13 +1,17 @@
-"""`hostagent model ...`: train, evaluate, show, rollback the placement model; run the offline simulator."""
+"""`hostagent model train|evaluate|show|rollback|simulate`: the placement model's lifecycle over the usage store,
+and the offline simulator (`hostagent.cli.parser.main` hands `model simulate ...` to the simulator's own parser
+before argparse sees it; the `simulate` entry here lists it in the help and forwards when the parser is used alone).
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from hostagent.cli.common import add_common_options, emit, settings_for, table
+
 
 def _store(args: argparse.Namespace) -> tuple[Any, Any]:
-    from hostagent.cli import settings_for
     from hostagent.store.repo import UsageStore
 
     s = settings_for(args)
@@ -16,7 +20,6 @@ def _store(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def cmd_model(args: argparse.Namespace) -> int:
     """train | evaluate | show | rollback."""
-    from hostagent.cli import emit, table
     from hostagent.learn import lifecycle
 
     settings, store = _store(args)
@@ -54,28 +57,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return main(args.sim_args)
 
 
-def register(sub: Any, common: Any, client: Any) -> None:
+def register(sub: Any) -> None:
     """Add `model` subcommands."""
     p = sub.add_parser("model", help="placement model: train, evaluate, show, rollback, simulate")
     msub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     q = msub.add_parser("train", help="train on the store's records; promote only if at least as good")
-    common(q, host=False)
+    add_common_options(q, host=False)
     q.add_argument("--db", help="store URL (default from config)")
     q.add_argument("--target", choices=["work_rate", "utilization", "completion"], help="outcome to predict")
     q.add_argument("--min-records", type=int, help="labelled records needed (default placement.min_records)")
     q.set_defaults(func=cmd_model)
     q = msub.add_parser("evaluate", help="figures of a version (default: the active one) on recent records")
-    common(q, host=False)
+    add_common_options(q, host=False)
     q.add_argument("--db", help="store URL (default from config)")
     q.add_argument("version", nargs="?")
     q.set_defaults(func=cmd_model)
     q = msub.add_parser("show", help="model versions with their figures and decisions")
-    common(q, host=False)
+    add_common_options(q, host=False)
     q.add_argument("--db", help="store URL (default from config)")
     q.add_argument("--limit", type=int, default=20)
     q.set_defaults(func=cmd_model)
     q = msub.add_parser("rollback", help="activate a version (default: the previously promoted one)")
-    common(q, host=False)
+    add_common_options(q, host=False)
     q.add_argument("--db", help="store URL (default from config)")
     q.add_argument("version", nargs="?")
     q.set_defaults(func=cmd_model)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SCRIPTS_DIR = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts"
 BENCHMARKS = {
     "all": ("bench_all.py", "run every benchmark and regenerate docs/benchmarks.md (--write PAGE)"),
     "load": ("bench_load.py", "200 guests leasing, heartbeating and releasing against 16 GPUs"),
@@ -44,7 +44,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 130
 
 
-def register(sub: Any, common: Any, client: Any) -> None:
+def register(sub: Any) -> None:
     """Add `hostagent bench NAME [ARGS...]` to the main parser."""
     p = sub.add_parser("bench", help="run a benchmark (scripts/bench_*.py) and print its figures",
                        description="Run a benchmark script from scripts/; arguments after its name go to the "

@@ -1,12 +1,13 @@
-"""`hostagent topology` (the free-block picture) and `hostagent probe GPU` (probe a free GPU now), over the API.
-
-`hostagent topology --local` reads sysfs instead (no agent needed; GPUs on vfio-pci count as taken).
+"""`hostagent topology`: the free-block picture (PCIe/NUMA/NVLink tree, which GPUs are free, the best set per
+size) from the agent's API, or with `--local` from sysfs (no agent needed; GPUs on vfio-pci count as taken).
 """
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
+
+from hostagent.cli.common import add_client_options, api_error, api_or_die, emit, settings_for
 
 
 def _print_tree(block: dict[str, Any], states: dict[str, str], indent: str = "") -> None:
@@ -39,10 +40,7 @@ def human_topology(body: dict[str, Any]) -> None:
 
 def cmd_topology(args: argparse.Namespace) -> int:
     """The free-block picture from the agent (or from sysfs with --local)."""
-    from hostagent.cli import _api_error, _api_or_die, emit
-
     if args.local:
-        from hostagent.cli import settings_for
         from hostagent.runtime import discover_host
         from hostagent.services.topology import load_topology, topology_view
 
@@ -53,60 +51,22 @@ def cmd_topology(args: argparse.Namespace) -> int:
                   for g in inv.gpus}
         emit(args, topology_view(topo, states), human_topology)
         return 0
-    r = _api_or_die(args, "GET", "/v1/topology")
+    r = api_or_die(args, "GET", "/v1/topology")
     if isinstance(r, int):
         return r
     status, body = r
     if status != 200:
-        return _api_error(status, body)
+        return api_error(status, body)
     emit(args, body, human_topology)
     return 0
 
 
-def human_probe(b: dict[str, Any]) -> None:
-    """Print one probe report."""
-    score = "no score" if b["score"] is None else f"score {b['score']:.3f} ± {b['spread'] or 0:.3f} ({b['score_basis']})"
-    print(f"{b['gpu_id']} ({b['model']}): {'OK' if b['ok'] else 'NOT OK'}, {score}")
-    for k, v in sorted(b.get("metrics", {}).items()):
-        print(f"  {k:<22} {v:g}")
-    for runner, signals in sorted(b.get("health", {}).items()):
-        print(f"  {runner}: " + ", ".join(f"{k}={v}" for k, v in sorted(signals.items())))
-    for p in b.get("problems", []):
-        print(f"  PROBLEM: {p}")
-    for w in b.get("warnings", []):
-        print(f"  warning: {w}")
-    if b.get("note"):
-        print(f"  note: {b['note']}")
-    if b.get("quarantined"):
-        print(f"  QUARANTINED: {b['quarantined']}")
-
-
-def cmd_probe(args: argparse.Namespace) -> int:
-    """Probe one GPU now through the agent (it must be free and on its host driver)."""
-    from hostagent.cli import _api_error, _api_or_die, emit
-
-    r = _api_or_die(args, "POST", f"/v1/gpus/{args.gpu}/probe", {})
-    if isinstance(r, int):
-        return r
-    status, body = r
-    if status != 200:
-        return _api_error(status, body)
-    emit(args, body, human_probe)
-    return 0 if body["ok"] else 1
-
-
-def register(sub: Any, common: Any, client: Any) -> None:
-    """Add `topology` and `probe`."""
+def register(sub: Any) -> None:
+    """Add `topology`."""
     p = sub.add_parser("topology", help="PCIe/NUMA/NVLink topology with free blocks and the best set per size",
                        description="The free-block picture: NUMA nodes, root complexes, switches, which GPUs are "
                                    "free, and the set the agent would choose now for 1, 2, 4, 8 GPUs.")
-    client(p)
+    add_client_options(p)
     p.add_argument("--local", action="store_true", help="read sysfs instead of asking the agent")
     p.add_argument("--sysfs-root", metavar="DIR", help="with --local: sysfs root to read (default /sys)")
     p.set_defaults(func=cmd_topology)
-    p = sub.add_parser("probe", help="probe a free GPU now: compute throughput, memory bandwidth, health signals",
-                       description="Runs the probe runners available on the host (K runs, median) on a GPU that is "
-                                   "free and on its host driver. Exit status 1 when the GPU is not OK.")
-    client(p)
-    p.add_argument("gpu", help="GPU id (see `hostagent gpus`)")
-    p.set_defaults(func=cmd_probe)

@@ -1,0 +1,62 @@
+"""`hostagent leases` (list leases) and `hostagent release LEASE` (end one), through the agent's API."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from hostagent.cli.common import EXIT_OK, add_client_options, api_error, api_or_die, emit, fmt_time, table
+
+
+def lease_rows(leases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Flatten lease JSON for a table."""
+    return [{"id": x["id"], "state": x["state"], "vm": x["domain"]["name"],
+             "gpus": ",".join(d["gpu_id"] for d in x["devices"]) or "-", "task": x["request"]["task_type"],
+             "prio": x["request"]["priority"], "expires": fmt_time(x.get("expires_at")),
+             "note": (x["warnings"][0]["code"] if x.get("warnings") else x.get("end_reason") or "")}
+            for x in leases]
+
+
+def cmd_leases(args: argparse.Namespace) -> int:
+    """List leases through the API."""
+    q = []
+    if args.state:
+        q.append(f"state={args.state}")
+    if args.since is not None:
+        q.append(f"since={args.since}")
+    r = api_or_die(args, "GET", "/v1/leases" + ("?" + "&".join(q) if q else ""))
+    if isinstance(r, int):
+        return r
+    status, body = r
+    if status != 200:
+        return api_error(status, body)
+    emit(args, body, lambda b: table(lease_rows(b["leases"]), [("id", "ID"), ("state", "STATE"), ("vm", "VM"),
+         ("gpus", "GPUS"), ("task", "TASK"), ("prio", "PRIO"), ("expires", "EXPIRES"), ("note", "NOTE")]))
+    return EXIT_OK
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    """Release a lease through the API."""
+    r = api_or_die(args, "DELETE", f"/v1/leases/{args.lease_id}")
+    if isinstance(r, int):
+        return r
+    status, body = r
+    if status not in (200, 202):
+        return api_error(status, body)
+    emit(args, body, lambda b: print(f"lease {b['id']}: {b['state']}"
+                                     + (" (detach not acknowledged yet; GPU stays on vfio-pci)" if status == 202 else "")))
+    return EXIT_OK
+
+
+def register(sub: Any) -> None:
+    """Add `leases` and `release`."""
+    p = sub.add_parser("leases", help="list leases (through the agent's API)")
+    add_client_options(p)
+    p.add_argument("--state", help="comma-separated states, e.g. ACTIVE,QUEUED")
+    p.add_argument("--since", type=float, help="unix seconds")
+    p.set_defaults(func=cmd_leases)
+
+    p = sub.add_parser("release", help="end a lease (through the agent's API)")
+    add_client_options(p)
+    p.add_argument("lease_id")
+    p.set_defaults(func=cmd_release)

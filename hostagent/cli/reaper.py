@@ -1,0 +1,62 @@
+"""`hostagent reaper status|pause|resume`: idle reclaim through the agent's API: every lease's strike state and
+next check; pause or resume reclaim on one lease.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from hostagent.cli.common import add_client_options, api_error, api_or_die, emit, fmt_time, table
+
+
+def cmd_reaper_status(args: argparse.Namespace) -> int:
+    """Every lease's strike state and next check."""
+    r = api_or_die(args, "GET", "/v1/reaper")
+    if isinstance(r, int):
+        return r
+    status, body = r
+    if status != 200:
+        return api_error(status, body)
+
+    def human(b: dict[str, Any]) -> None:
+        print(f"reaper {'on' if b['enabled'] else 'OFF'}: check every {b['check_interval_s']:g} s, "
+              f"grace {b['grace_s']:g} s, notice window {b['notice_window_s']:g} s")
+        rows = [{"lease": x["lease_id"], "vm": x["domain"], "gpus": ",".join(x["gpus"]), "state": x["state"],
+                 "strike": x["strike"] + (" (paused)" if x["paused"] else ""), "recheck": fmt_time(x["recheck_at"]),
+                 "next": fmt_time(x["next_check"]),
+                 "verdict": (x["last_verdict"] or {}).get("reason", "-")} for x in b["leases"]]
+        if rows:
+            table(rows, [("lease", "LEASE"), ("vm", "VM"), ("gpus", "GPUS"), ("state", "STATE"), ("strike", "STRIKE"),
+                         ("recheck", "RECHECK"), ("next", "NEXT CHECK"), ("verdict", "LAST VERDICT")])
+        else:
+            print("no active leases")
+
+    emit(args, body, human)
+    return 0
+
+
+def cmd_reaper_pause(args: argparse.Namespace) -> int:
+    """Pause or resume idle reclaim on one lease."""
+    r = api_or_die(args, "POST", f"/v1/leases/{args.lease_id}/reclaim", {"paused": args.reaper_command == "pause"})
+    if isinstance(r, int):
+        return r
+    status, body = r
+    if status != 200:
+        return api_error(status, body)
+    emit(args, body, lambda b: print(f"lease {b['id']}: reclaim {'paused' if b['reclaim']['paused'] else 'resumed'}"))
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add `reaper status`, `reaper pause` and `reaper resume`."""
+    p = sub.add_parser("reaper", help="idle reclaim: strike state of every lease; pause/resume a lease")
+    rsub = p.add_subparsers(dest="reaper_command", metavar="ACTION", required=True)
+    q = rsub.add_parser("status", help="every lease's strike state and next check")
+    add_client_options(q)
+    q.set_defaults(func=cmd_reaper_status)
+    for name in ("pause", "resume"):
+        q = rsub.add_parser(name, help=f"{name} idle reclaim on one lease (operator)")
+        add_client_options(q)
+        q.add_argument("lease_id")
+        q.set_defaults(func=cmd_reaper_pause)

@@ -1,0 +1,183 @@
+"""The lease driver's shared vocabulary: the policy it runs under (`LeasePolicy`), what placement returns (`Placement`,
+`PlaceFn`, the fallback `simple_place`), the bounded step-timing log (`TimingLog`), the hostdevs rendered for a
+lease's devices, the small helpers around host steps (`clocked`, `step_hook`), and `LeaseCore`, the face of
+LeaseManager (state, ports, journal writes, locks, timed waits) through which the grant path, the release path, the
+queue and the quarantine work. It imports no other part of the lease driver, so that every part can import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from hostagent.domain.hostdev import HostdevPci, alias_for, hostdevs_for_gpu
+from hostagent.domain.inventory import Gpu
+from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Quota, Step
+from hostagent.domain.pci import PciAddress
+from hostagent.services.faults import crash_point
+from hostagent.services.ports import HostPort
+
+LOGGER = "hostagent.leases"  # every part of the lease driver logs under this one name
+VFIO_DRIVER = "vfio-pci"
+ANY_HOST_DRIVER = "*"  # give-back target: whatever host driver the kernel probes for the function
+HV_WAITS = frozenset({"attach", "detach"})  # hypervisor calls long enough to let background work run beside them
+
+Listener = Callable[[Lease, "str | None"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LeasePolicy:
+    """The lease settings the driver needs (built from config)."""
+
+    default_duration_s: int = 8 * 3600
+    max_duration_s: int = 7 * 24 * 3600
+    queue_max: int = 1000
+    keep_on_domain_stop: bool = False
+    detach_timeout_s: float = 30.0
+    detach_retries: int = 3
+    guest_bus: int = 0
+    rom_bar_off: bool = False
+    driver_vfio: bool = True
+    guest_layout: str = "auto"  # auto | multifunction | per-function
+    vm_quota: Quota = Quota()
+    project_quotas: tuple[tuple[str, Quota, tuple[str, ...]], ...] = ()  # (project, quota, domain uuids/names)
+    pinned: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The devices chosen for a grant and why."""
+
+    gpu_ids: tuple[str, ...]
+    reasons: tuple[str, ...]
+    candidates: tuple[dict[str, Any], ...] = ()
+    dropped: tuple[dict[str, Any], ...] = ()
+    distance: float | None = None
+    rule: str = "cold-start"
+
+
+PlaceFn = Callable[[LeaseRequest, Sequence[Gpu], int, str], Placement]
+
+
+def simple_place(request: LeaseRequest, candidates: Sequence[Gpu], count: int, domain_uuid: str) -> Placement:
+    """Fallback placement: most memory first, then address order."""
+    ordered = sorted(candidates, key=lambda g: (-(g.memory_bytes or 0), g.address))
+    chosen = tuple(g.id for g in ordered[:count])
+    return Placement(chosen, (f"simple rule: largest memory first, chose {', '.join(chosen)}",), rule="simple")
+
+
+class TimingLog:
+    """The latest step timings, bounded, with positions that stay valid as old entries drop out.
+
+    `total` counts every entry ever appended; a reader keeps the total it has seen and asks for what came since
+    (entries that already dropped out are skipped, never handed out twice).
+    """
+
+    def __init__(self, maxlen: int = 10_000) -> None:
+        self._entries: deque[tuple[str, float]] = deque(maxlen=maxlen)
+        self.total = 0
+
+    def append(self, entry: tuple[str, float]) -> None:
+        self._entries.append(entry)
+        self.total += 1
+
+    def since(self, mark: int, end: int | None = None) -> list[tuple[str, float]]:
+        """Entries appended at positions [mark, end) (end: now) that are still kept."""
+        end = self.total if end is None else min(end, self.total)
+        first = self.total - len(self._entries)  # position of the oldest kept entry
+        lo, hi = max(mark, first) - first, max(end, first) - first
+        return [self._entries[i] for i in range(lo, hi)]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class LeaseCore(Protocol):
+    """What the lease driver's parts use of LeaseManager, which implements it. The parts take the manager as this,
+    their first argument, instead of importing leases.py (which imports them)."""
+
+    gpus: dict[str, Gpu]
+    host: HostPort
+    hv: Any
+    journal: Any
+    policy: LeasePolicy
+    place: PlaceFn
+    clock: Callable[[], float]
+    leases: dict[str, Lease]
+    claims: dict[str, str]
+    attention: dict[str, str]
+    quarantined: dict[str, str]
+    listeners: list[Listener]
+    _run: Callable[..., Awaitable[Any]]  # a blocking call in a worker thread
+    _decide: asyncio.Lock
+    _wake_queue: asyncio.Event
+
+    def get(self, lease_id: str, *, domain_uuid: str | None = None) -> Lease: ...
+
+    def lease_lock(self, lease_id: str) -> asyncio.Lock: ...
+
+    def _group_lock(self, group: int) -> asyncio.Lock: ...
+
+    def _holding_groups(self, groups: Iterable[int]) -> AbstractAsyncContextManager[None]: ...
+
+    async def _move(self, lease: Lease, target: LeaseState, actor: str, detail: str | None = None,
+                    error: str | None = None, earlier: Sequence[Step] = (),
+                    amend: Callable[[Lease], Lease] | None = None, **changes: Any) -> Lease: ...
+
+    def _still_live(self, lease: Lease) -> None: ...
+
+    def _publish(self, lease: Lease, detail: str | None) -> None: ...
+
+    def _timing(self, kind: str, seconds: float) -> None: ...
+
+    async def _timed_hv(self, kind: str, aw: Awaitable[Any]) -> Any: ...
+
+    # the operations that count as the agent's own work: a part calls them through the manager
+    async def release(self, lease_id: str, *, actor: str, reason: str = "released", domain_uuid: str | None = None,
+                      final: LeaseState = LeaseState.RELEASED) -> Lease: ...
+
+    async def drain_queue(self) -> list[Lease]: ...
+
+
+def clocked(timings: list[float], fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), its seconds appended to `timings` (a worker thread's host step; the loop records them)."""
+    t0 = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        timings.append(time.perf_counter() - t0)
+
+
+def step_hook(prefix: str) -> Callable[[str, str], None]:
+    """A binder callback that turns each named host step into a crash point (`bind:unbind`, ...)."""
+
+    def hook(step: str, address: str) -> None:
+        crash_point(f"{prefix}:{step}")
+
+    return hook
+
+
+def render_hostdevs(functions: Sequence[str], bus: int, slots: Sequence[int], policy: LeasePolicy) -> list[HostdevPci]:
+    """Hostdevs for one GPU: guest addresses left to libvirt (auto), one multifunction slot, or a slot each."""
+    addrs = [PciAddress.parse(a) for a in functions]
+    if policy.guest_layout == "auto":
+        return [HostdevPci(source=a, guest=None, alias=alias_for(a), driver_vfio=policy.driver_vfio,
+                           rom_bar_off=policy.rom_bar_off) for a in addrs]
+    if policy.guest_layout == "multifunction":
+        return list(hostdevs_for_gpu(addrs, bus, slots[0], rom_bar_off=policy.rom_bar_off,
+                                     driver_vfio=policy.driver_vfio))
+    out: list[HostdevPci] = []
+    for addr, slot in zip(addrs, slots, strict=True):
+        out.extend(hostdevs_for_gpu([addr], bus, slot, rom_bar_off=policy.rom_bar_off, driver_vfio=policy.driver_vfio))
+    return out
+
+
+def guest_addr(h: HostdevPci) -> str:
+    """The guest PCI address of a hostdev ("" when libvirt has not chosen one)."""
+    g = h.guest
+    return str(PciAddress(g.domain, g.bus, g.slot, g.function)) if g is not None else ""

@@ -1,0 +1,192 @@
+"""The release path: how a lease ends. A queued lease is cancelled; a granted one goes RELEASING -> DETACHING -> the
+detach and its DEVICE_REMOVED -> REBINDING -> every function back on its original host driver (`release_lease`,
+`finish_release`, `detach`, `give_back_all`), or DETACH_PENDING while the guest does not acknowledge, retried later
+(`retry_pending`); a give-back that fails quarantines the GPU. It also ends leases nobody asked to release: those
+past their TTL or not_after (`expire_due`), and those of a domain that stopped, crashed or was undefined, with late
+DEVICE_REMOVED events finishing pending detaches (`on_domain_event`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+from hostagent.domain.errors import Conflict, HostAgentError, HypervisorError, NotFound
+from hostagent.domain.lease import Lease, LeaseDevice, LeaseState, Step
+from hostagent.services.faults import crash_point
+from hostagent.services.lease_types import LOGGER, LeaseCore, clocked, step_hook
+from hostagent.services.ports import HostOpResult
+from hostagent.services.quarantine import quarantine_gpu
+
+log = logging.getLogger(LOGGER)
+
+S = LeaseState
+
+
+async def release_lease(m: LeaseCore, lease_id: str, *, actor: str, reason: str = "released",
+                        domain_uuid: str | None = None, final: LeaseState = S.RELEASED) -> Lease:
+    """End a lease: cancel it in the queue, or detach, wait for DEVICE_REMOVED, give back."""
+    lease = m.get(lease_id, domain_uuid=domain_uuid)
+    async with m.lease_lock(lease_id):
+        lease = m.leases.get(lease_id) or lease
+        if lease.state.terminal:
+            return lease
+        if lease.state in (S.QUEUED, S.REQUESTED):
+            target = S.EXPIRED if final is S.EXPIRED else S.RELEASED
+            return await m._move(lease, target, actor, reason, ended_at=m.clock(), end_reason=reason)
+        if lease.state in (S.BINDING, S.ATTACHING):
+            raise Conflict(f"lease {lease_id} is being set up ({lease.state.value}); retry in a moment",
+                           field="id")
+        earlier: tuple[Step, ...] = ()
+        if lease.state is S.ACTIVE:  # RELEASING and DETACHING go to the journal together (one fsync)
+            earlier = (Step(S.ACTIVE, S.RELEASING, reason),)
+            lease = lease.transition(S.RELEASING, end_reason=reason)
+        if lease.state is S.RELEASING:
+            lease = await m._move(lease, S.DETACHING, actor, "detaching from the domain", earlier=earlier)
+        return await finish_release(m, lease, actor, final)
+
+
+async def finish_release(m: LeaseCore, lease: Lease, actor: str, final: LeaseState) -> Lease:
+    """From DETACHING or DETACH_PENDING: detach and wait, then give back; else DETACH_PENDING."""
+    if lease.state is S.DETACH_PENDING:
+        lease = await m._move(lease, S.DETACHING, actor, f"detach retry {lease.detach_attempts + 1}")
+    confirmed = await detach(m, lease)
+    if not confirmed:
+        return await m._move(
+            lease, S.DETACH_PENDING, actor,
+            "the guest did not acknowledge the detach (no DEVICE_REMOVED); GPU stays on vfio-pci",
+            detach_attempts=lease.detach_attempts + 1,
+        )
+    crash_point("after-detach-confirmed")
+    return await give_back_all(m, lease, actor, final, rebind="detach confirmed by DEVICE_REMOVED")
+
+
+async def detach(m: LeaseCore, lease: Lease) -> bool:
+    """Detach every hostdev of the lease that is still attached; True once libvirt confirmed removal."""
+    try:
+        attached = await m.hv.attached_hostdevs(lease.domain_uuid)
+    except NotFound:
+        return True  # the domain is gone: nothing can use the device
+    mine = {a for d in lease.devices for a in d.functions}
+    ours = [h for h in attached if str(h.source) in mine]
+    if not ours:
+        return True
+    asyncio.get_running_loop().call_soon(crash_point, "detach:sent")  # runs at the call's first wait: sent, unacked
+    try:
+        result = await m._timed_hv("detach", m.hv.detach_hostdevs(lease.domain_uuid, ours,
+                                                                  m.policy.detach_timeout_s))
+    except NotFound:
+        return True
+    except HypervisorError as exc:
+        log.warning("detach for lease %s failed: %s", lease.id, exc.message, extra={"lease_id": lease.id})
+        return False
+    return bool(result.confirmed)
+
+
+async def give_back_all(m: LeaseCore, lease: Lease, actor: str, final: LeaseState, rebind: str | None = None) -> Lease:
+    """[REBINDING ->] every function back to its original driver -> `final`; failures quarantine the GPU.
+
+    With `rebind` (the lease is detaching and its detach was confirmed) the REBINDING step is journaled first,
+    with that detail. The journal writes and the give-backs run in their order in one worker hop: the same
+    durable order as a hop each, without the trips through the event loop between them. A give-back that fails
+    sends the rest back through the loop: quarantine, then the final write.
+    """
+    m._still_live(lease)
+    rebinding = lease.transition(S.REBINDING) if rebind is not None else lease
+    devs = [(d, m.gpus[d.gpu_id]) for d in lease.devices if d.gpu_id in m.gpus]
+    done_detail = "every function back on its host driver"
+    timings: list[float] = []
+    results: list[tuple[LeaseDevice, HostOpResult]] = []
+
+    def work() -> tuple[Lease | None, Exception | None]:  # worker thread
+        if rebind is not None:
+            m.journal.record(rebinding, from_state=lease.state, actor=actor, detail=rebind)
+            crash_point("after-rebinding")
+        try:  # from here on REBINDING is in the journal: the loop publishes it whatever happens
+            for dev, gpu in devs:
+                results.append((dev, clocked(timings, m.host.give_back, gpu,
+                                             dict(zip(dev.functions, dev.original_drivers)),
+                                             step_hook("give-back"))))
+            if not all(res.ok for _, res in results):
+                return None, None
+            done = rebinding.transition(final, ended_at=m.clock())
+            m.journal.record(done, from_state=S.REBINDING, actor=actor, detail=done_detail)
+            return done, None
+        except Exception as exc:  # noqa: BLE001  (raised in the loop, after REBINDING is published)
+            return None, exc
+
+    async with m._holding_groups(d.iommu_group for d, _ in devs):
+        done, failed = await m._run(work)
+    for seconds in timings:
+        m._timing("give_back", seconds)
+    if rebind is not None:
+        m._publish(rebinding, rebind)
+    if failed is not None:
+        raise failed
+    if done is not None:
+        m._publish(done, done_detail)
+        crash_point(f"after-{final.value.lower()}")
+    else:
+        notes = []
+        for dev, res in results:
+            if not res.ok:
+                notes.append(f"{dev.gpu_id} did not return to its host driver: {res.error}")
+                await quarantine_gpu(m, dev.gpu_id, f"did not return to its host driver: {res.error}", actor)
+        done = await m._move(rebinding, final, actor, "; ".join(notes) or done_detail, ended_at=m.clock())
+    m._wake_queue.set()
+    return done
+
+
+async def retry_pending(m: LeaseCore, actor: str = "agent") -> None:
+    """Retry detaches that the guest never acknowledged."""
+    for lease in [x for x in m.leases.values() if x.state is S.DETACH_PENDING]:
+        async with m.lease_lock(lease.id):
+            current = m.leases.get(lease.id)
+            if current is not None and current.state is S.DETACH_PENDING:
+                await finish_release(m, current, actor, S.RELEASED)
+
+
+async def expire_due(m: LeaseCore) -> None:
+    """End leases past their TTL and queued requests past not_after."""
+    now = m.clock()
+    for lease in list(m.leases.values()):
+        if lease.state is S.ACTIVE and lease.expires_at is not None and lease.expires_at <= now:
+            await safe(m.release(lease.id, actor="expiry", reason="ttl expired", final=S.EXPIRED))
+        elif lease.state is S.QUEUED and lease.request.not_after is not None and lease.request.not_after <= now:
+            await safe(m.release(lease.id, actor="expiry", reason="not granted before not_after",
+                                 final=S.EXPIRED))
+
+
+async def on_domain_event(m: LeaseCore, kind: str, domain_uuid: str, detail: str | None = None, *,
+                          actor: str = "libvirt", reason: str | None = None) -> None:
+    """React to a domain stopping, crashing or being undefined, and to late DEVICE_REMOVED events.
+
+    `actor` and `reason` say how the stop was learnt: libvirt's event by default; the runtime's re-read after a
+    reconnect passes its own, so the journal and the lease's end_reason tell a stop missed while disconnected
+    from one libvirt reported as it happened.
+    """
+    if kind == "device_removed":
+        for lease in [x for x in m.leases.values() if x.domain_uuid == domain_uuid
+                      and x.state is S.DETACH_PENDING]:
+            async with m.lease_lock(lease.id):
+                current = m.leases.get(lease.id)
+                if current is not None and current.state is S.DETACH_PENDING:
+                    await safe(finish_release(m, current, "libvirt", S.RELEASED))
+        return
+    if kind not in ("stopped", "crashed", "undefined"):
+        return
+    if kind == "stopped" and m.policy.keep_on_domain_stop:
+        return
+    for lease in [x for x in m.leases.values() if x.domain_uuid == domain_uuid]:
+        await safe(m.release(lease.id, actor=actor, reason=reason or f"domain {kind}"))
+
+
+async def safe(aw: Awaitable[Any]) -> Any:
+    """Await a background lease step; a HostAgentError is logged, not raised (None then)."""
+    try:
+        return await aw
+    except HostAgentError as exc:
+        log.warning("background lease step failed: %s", exc.message)
+        return None
