@@ -149,3 +149,30 @@ def write_config(tmp: Path, rig: AgentRig) -> Path:
     path.write_text(f'[agent]\nstate_dir = "{s.state_dir}"\nhost_id = "{s.agent.host_id}"\n'
                     f'[store]\nurl = "{s.store_url}"\n')
     return path
+
+
+async def test_db_export_defaults_to_the_agents_host_and_names_the_others(tmp_path: Path, aiohttp_client: Any,
+                                                                          capsys: Any) -> None:
+    """`hostagent db export` as documented, with only the agent's state directory: the agent's own rows (its host
+    id from the spool, whatever the CLI's hostname), --host for another, --all-hosts for a fleet store."""
+    url = f"sqlite:///{tmp_path / 'usage.sqlite3'}"
+    rig = await start_rig(make_rig(tmp_path, store={"url": url}, agent={"host_id": "rack7-node3"}), aiohttp_client)
+    r = await rig.client.post("/v1/leases", json={"gpus": 1}, headers=rig.auth("vm-a"))
+    assert r.status == 201
+    await settle(rig)
+    from hostagent.store.repo import UsageStore
+
+    other = UsageStore(url, "rack9-node1", spool_path=tmp_path / "other-spool.sqlite3")
+    other.insert_lease({"id": "l-other", "domain_uuid": "u", "state": "ACTIVE", "created_at": time.time(),
+                        "request": {"gpus": 1}})
+    other.close()
+    base = ["db", "export", "leases", "--state-dir", str(rig.settings.state_dir), "--db", url]
+    capsys.readouterr()
+    assert cli_main(base + ["-o", str(tmp_path / "mine.csv")]) == 0
+    assert "exported 1 leases row(s) of host rack7-node3" in capsys.readouterr().err
+    assert (tmp_path / "mine.csv").read_text().count("\n") == 2
+    assert cli_main(base + ["--all-hosts", "-o", str(tmp_path / "all.csv")]) == 0
+    assert "exported 2 leases row(s) of every host" in capsys.readouterr().err
+    assert cli_main(base + ["--host", "nobody", "-o", str(tmp_path / "none.csv")]) == 0
+    err = capsys.readouterr().err
+    assert "exported 0 leases row(s) of host nobody" in err and "rack7-node3 (1)" in err and "rack9-node1 (1)" in err
