@@ -231,6 +231,7 @@ class Runtime:
         spool, has writes set aside, the mirror's last batch failed, or anything waits longer than store.max_lag_s.
         Read on the event loop: no I/O (the mirror measures its backlog after each batch)."""
         st = self.store.status()
+        aside = st["spool_dead"]
         bound = self.settings.store.max_lag_s
         pending, oldest = self.mirror_backlog
         lag = max(0.0, self.clock() - oldest) if oldest is not None else 0.0
@@ -241,8 +242,8 @@ class Runtime:
             problems.append("unreachable: writes go to the local spool")
         elif st["spool_depth"]:
             problems.append(f"{st['spool_depth']} spooled write(s) waiting for replay")
-        if st["set_aside"]:
-            problems.append(f"{st['set_aside']} write(s) refused by the store are set aside (hostagent db rejected)")
+        if aside:
+            problems.append(f"{aside} write(s) refused by the store are set aside (hostagent db rejected)")
         if self.mirror_error:
             problems.append(f"the journal mirror is failing: {self.mirror_error}")
         if lag > bound:
@@ -250,7 +251,7 @@ class Runtime:
         if waited > bound:
             problems.append(f"heartbeat samples have waited {waited:.0f} s to be written (store.max_lag_s {bound:g})")
         return {"ok": not problems, "required": False, "reachable": st["reachable"], "problems": problems,
-                "spool_depth": st["spool_depth"], "set_aside": st["set_aside"], "rows_lost": st["rows_lost"],
+                "spool_depth": st["spool_depth"], "set_aside": aside, "rows_lost": st["rows_lost"],
                 "unmirrored_events": pending, "mirror_lag_s": round(lag, 3), "samples_waiting": waiting,
                 "samples_oldest_s": round(waited, 3), "max_lag_s": bound}
 
@@ -346,6 +347,7 @@ class Runtime:
     def _mirror_batch(self) -> int:
         """One batch of the mirror (worker thread). Writes spool when MySQL is down and set aside what the store
         refuses, so this rarely fails; the backlog left is measured after every batch, failed or not."""
+        moved = -1  # failed
         with self._mirror_lock:
             try:
                 moved = self._mirror_batch_locked()
@@ -357,8 +359,10 @@ class Runtime:
                 return moved
             finally:
                 with contextlib.suppress(Exception):
-                    self.mirror_backlog = self.journal.backlog()
-                    self.store.store.spool.refresh()  # `hostagent db replay` may have emptied it
+                    # an idle batch found nothing unmirrored: no query (the loop runs one every 0.5 s)
+                    self.mirror_backlog = (0, None) if moved == 0 else self.journal.backlog()
+                    if self.store.store.spool.dead:
+                        self.store.store.spool.refresh()  # `hostagent db replay` may have emptied it
 
     def _note_set_aside(self, op: str, payload: Any, rows: int, error: str) -> None:
         """The store refused a write and it was set aside: journal it (so the dashboard and the store's own event

@@ -116,6 +116,11 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:2000]
 
 
+def _storable(op: str, payload: Any) -> Any:
+    """A write's payload as the spool keeps it (JSON): samples as dicts."""
+    return [x.to_dict() if isinstance(x, Sample) else x for x in payload] if op == "samples" else payload
+
+
 def _split(op: str, payload: Any) -> list[tuple[str, Any]] | None:
     """The parts of a write, to find the rows the store refuses (None: one row, nothing to split)."""
     if op == "samples" and len(payload) > 1:
@@ -225,7 +230,7 @@ class UsageStore:
     def status(self) -> dict[str, Any]:
         """Figures for /readyz and metrics."""
         return {"degraded": self.degraded, "reachable": not self._down, "spool_depth": self.spool.depth,
-                "spool_dead": self.spool.dead, "set_aside": self.spool.dead, **self.figures}
+                "spool_dead": self.spool.dead, **self.figures}
 
     def _ensure_schema(self) -> None:
         if self._schema_ready:
@@ -269,8 +274,7 @@ class UsageStore:
             return None
 
     def _spool(self, op: str, payload: Any) -> None:
-        self.spool.append(op, [x.to_dict() if isinstance(x, Sample) else x for x in payload]
-                          if op == "samples" else payload)
+        self.spool.append(op, _storable(op, payload))
         self.figures["ops_spooled"] += 1
 
     def _apply_parts(self, op: str, payload: Any, exc: BaseException, *, in_replay: bool) -> None:
@@ -312,7 +316,7 @@ class UsageStore:
     def _set_aside(self, op: str, payload: Any, exc: BaseException) -> None:
         error = _error_text(exc)
         rows = len(payload) if op == "samples" else 1
-        stored = [x.to_dict() if isinstance(x, Sample) else x for x in payload] if op == "samples" else payload
+        stored = _storable(op, payload)
         if self.spool.set_aside(op, stored, error):
             self.figures["rows_set_aside"] += rows
             log.error("the usage store refused a %s write (%d row(s)); set aside for `hostagent db rejected`: %s",

@@ -161,7 +161,7 @@ def test_a_refused_row_is_set_aside_and_everything_else_is_written(own_url: str,
         assert sorted(r["lease_id"] for r in rows(s, t.lease_events, host_id="h-aside")) == ["L0", "L2"]
         (aside,) = s.rejected()
         assert aside["op"] == "lease_event" and aside["payload"]["actor"] == "guest:vm-bravo"
-        assert "actor" in aside["error"] and s.status()["set_aside"] == 1 and s.figures["rows_set_aside"] == 1
+        assert "actor" in aside["error"] and s.status()["spool_dead"] == 1 and s.figures["rows_set_aside"] == 1
         assert [(op, n) for op, n, _ in noted] == [("lease_event", 1)]
         # later writes keep flowing
         s.mirror([], [journal_event("L2", 4, to_state="RELEASED")], set_aside=True)
@@ -170,7 +170,7 @@ def test_a_refused_row_is_set_aside_and_everything_else_is_written(own_url: str,
         assert s.replay_rejected() == {"stored": 0, "failed": 1, "left": 1, "errors": [
             {"seq": aside["seq"], "op": "lease_event", "error": s.rejected()[0]["error"]}]}
         widen_actor(own_url)
-        assert s.replay_rejected()["stored"] == 1 and s.rejected() == [] and s.status()["set_aside"] == 0
+        assert s.replay_rejected()["stored"] == 1 and s.rejected() == [] and s.status()["spool_dead"] == 0
         assert s.replay_rejected() == {"stored": 0, "failed": 0, "left": 0, "errors": []}
         stored = rows(s, t.lease_events, host_id="h-aside", lease_id="L1")
         assert [r["actor"] for r in stored] == ["guest:vm-bravo"]
