@@ -90,11 +90,14 @@ class LeaseSettings:
     default_duration_s: int = 8 * 3600
     max_duration_s: int = 7 * 24 * 3600
     queue_max: int = 1000
+    queue_max_per_vm: int = 32  # a VM's share of the queue; 0: the whole queue
+    queue_max_wait_s: float = 86400.0  # a queued request without not_after gives up after this long; 0: never
+    guest_max_priority: int = 0  # the highest priority a guest may ask for itself (projects may raise it)
     keep_on_domain_stop: bool = False  # keep leases (and vfio binding) when the VM shuts down; a guest reboot never ends them
     preempt_min_priority: int = 0  # 0: never preempt; else priorities >= this may preempt lower ones
     max_gpus_per_vm: int = 0  # 0: no quota
     max_gpu_hours_per_day_per_vm: float = 0.0  # 0: no quota
-    projects: dict[str, dict[str, Any]] = field(default_factory=dict)  # project -> {domains=[..], max_gpus=N}
+    projects: dict[str, dict[str, Any]] = field(default_factory=dict)  # project -> {domains, max_gpus, ...}
     numa_policy: str = "preferred"  # required | preferred | any, for multi-GPU requests
     journal_retention_days: int = 90  # ended leases (and their events) kept in the journal; 0: forever
 
@@ -300,6 +303,34 @@ def _check_cross(s: Settings) -> None:
         raise ConfigError(
             "leases.default_duration_s must not exceed leases.max_duration_s", field="leases.default_duration_s"
         )
+    for key in ("queue_max_per_vm", "queue_max_wait_s", "max_gpus_per_vm", "max_gpu_hours_per_day_per_vm"):
+        if getattr(s.leases, key) < 0:
+            raise ConfigError(f"leases.{key}: must be 0 (no limit) or more", field=f"leases.{key}")
+    if not -1000 <= s.leases.guest_max_priority <= 1000:
+        raise ConfigError("leases.guest_max_priority: must be -1000..1000", field="leases.guest_max_priority")
+    _check_projects(s.leases.projects)
+
+
+PROJECT_KEYS = {"domains": list, "max_gpus": int, "max_gpu_hours_per_day": (int, float), "max_priority": int}
+
+
+def _check_projects(projects: dict[str, Any]) -> None:
+    """Each [leases.projects.NAME] table: known keys of the right types (a typo must not silently drop a quota)."""
+    for name, p in projects.items():
+        where = f"leases.projects.{name}"
+        if not isinstance(p, dict):
+            raise ConfigError(f"{where}: must be a table", field=where)
+        for key, value in p.items():
+            want = PROJECT_KEYS.get(key)
+            if want is None:
+                raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(sorted(PROJECT_KEYS))})",
+                                  field=f"{where}.{key}")
+            if isinstance(value, bool) or not isinstance(value, want):
+                raise ConfigError(f"{where}.{key}: wrong type", field=f"{where}.{key}")
+            if key != "domains" and key != "max_priority" and value < 0:
+                raise ConfigError(f"{where}.{key}: must be 0 (no limit) or more", field=f"{where}.{key}")
+        if p.get("max_priority") is not None and not -1000 <= p["max_priority"] <= 1000:
+            raise ConfigError(f"{where}.max_priority: must be -1000..1000", field=f"{where}.max_priority")
 
 
 def settings_to_dict(s: Settings) -> dict[str, Any]:

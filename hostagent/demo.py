@@ -68,7 +68,7 @@ def prepare_demo(state_dir: Path, *, scenario: str = "demo16", db: str | None = 
 
 def run_demo(args: argparse.Namespace) -> int:
     """Prepare the demo host, print how to use it, and serve until interrupted."""
-    from hostagent.web.serve import serve
+    from hostagent.runtime import serve
 
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="hostagent-demo-"))
     settings, creds = prepare_demo(state_dir.resolve(), scenario=args.scenario, db=args.db, port=args.port,

@@ -79,7 +79,8 @@ def lease_policy(settings: Settings) -> LeasePolicy:
     """LeasePolicy from settings."""
     lz = settings.leases
     projects = tuple(
-        (name, Quota(int(p.get("max_gpus", 0)), float(p.get("max_gpu_hours_per_day", 0))),
+        (name, Quota(int(p.get("max_gpus", 0)), float(p.get("max_gpu_hours_per_day", 0)),
+                     int(p["max_priority"]) if p.get("max_priority") is not None else None),
          tuple(str(d) for d in p.get("domains", ())))
         for name, p in lz.projects.items()
     )
@@ -89,7 +90,8 @@ def lease_policy(settings: Settings) -> LeasePolicy:
         detach_retries=settings.libvirt.detach_retries, guest_bus=settings.libvirt.guest_bus,
         rom_bar_off=settings.host.rom_bar_off, driver_vfio=settings.host.driver_vfio,
         guest_layout=settings.host.guest_layout,
-        vm_quota=Quota(lz.max_gpus_per_vm, lz.max_gpu_hours_per_day_per_vm), project_quotas=projects,
+        vm_quota=Quota(lz.max_gpus_per_vm, lz.max_gpu_hours_per_day_per_vm, lz.guest_max_priority),
+        project_quotas=projects, queue_max_per_vm=lz.queue_max_per_vm, queue_max_wait_s=lz.queue_max_wait_s,
         pinned=frozenset(settings.host.pinned),
     )
 
@@ -588,4 +590,11 @@ def make_app(runtime: Runtime) -> web.Application:
     return app
 
 
-__all__ = ["Runtime", "build_runtime", "lease_view", "make_app"]
+def serve(settings: Settings, *, banner: str | None = None) -> int:
+    """Build the agent from settings and serve it until SIGTERM/SIGINT (``hostagent serve``, the demo)."""
+    from hostagent.web import serve as server
+
+    return server.serve(settings, lambda: make_app(build_runtime(settings)), banner=banner)
+
+
+__all__ = ["Runtime", "build_runtime", "lease_view", "make_app", "serve"]

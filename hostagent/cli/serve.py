@@ -13,7 +13,7 @@ from hostagent.cli.common import add_common_options, settings_for
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the agent (systemd starts this)."""
-    from hostagent.web.serve import serve
+    from hostagent.runtime import serve
 
     return serve(settings_for(args))
 

@@ -116,3 +116,12 @@ class Overloaded(HostAgentError):
     code = "overloaded"
     http_status = 503
     retryable = True
+
+
+class TooManyRequests(HostAgentError):
+    """One tenant or source asked for more than its share (a per-VM, per-token or per-address limit); the others
+    are unaffected. The client should retry after `retry_after` seconds."""
+
+    code = "rate_limited"
+    http_status = 429
+    retryable = True

@@ -371,8 +371,8 @@ class Waiting:
 
 
 def queue_order(waiting: Iterable[Waiting]) -> list[Waiting]:
-    """Serve order: higher priority first, then older."""
-    return sorted(waiting, key=lambda w: (-w.priority, w.queued_at, w.lease_id))
+    """Serve order: higher priority first, then older; equal times keep the order given (request order)."""
+    return sorted(waiting, key=lambda w: (-w.priority, w.queued_at))
 
 
 def arbitrate(request: LeaseRequest, free: int, feasible_total: int, waiting: Sequence[Waiting]) -> Arbitration:
@@ -423,33 +423,12 @@ def estimate_eta(now: float, free: int, busy_until: Sequence[float], ahead: Sequ
 
 @dataclass(frozen=True, slots=True)
 class Quota:
-    """Per-VM / per-project limits (0 means none)."""
+    """Per-VM / per-project limits (0 means none). `max_priority`: the highest priority a guest in this class may
+    ask for itself (None: the class sets none; a higher request is capped to the highest any of its classes allows)."""
 
     max_gpus: int = 0
     max_gpu_hours_per_day: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class QuotaUse:
-    """What a VM or project holds now and used in the last day."""
-
-    gpus_held: int = 0
-    gpu_hours_today: float = 0.0
-
-
-def check_quota(who: str, quota: Quota, use: QuotaUse, request: LeaseRequest) -> None:
-    """Raise Conflict when the request would exceed a quota."""
-    if quota.max_gpus and use.gpus_held + request.gpus > quota.max_gpus and not (
-        request.accept_partial and use.gpus_held < quota.max_gpus
-    ):
-        raise Conflict(
-            f"quota: {who} may hold at most {quota.max_gpus} GPU(s) and holds {use.gpus_held}", field="gpus",
-        )
-    if quota.max_gpu_hours_per_day and use.gpu_hours_today >= quota.max_gpu_hours_per_day:
-        raise Conflict(
-            f"quota: {who} used {use.gpu_hours_today:.1f} of {quota.max_gpu_hours_per_day:g} GPU-hours today",
-            field="gpus",
-        )
+    max_priority: int | None = None
 
 
 def new_lease(lease_id: str, domain_uuid: str, domain_name: str, request: LeaseRequest, now: float) -> Lease:
@@ -459,7 +438,7 @@ def new_lease(lease_id: str, domain_uuid: str, domain_name: str, request: LeaseR
 
 
 __all__ = [
-    "Arbitration", "Lease", "LeaseDevice", "LeaseRequest", "LeaseState", "Quota", "QuotaUse", "TRANSITIONS",
-    "Verdict", "Waiting", "arbitrate", "check_quota", "check_transition", "estimate_eta", "new_lease",
+    "Arbitration", "Lease", "LeaseDevice", "LeaseRequest", "LeaseState", "Quota", "TRANSITIONS",
+    "Verdict", "Waiting", "arbitrate", "check_transition", "estimate_eta", "new_lease",
     "parse_lease_request", "queue_order",
 ]

@@ -17,7 +17,7 @@ from hostagent.guest.errors import ApiError, HostUnreachable
 
 log = logging.getLogger("hostagent.guest.client")
 
-RETRY_STATUSES = frozenset({502, 503, 504})
+RETRY_STATUSES = frozenset({429, 502, 503, 504})  # 429: this tenant asked for more than its share; wait
 
 
 def ssl_context(ca_file: str | None, insecure: bool) -> ssl.SSLContext | bool:
@@ -75,7 +75,7 @@ class HostClient:
         return float(min(self.backoff_max_s, 0.5 * 2.0 ** attempt) * random.uniform(0.5, 1.0))
 
     async def request(self, method: str, path: str, body: Any = None, *, retries: int | None = None) -> tuple[int, Any]:
-        """Send one API call; retry connection failures and 502/503/504; raise ApiError / HostUnreachable."""
+        """Send one API call; retry connection failures and 429/502/503/504; raise ApiError / HostUnreachable."""
         if self._session is None:
             raise RuntimeError("HostClient used outside `async with`")
         retries = self.retries if retries is None else retries

@@ -52,6 +52,7 @@ _HINTS = {
     409: "the host agent refused",
     413: "the request was too large for the host agent (lower batch_max)",
     415: "the host agent only accepts application/json bodies",
+    429: "this VM asked for more than its share (see the message); retry later",
     500: "the host agent failed (see its log)",
     503: "the host agent is overloaded or its hypervisor is unavailable",
 }

@@ -1,5 +1,7 @@
-"""The grant path: from a request to an ACTIVE lease. Which GPUs could serve a request (`feasible`, `is_free`) and
-the quotas it must fit (`check_quotas`); the arbitration into a grant, the queue or a refusal (`request_lease`);
+"""The grant path: from a request to an ACTIVE lease. Which GPUs could serve a request (`feasible`, `is_free`); the
+decision, under the decide lock, into a grant, the queue or a refusal, idempotent by key even for concurrent
+duplicates, capped by the tenant's quotas and priority policy (:mod:`hostagent.services.admission`), a request
+starting ahead of queued ones only where it cannot delay the head (`backfill_room`, `head_shadow`);
 placement and the BINDING claim with the original drivers (`claim`); every device onto vfio-pci with the ATTACHING
 write, the attach and its verification (`bind_and_attach`, `bind_all`); and the rollback of a failed grant to
 FAILED, every device given back or else quarantined (`rollback`). The queue grants through the same `claim` and
@@ -8,33 +10,37 @@ FAILED, every device given back or else quarantined (`rollback`). The queue gran
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from hostagent.domain.admission import Shadow, may_backfill, shadow
 from hostagent.domain.errors import Conflict, HostAgentError, HostError, InvalidInput
 from hostagent.domain.hostdev import HostdevPci, free_guest_slots
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import (
+    Arbitration,
     Lease,
     LeaseDevice,
     LeaseRequest,
     LeaseState,
-    QuotaUse,
     Step,
     Verdict,
     Waiting,
     arbitrate,
-    check_quota,
     new_lease,
 )
+from hostagent.services.admission import apply_priority_policy, check_queue_share, quota_cap_for
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import LOGGER, LeaseCore, clocked, guest_addr, render_hostdevs, step_hook
 from hostagent.services.ports import HostOpResult
 from hostagent.services.quarantine import quarantine_gpu
 
 log = logging.getLogger(LOGGER)
+BACKFILL_DEPTH = 64  # queued requests looked at per decision (the head, then backfill candidates): bounded work
 
 S = LeaseState
 
@@ -60,68 +66,166 @@ def is_free(m: LeaseCore, gpu_id: str) -> bool:
     return gpu_id not in m.claims and gpu_id not in m.quarantined and gpu_id not in m.attention
 
 
-def check_quotas(m: LeaseCore, domain_uuid: str, domain_name: str, request: LeaseRequest) -> None:
-    """Raise when the request would take the VM, or a project the VM is in, past its quota."""
-    now = m.clock()
-    mine = [x for x in m.leases.values() if x.domain_uuid == domain_uuid and x.state.holds_devices]
-    held = sum(len(x.devices) for x in mine)
-    hours = sum(len(x.devices) * max(0.0, now - max(x.granted_at or now, now - 86400)) / 3600 for x in mine)
-    check_quota(f"VM {domain_name}", m.policy.vm_quota, QuotaUse(held, hours), request)
-    for project, quota, members in m.policy.project_quotas:
-        if domain_uuid in members or domain_name in members:
-            uuids = {x.domain_uuid for x in m.leases.values() if x.domain_uuid in members or x.domain_name in members}
-            pl = [x for x in m.leases.values() if x.domain_uuid in uuids and x.state.holds_devices]
-            check_quota(f"project {project}", quota, QuotaUse(sum(len(x.devices) for x in pl)), request)
+async def request_lease(m: LeaseCore, domain_uuid: str, request: LeaseRequest, *, actor: str,
+                        trusted: bool = False) -> Lease:
+    """POST /v1/leases: grant (ACTIVE), queue (QUEUED) or refuse (Conflict). `trusted`: an operator asks (the
+    priority policy does not cap it).
 
-
-async def request_lease(m: LeaseCore, domain_uuid: str, request: LeaseRequest, *, actor: str) -> Lease:
-    """POST /v1/leases: grant (ACTIVE), queue (QUEUED) or refuse (Conflict). Idempotent by key."""
-    if request.idempotency_key:
-        earlier = await m._run(m.journal.by_idempotency_key, domain_uuid, request.idempotency_key)
-        if earlier is not None:
-            if earlier.request != request:
-                raise Conflict("idempotency_key was used before with a different request", field="idempotency_key")
-            return m.leases.get(earlier.id, earlier)
+    Idempotent by key, under concurrency: the key is looked up under the decide lock, and a request whose key is
+    being decided right now waits for that decision and answers with the same lease, or the same refusal."""
     dom = await m.hv.get_domain(domain_uuid)
     if request.duration_s is not None and request.duration_s > m.policy.max_duration_s:
         raise InvalidInput(f"duration_s exceeds the maximum of {m.policy.max_duration_s}", field="duration_s")
-    now = m.clock()
+    request, capped = apply_priority_policy(m, dom.uuid, dom.name, request, trusted=trusted)
+    key = (dom.uuid, request.idempotency_key) if request.idempotency_key else None
+    if key is None:
+        return await _decide_and_grant(m, dom.uuid, dom.name, request, actor, capped)
     async with m._decide:
-        check_quotas(m, dom.uuid, dom.name, request)
+        pending = m._idem_inflight.get(key)
+        if pending is None:
+            earlier = await m._run(m.journal.by_idempotency_key, dom.uuid, request.idempotency_key)
+            if earlier is not None:
+                return _same_request(m, earlier, request)
+            decided: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+            m._idem_inflight[key] = decided
+    if pending is not None:
+        try:
+            return _same_request(m, await asyncio.shield(pending), request)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if pending.cancelled() and not (task is not None and task.cancelling()):
+                # the first request was cancelled before it decided: this one decides instead
+                return await request_lease(m, domain_uuid, request, actor=actor, trusted=trusted)
+            raise
+    try:
+        lease = await _decide_and_grant(m, dom.uuid, dom.name, request, actor, capped)
+    except Exception as exc:
+        decided.set_exception(exc)
+        decided.exception()  # retrieved: a key nobody else waits on must not log "never retrieved"
+        raise
+    except BaseException:
+        decided.cancel()
+        raise
+    else:
+        decided.set_result(lease)
+    finally:
+        m._idem_inflight.pop(key, None)
+    return lease
+
+
+def _same_request(m: LeaseCore, earlier: Lease, request: LeaseRequest) -> Lease:
+    """The lease an earlier request with the same key made, if it asked the same; else a Conflict."""
+    if earlier.request != request:
+        raise Conflict("idempotency_key was used before with a different request", field="idempotency_key")
+    return m.leases.get(earlier.id, earlier)
+
+
+async def _decide_and_grant(m: LeaseCore, domain_uuid: str, domain_name: str, request: LeaseRequest, actor: str,
+                            capped: str | None) -> Lease:
+    """Arbitrate under the decide lock (quotas, the queue, backfilling), then bind and attach outside it."""
+    now = m.clock()
+    notes = (capped,) if capped else ()
+    async with m._decide:
+        cap = quota_cap_for(m, domain_uuid, domain_name, request)
         # The new lease is journaled with its first real step (QUEUED, BINDING or FAILED): one fsync, and a
         # crash before it leaves nothing to repair because nothing was done yet.
-        lease = new_lease(f"l-{uuid.uuid4().hex[:12]}", dom.uuid, dom.name, request, now)
+        lease = new_lease(f"l-{uuid.uuid4().hex[:12]}", domain_uuid, domain_name, request, now)
         born = (Step(None, S.REQUESTED, "requested"),)
         candidates = feasible(m, request)
         free = [g for g in candidates if is_free(m, g.id)]
         waiting = [Waiting(x.id, x.request.priority, x.queued_at or x.created_at, x.request.gpus)
                    for x in m.leases.values() if x.state is S.QUEUED]
-        verdict = arbitrate(request, len(free), len(candidates), waiting)
+        asked = request if cap == request.gpus else dataclasses.replace(request, gpus=cap)
+        verdict = arbitrate(asked, len(free), len(candidates), waiting)
+        why = verdict.reason if cap == request.gpus else f"{verdict.reason} (the quota leaves {cap})"
+        if waiting and verdict.verdict in (Verdict.DEFER, Verdict.REFUSE):
+            room = backfill_room(m, asked, free, now, head_shadow(m, now))
+            if room is not None:
+                free, why = room
+                count = min(cap, len(free))
+                verdict = Arbitration(Verdict.GRANT if count == request.gpus else Verdict.PARTIAL, count, why)
         if verdict.verdict is Verdict.REFUSE:
             raise Conflict(verdict.reason, field="gpus")
         if verdict.verdict is Verdict.DEFER:
-            if len(waiting) >= m.policy.queue_max:
-                raise Conflict("the lease queue is full; retry later", field="accept_deferred")
-            lease = await m._move(lease, S.QUEUED, actor, verdict.reason, earlier=born, queued_at=now,
-                                  reasons=(verdict.reason,))
-            m._wake_queue.set()
-            return lease
+            return await _enqueue(m, lease, born, actor, why, waiting, (*notes, why))
         try:
-            lease = await claim(m, lease, free, verdict.count, actor, verdict.reason, born)
+            lease = await claim(m, lease, free, verdict.count, actor, why, born, notes=notes)
         except Conflict as exc:  # placement found no acceptable set (e.g. numa_policy=required)
             if request.accept_deferred and len(waiting) < m.policy.queue_max:
-                lease = await m._move(lease, S.QUEUED, actor, f"placement: {exc.message}", earlier=born,
-                                      queued_at=now, reasons=(exc.message,))
-                m._wake_queue.set()
-                return lease
+                return await _enqueue(m, lease, born, actor, f"placement: {exc.message}", waiting,
+                                      (*notes, exc.message))
             await m._move(lease, S.FAILED, actor, "placement refused", error=exc.message, earlier=born,
                           ended_at=m.clock(), end_reason="refused")
             raise
     return await bind_and_attach(m, lease, actor)
 
 
+async def _enqueue(m: LeaseCore, lease: Lease, born: Sequence[Step], actor: str, why: str,
+                   waiting: Sequence[Waiting], reasons: Sequence[str]) -> Lease:
+    """QUEUED, within the queue's bounds: the whole queue's, and this VM's share of it."""
+    if len(waiting) >= m.policy.queue_max:
+        raise Conflict("the lease queue is full; retry later", field="accept_deferred")
+    check_queue_share(m, lease.domain_uuid, lease.domain_name)
+    lease = await m._move(lease, S.QUEUED, actor, why, earlier=born, queued_at=m.clock(), reasons=tuple(reasons))
+    m._wake_queue.set()
+    return lease
+
+
+def backfill_room(m: LeaseCore, request: LeaseRequest, free: Sequence[Gpu], now: float,
+                  hs: tuple[Lease, frozenset[str], Shadow] | None) -> tuple[list[Gpu], str] | None:
+    """The free GPUs a request may start on now although requests are queued, without delaying the head of the
+    queue (EASY backfilling), and the reason; None when it must wait. It may use every free GPU the head could
+    never use; of those the head could use, all when it ends before the head's predicted start, else only those
+    the head will not need then. `hs`: the head and its shadow (:func:`head_shadow`)."""
+    if hs is None:
+        return None
+    head, head_ids, sh = hs
+    outside = [g for g in free if g.id not in head_ids]
+    inside = [g for g in free if g.id in head_ids]
+    duration = request.duration_s or m.policy.default_duration_s
+    if may_backfill(sh, now, duration):
+        room, how = outside + inside, f"ends before the head of the queue ({head.id}) can start"
+    else:
+        room, how = outside + inside[:max(0, sh.extra)], f"on GPUs the head of the queue ({head.id}) will not need"
+    if not room or (len(room) < request.gpus and not request.accept_partial):
+        return None
+    return room, f"backfilled: {how}"
+
+
+def queued_in_order(m: LeaseCore) -> list[Lease]:
+    """Queued leases in serve order: higher priority first, then older; among equal times, the one requested
+    first (`m.leases` keeps request order, and the sort is stable)."""
+    return sorted((x for x in m.leases.values() if x.state is S.QUEUED),
+                  key=lambda x: (-x.request.priority, x.queued_at or x.created_at))
+
+
+def quota_allows(m: LeaseCore, lease: Lease) -> int:
+    """How many GPUs a queued lease's quotas let it take now (0: its tenant is at a quota; it waits without
+    holding anyone up)."""
+    try:
+        return quota_cap_for(m, lease.domain_uuid, lease.domain_name, lease.request, exclude=lease.id)
+    except Conflict:
+        return 0
+
+
+def head_shadow(m: LeaseCore, now: float, order: Sequence[Lease] | None = None
+                ) -> tuple[Lease, frozenset[str], Shadow] | None:
+    """The head of the queue (the first queued lease its quotas let start), the GPUs it could use, and its
+    shadow (predicted start, spare GPUs then); None when no queued lease could start."""
+    head = next((x for x in (queued_in_order(m) if order is None else order)[:BACKFILL_DEPTH]
+                 if quota_allows(m, x)), None)
+    if head is None:
+        return None
+    usable = feasible(m, head.request)
+    ids = frozenset(g.id for g in usable)
+    free = sum(1 for g in usable if is_free(m, g.id))
+    ends = [x.expected_end or now + m.policy.default_duration_s
+            for x in m.leases.values() if x.state.holds_devices for gid in x.gpu_ids if gid in ids]
+    return head, ids, shadow(now, free, ends, head.request.gpus)
+
+
 async def claim(m: LeaseCore, lease: Lease, free: Sequence[Gpu], count: int, actor: str, why: str,
-                earlier: Sequence[Step] = ()) -> Lease:
+                earlier: Sequence[Step] = (), *, notes: Sequence[str] = ()) -> Lease:
     """Place, claim devices in memory and journal BINDING with the original drivers (under the decide lock)."""
     placement = m.place(lease.request, free, count, lease.domain_uuid)
     chosen = [m.gpus[i] for i in placement.gpu_ids]
@@ -141,7 +245,7 @@ async def claim(m: LeaseCore, lease: Lease, free: Sequence[Gpu], count: int, act
 
     try:
         duration = lease.request.duration_s or m.policy.default_duration_s
-        reasons = (why, *placement.reasons)
+        reasons = (*notes, why, *placement.reasons)
         record = {"rule": placement.rule, "candidates": [dict(c) for c in placement.candidates],
                   "dropped": [dict(d) for d in placement.dropped], "distance": placement.distance}
         # the original drivers are read in the BINDING write's own worker hop (one hop for both)

@@ -1,78 +1,144 @@
-"""The lease queue: deferred requests (QUEUED leases) in serve order, priority then age (`in_order`, `position`), the
-expected grant time of one (`eta`), and granting from the head while devices allow, nothing jumping a head that
-must wait (`drain`), run by the background task that wakes whenever devices may have freed (`run`). A grant from the
+"""The lease queue: deferred requests (QUEUED leases) in serve order, priority then age (`in_order`), every queued
+lease's position and expected grant time computed once per change (`view`, `position`, `eta`), and granting from
+the head while devices allow, backfilling behind a head that must wait only what cannot delay it (`drain`), run by
+the background task that wakes whenever devices may have freed (`run`). A grant from the
 queue goes through the grant path's `claim` and `bind_and_attach`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from hostagent.domain.errors import Conflict
-from hostagent.domain.lease import Lease, LeaseState, Waiting, estimate_eta, queue_order
-from hostagent.services.grant_path import bind_and_attach, claim, feasible, is_free
+from hostagent.domain.inventory import Gpu
+from hostagent.domain.lease import Lease, LeaseState
+from hostagent.services.grant_path import (
+    BACKFILL_DEPTH,
+    backfill_room,
+    bind_and_attach,
+    claim,
+    feasible,
+    head_shadow,
+    is_free,
+    queued_in_order,
+    quota_allows,
+)
 from hostagent.services.lease_types import LOGGER, LeaseCore
 
 log = logging.getLogger(LOGGER)
+VIEW_MAX_AGE_S = 1.0  # queue positions and ETAs are recomputed at least this often (ETAs move with the clock)
 
 S = LeaseState
 
 
 def in_order(m: LeaseCore) -> list[Lease]:
     """Queued leases in serve order."""
-    waiting = {x.id: x for x in m.leases.values() if x.state is S.QUEUED}
-    order = queue_order(Waiting(x.id, x.request.priority, x.queued_at or x.created_at, x.request.gpus)
-                        for x in waiting.values())
-    return [waiting[w.lease_id] for w in order]
+    return queued_in_order(m)
+
+
+def view(m: LeaseCore) -> dict[str, tuple[int, float | None]]:
+    """Every queued lease's 1-based position and expected grant time, computed once per change of the leases
+    (any journaled step, a quarantine) and reused by every read until the next: listing a long queue costs one
+    sort and one sweep per group of leases that could use the same GPUs, not one per lease."""
+    key = (m.step_count, len(m.quarantined), len(m.attention))
+    cached = m.queue_cache
+    if cached is not None and cached[0] == key and m.clock() - cached[1] < VIEW_MAX_AGE_S:
+        return cached[2]
+    now = m.clock()
+    order = in_order(m)
+    out: dict[str, tuple[int, float | None]] = {}
+    groups: dict[frozenset[str], list[float]] = {}  # usable GPUs -> when each frees (now for a free one), sorted
+    cursor: dict[frozenset[str], tuple[int, float]] = {}
+    ends_of = {gid: x.expected_end or now + m.policy.default_duration_s
+               for x in m.leases.values() if x.state.holds_devices for gid in x.gpu_ids}
+    for pos, lease in enumerate(order, start=1):
+        usable = frozenset(g.id for g in feasible(m, lease.request))
+        if usable not in groups:
+            groups[usable] = sorted(now if is_free(m, gid) else max(now, ends_of.get(gid, now)) for gid in usable)
+            ahead = [x.request.gpus for x in order[:pos - 1]]
+            cursor[usable] = _consume(groups[usable], (0, now), ahead)
+        pool = groups[usable]
+        at, t = cursor[usable]
+        n = lease.request.gpus
+        eta = None if at + n > len(pool) else max(t, pool[at + n - 1])
+        out[lease.id] = (pos, eta)
+        for other in groups:  # this lease takes its GPUs before anyone behind it, in every group
+            cursor[other] = _consume(groups[other], cursor[other], [n])
+    m.queue_cache = (key, now, out)
+    return out
+
+
+def _consume(pool: list[float], state: tuple[int, float], takes: list[int]) -> tuple[int, float]:
+    """Walk a sorted pool of free-at times: each request takes the next `n` (see domain.lease.estimate_eta)."""
+    at, t = state
+    for n in takes:
+        if at + n > len(pool):
+            return len(pool) + 1, t
+        t = max(t, pool[at + n - 1])
+        at += n
+    return at, t
 
 
 def position(m: LeaseCore, lease: Lease) -> int | None:
     """1-based position in the queue."""
-    for i, x in enumerate(in_order(m), start=1):
-        if x.id == lease.id:
-            return i
-    return None
+    got = view(m).get(lease.id)
+    return got[0] if got else None
 
 
 def eta(m: LeaseCore, lease: Lease) -> float | None:
     """Expected grant time of a queued lease."""
-    q = in_order(m)
-    ahead: list[int] = []
-    for x in q:
-        if x.id == lease.id:
-            break
-        ahead.append(x.request.gpus)
-    candidates = feasible(m, lease.request)
-    free = sum(1 for g in candidates if is_free(m, g.id))
-    ends = [x.expected_end or m.clock() + m.policy.default_duration_s
-            for x in m.leases.values() if x.state.holds_devices
-            for gid in x.gpu_ids if gid in {g.id for g in candidates}]
-    return estimate_eta(m.clock(), free, ends, ahead, lease.request.gpus)
+    got = view(m).get(lease.id)
+    return got[1] if got else None
 
 
 async def drain(m: LeaseCore) -> list[Lease]:
-    """Grant queued requests, in priority-then-age order, while devices allow."""
+    """Grant queued requests while devices allow: the head of the queue first (in priority-then-age order, past
+    any whose tenant is at its quota), then any request behind it that can start now without delaying the head's
+    predicted start (EASY backfilling). Each grant is re-checked against the tenant's quotas, and a partial grant
+    is capped to what they leave."""
     granted = []
     while True:
         async with m._decide:
-            head = next(iter(in_order(m)), None)
-            if head is None:
+            pick = _next_grant(m)
+            if pick is None:
                 return granted
-            free = [g for g in feasible(m, head.request) if is_free(m, g.id)]
-            need = head.request.gpus
-            if len(free) < need and not (head.request.accept_partial and free):
-                return granted  # the head waits; nothing jumps it
-            count = min(need, len(free))
+            head, free, count, why = pick
             async with m.lease_lock(head.id):  # a concurrent release of the queued lease wins cleanly
                 current = m.leases.get(head.id)
                 if current is None or current.state is not S.QUEUED:
                     continue
+                waited = m.clock() - (current.queued_at or current.created_at)
                 try:
                     lease = await claim(m, current, free, count, "queue",
-                                        f"granted from the queue after {m.clock() - (current.queued_at or current.created_at):.0f} s")
+                                        f"granted from the queue after {waited:.0f} s" + (f"; {why}" if why else ""))
                 except Conflict:
-                    return granted  # no acceptable set yet (e.g. numa_policy=required): the head keeps waiting
+                    return granted  # no acceptable set yet (e.g. numa_policy=required): it keeps waiting
         granted.append(await bind_and_attach(m, lease, "queue"))
+
+
+def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None:
+    """The queued lease to grant now, the GPUs it may use, how many, and why it may start ahead of the head."""
+    now = m.clock()
+    order = in_order(m)[:BACKFILL_DEPTH]
+    hs = head_shadow(m, now, order)
+    if hs is None:
+        return None
+    head = hs[0]
+    for x in order[order.index(head):]:
+        allowed = quota_allows(m, x)
+        if not allowed:
+            continue
+        free = [g for g in feasible(m, x.request) if is_free(m, g.id)]
+        need = min(x.request.gpus, allowed)
+        if x is head:
+            if len(free) >= need or (x.request.accept_partial and free):
+                return x, free, min(need, len(free)), None
+            continue  # the head waits; only what cannot delay it may start
+        room = backfill_room(m, dataclasses.replace(x.request, gpus=need), free, now, hs)
+        if room is not None:
+            return x, room[0], min(need, len(room[0])), room[1]
+    return None
 
 
 async def run(m: LeaseCore) -> None:

@@ -15,6 +15,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from hostagent.domain.admission import Ledger
 from hostagent.domain.hostdev import HostdevPci, alias_for, hostdevs_for_gpu
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Quota, Step
@@ -46,6 +47,8 @@ class LeasePolicy:
     guest_layout: str = "auto"  # auto | multifunction | per-function
     vm_quota: Quota = Quota()
     project_quotas: tuple[tuple[str, Quota, tuple[str, ...]], ...] = ()  # (project, quota, domain uuids/names)
+    queue_max_per_vm: int = 0  # a VM's share of the queue (0: the whole queue)
+    queue_max_wait_s: float = 0.0  # a queued request without not_after gives up after this long (0: never)
     pinned: frozenset[str] = frozenset()
 
 
@@ -114,8 +117,12 @@ class LeaseCore(Protocol):
     quarantined: dict[str, str]
     listeners: list[Listener]
     _run: Callable[..., Awaitable[Any]]  # a blocking call in a worker thread
+    ledger: Ledger  # ended leases of the last day (GPU-hours quotas)
+    step_count: int  # journaled steps published so far: a change of any lease
+    queue_cache: tuple[Any, float, dict[str, tuple[int, float | None]]] | None  # see lease_queue.view
     _decide: asyncio.Lock
     _wake_queue: asyncio.Event
+    _idem_inflight: dict[tuple[str, str], asyncio.Future[Lease]]  # requests being decided, by (VM, key)
 
     def get(self, lease_id: str, *, domain_uuid: str | None = None) -> Lease: ...
 

@@ -20,8 +20,10 @@ from typing import Any
 
 from hostagent.domain.errors import Conflict, Forbidden, InvalidInput, InvalidTransition, NotFound
 from hostagent.domain.inventory import Gpu, GpuState
+from hostagent.domain.admission import DAY_S, LEDGER_MAX, Ledger
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Step
 from hostagent.services import grant_path, lease_queue, quarantine, release_path
+from hostagent.services.admission import queue_deadline
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import (
     ANY_HOST_DRIVER,
@@ -93,6 +95,10 @@ class LeaseManager:
         self.claims: dict[str, str] = {}  # gpu_id -> lease_id
         self.attention: dict[str, str] = {}  # gpu_id -> why an operator must look (found attached without lease)
         self._decide = asyncio.Lock()
+        self._idem_inflight: dict[tuple[str, str], asyncio.Future[Lease]] = {}
+        self.ledger = Ledger()
+        self.step_count = 0
+        self.queue_cache: tuple[Any, float, dict[str, tuple[int, float | None]]] | None = None
         self._group_locks: dict[int, asyncio.Lock] = {}
         self._lease_locks: dict[str, asyncio.Lock] = {}
         self.listeners: list[Listener] = []
@@ -154,7 +160,10 @@ class LeaseManager:
 
     def _publish(self, lease: Lease, detail: str | None) -> None:
         """A journaled step, in memory (an ended lease leaves, with its claims) and to the listeners."""
+        self.step_count += 1
         if lease.state.terminal:
+            if lease.id in self.leases:
+                self.ledger.add(lease)
             self.leases.pop(lease.id, None)
             self._lease_locks.pop(lease.id, None)
             for gid in lease.gpu_ids:
@@ -186,9 +195,12 @@ class LeaseManager:
     async def load(self) -> None:
         """Restore live leases and quarantines from the journal (reconcile then repairs reality)."""
         live = await self._run(self.journal.live_leases)
-        self.leases = {x.id: x for x in live}
+        self.leases = {x.id: x for x in reversed(live)}  # oldest first: the queue's order among equal times
         self.claims = {gid: x.id for x in live if x.state.holds_devices for gid in x.gpu_ids}
         self.quarantined = await self._run(self.journal.quarantined)
+        ended = await self._run(functools.partial(self.journal.leases, states=[s for s in S if s.terminal],
+                                                  since=self.clock() - DAY_S, limit=LEDGER_MAX))
+        self.ledger.load(ended)
 
     # -- views ---------------------------------------------------------------------------------------------------
     def gpu_state(self, gpu_id: str) -> GpuState:
@@ -266,9 +278,10 @@ class LeaseManager:
 
     # -- the grant path (grant_path.py) --------------------------------------------------------------------------
     @_agent_side
-    async def request(self, domain_uuid: str, request: LeaseRequest, *, actor: str) -> Lease:
-        """Handle POST /v1/leases: grant (ACTIVE), queue (QUEUED) or refuse (Conflict). Idempotent by key."""
-        return await grant_path.request_lease(self, domain_uuid, request, actor=actor)
+    async def request(self, domain_uuid: str, request: LeaseRequest, *, actor: str, trusted: bool = False) -> Lease:
+        """Handle POST /v1/leases: grant (ACTIVE), queue (QUEUED) or refuse (Conflict). Idempotent by key, also
+        for concurrent duplicates. `trusted`: an operator asks, so the guests' priority policy does not cap it."""
+        return await grant_path.request_lease(self, domain_uuid, request, actor=actor, trusted=trusted)
 
     # -- the release path (release_path.py) ----------------------------------------------------------------------
     @_agent_side
@@ -389,7 +402,8 @@ def lease_view(lease: Lease, manager: LeaseManager | None = None) -> dict[str, A
         body["warnings"].append({"code": "detach_pending", "message": "the guest has not acknowledged the detach; "
                                  "the GPU stays on vfio-pci until it does or the VM stops"})
     if manager is not None and lease.state is S.QUEUED:
-        body["queue"] = {"position": manager.queue_position(lease), "eta": manager.eta(lease)}
+        body["queue"] = {"position": manager.queue_position(lease), "eta": manager.eta(lease),
+                         "deadline": queue_deadline(manager.policy, lease)}
     return body
 
 

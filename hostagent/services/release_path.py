@@ -15,6 +15,7 @@ from typing import Any
 
 from hostagent.domain.errors import Conflict, HostAgentError, HypervisorError, NotFound
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseState, Step
+from hostagent.services.admission import queue_deadline
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import LOGGER, LeaseCore, clocked, step_hook
 from hostagent.services.ports import HostOpResult
@@ -149,14 +150,17 @@ async def retry_pending(m: LeaseCore, actor: str = "agent") -> None:
 
 
 async def expire_due(m: LeaseCore) -> None:
-    """End leases past their TTL and queued requests past not_after."""
+    """End leases past their TTL, and queued requests past not_after or the queue's longest wait."""
     now = m.clock()
     for lease in list(m.leases.values()):
         if lease.state is S.ACTIVE and lease.expires_at is not None and lease.expires_at <= now:
             await safe(m.release(lease.id, actor="expiry", reason="ttl expired", final=S.EXPIRED))
-        elif lease.state is S.QUEUED and lease.request.not_after is not None and lease.request.not_after <= now:
-            await safe(m.release(lease.id, actor="expiry", reason="not granted before not_after",
-                                 final=S.EXPIRED))
+        elif lease.state is S.QUEUED and (deadline := queue_deadline(m.policy, lease)) is not None \
+                and deadline <= now:
+            why = ("not granted before not_after" if lease.request.not_after is not None
+                   and lease.request.not_after <= deadline else
+                   f"not granted within leases.queue_max_wait_s ({m.policy.queue_max_wait_s:g} s)")
+            await safe(m.release(lease.id, actor="expiry", reason=why, final=S.EXPIRED))
 
 
 async def on_domain_event(m: LeaseCore, kind: str, domain_uuid: str, detail: str | None = None, *,

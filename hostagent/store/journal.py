@@ -81,6 +81,20 @@ class Journal:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        self._unique_idempotency_keys()
+
+    def _unique_idempotency_keys(self) -> None:
+        """One lease per (VM, idempotency key), enforced by the journal itself. A journal written before the
+        constraint may hold duplicates (concurrent requests once made several): the oldest keeps the key, the
+        later ones keep everything but it, and the constraint goes on."""
+        if self._db.execute("SELECT 1 FROM sqlite_master WHERE type='index' AND name='leases_idem'").fetchone():
+            return
+        with self._transaction():
+            self._db.execute(
+                "UPDATE leases SET idem_key=NULL WHERE idem_key IS NOT NULL AND rowid NOT IN ("
+                " SELECT MIN(rowid) FROM leases WHERE idem_key IS NOT NULL GROUP BY domain_uuid, idem_key)")
+            self._db.execute("CREATE UNIQUE INDEX leases_idem ON leases(domain_uuid, idem_key) "
+                             "WHERE idem_key IS NOT NULL")
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -177,8 +191,8 @@ class Journal:
 
     def leases(self, *, states: Iterable[LeaseState] | None = None, domain_uuid: str | None = None,
                since: float | None = None, limit: int = 1000) -> list[Lease]:
-        """Leases, newest first."""
-        sql = "SELECT doc FROM leases WHERE 1=1"
+        """Leases, newest first (ties in creation time in the order they were first journaled)."""
+        sql = "SELECT doc, rowid FROM leases WHERE 1=1"
         args: list[Any] = []
         if states is not None:
             st = [s.value for s in states]
@@ -189,11 +203,11 @@ class Journal:
             args.append(domain_uuid)
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()
-        out = [Lease.from_dict(json.loads(r[0])) for r in rows]
+        found = [(Lease.from_dict(json.loads(doc)), rowid) for doc, rowid in rows]
         if since is not None:
-            out = [x for x in out if x.created_at >= since or (x.ended_at or 1e18) >= since]
-        out.sort(key=lambda x: (x.created_at, x.id), reverse=True)
-        return out[:limit]
+            found = [(x, n) for x, n in found if x.created_at >= since or (x.ended_at or 1e18) >= since]
+        found.sort(key=lambda xn: (xn[0].created_at, xn[1]), reverse=True)
+        return [x for x, _ in found[:limit]]
 
     def live_leases(self) -> list[Lease]:
         """Leases not yet in a terminal state."""

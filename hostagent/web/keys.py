@@ -8,11 +8,11 @@ from aiohttp import web
 from multidict import MultiDictProxy
 
 if TYPE_CHECKING:
-    from hostagent.runtime import Runtime
     from hostagent.web.auth import Identity
+    from hostagent.web.ports import AgentServices
     from hostagent.web.dashboard_auth import Session
 
-RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime")
+RUNTIME: web.AppKey[AgentServices] = web.AppKey("runtime")  # the running agent's services (see web.ports)
 
 IDENTITY: web.RequestKey[Identity] = web.RequestKey("hostagent.identity")  # set by the API's auth middleware
 DASH_SESSION: web.RequestKey[Session] = web.RequestKey("hostagent.dash_session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -15,13 +15,16 @@ from hostagent.domain.inventory import GpuState
 from hostagent.domain.lease import Lease, LeaseState
 from hostagent.host.memory import read_memory
 
+if TYPE_CHECKING:
+    from hostagent.web.ports import AgentServices
+
 _STEP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
     """The agent's metrics; gauges are computed at scrape time from the runtime."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: AgentServices) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.runtime = runtime
         self.request_seconds = Histogram(
@@ -70,7 +73,7 @@ class Metrics:
 class _Gauges:
     """Gauges read from the runtime at scrape time (never stale)."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: AgentServices) -> None:
         self.rt = runtime
 
     def describe(self) -> list[Any]:
@@ -168,7 +171,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def install(app: web.Application, runtime: Any) -> Metrics:
+def install(app: web.Application, runtime: AgentServices) -> Metrics:
     """Create the metrics, hook the lease listener, add /metrics."""
     metrics = Metrics(runtime)
     app[METRICS] = metrics

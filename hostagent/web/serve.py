@@ -14,7 +14,7 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
 from typing import Any, cast
 
@@ -312,8 +312,9 @@ async def _watchdog(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
 
 
-def serve(settings: Settings, *, banner: str | None = None) -> int:
-    """Build the runtime and serve until SIGTERM/SIGINT; print the bound URL (and a banner) once listening."""
+def serve(settings: Settings, make_app: Callable[[], web.Application], *, banner: str | None = None) -> int:
+    """Serve the app `make_app` builds until SIGTERM/SIGINT; print the bound URL (and a banner) once listening.
+    The composition root passes the factory (:func:`hostagent.runtime.serve`): this module never builds the agent."""
     from hostagent.host.memory import limit_arenas
     from hostagent.logs import setup_logging
 
@@ -321,17 +322,15 @@ def serve(settings: Settings, *, banner: str | None = None) -> int:
     limit_arenas()  # before any worker thread exists: see hostagent.host.memory
     ctx = ssl_context(settings)
     try:
-        asyncio.run(_serve(settings, ctx, banner))
+        asyncio.run(_serve(settings, make_app, ctx, banner))
     except KeyboardInterrupt:
         pass
     return 0
 
 
-async def _serve(settings: Settings, ctx: ssl.SSLContext | None, banner: str | None) -> None:
-    from hostagent.runtime import build_runtime, make_app
-
-    runtime = build_runtime(settings)
-    app = make_app(runtime)
+async def _serve(settings: Settings, make_app: Callable[[], web.Application], ctx: ssl.SSLContext | None,
+                 banner: str | None) -> None:
+    app = make_app()
     app.cleanup_ctx.append(_watchdog)
     runner, url = await start_server(app, settings, ctx)
     if banner:

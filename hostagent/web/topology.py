@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -22,6 +22,9 @@ from hostagent.services.topology import TopologyPlacer, load_topology, make_topo
 from hostagent.web import openapi_ext
 from hostagent.web.app import ident
 from hostagent.web.keys import IDENTITY, RUNTIME
+
+if TYPE_CHECKING:
+    from hostagent.web.ports import AgentServices
 
 
 @dataclass
@@ -36,7 +39,8 @@ class TopologyParts:
 TOPOLOGY: web.AppKey[TopologyParts] = web.AppKey("topology")
 
 
-def build_parts(runtime: Any, *, probe_settings: ProbeSettings | None = None, runners: list[Any] | None = None,
+def build_parts(runtime: AgentServices, *, probe_settings: ProbeSettings | None = None,
+                runners: list[Any] | None = None,
                 scorer: Callable[[], Scorer | None] | None = None) -> TopologyParts:
     """Topology from the runtime's GPUs and `host.nvlink_hints`, the probe service, and the placer.
 
@@ -59,7 +63,7 @@ def build_parts(runtime: Any, *, probe_settings: ProbeSettings | None = None, ru
     return TopologyParts(topology, probes, placer)
 
 
-def install(app: web.Application, runtime: Any, *, wire_place: bool = True, **kwargs: Any) -> TopologyParts:
+def install(app: web.Application, runtime: AgentServices, *, wire_place: bool = True, **kwargs: Any) -> TopologyParts:
     """Register the routes; with wire_place, the lease driver places through the topology placer."""
     parts = build_parts(runtime, **kwargs)
     app[TOPOLOGY] = parts
@@ -81,7 +85,7 @@ def install(app: web.Application, runtime: Any, *, wire_place: bool = True, **kw
     return parts
 
 
-def _states(runtime: Any) -> dict[str, str]:
+def _states(runtime: AgentServices) -> dict[str, str]:
     return {g: runtime.manager.gpu_state(g).value for g in runtime.manager.gpus}
 
 

@@ -229,7 +229,10 @@ async def test_expiry_releases(tmp_path: Path, aiohttp_client: Any) -> None:
     assert done["state"] == "EXPIRED" and vfio_functions(rig) == set()
 
 
-async def test_full_host_refuses_defers_partials_and_serves_queue_by_priority(rig: AgentRig) -> None:
+async def test_full_host_refuses_defers_partials_and_serves_queue_by_priority(tmp_path: Path,
+                                                                              aiohttp_client: Any) -> None:
+    # guests may ask up to priority 10 here (the default policy caps them at 0: see tests/adapters/test_tenants.py)
+    rig = await start_rig(make_rig(tmp_path, leases={"guest_max_priority": 10}), aiohttp_client)
     big = await lease(rig, "vm-a", gpus=7)
     refused = await lease(rig, "vm-b", status=409, gpus=2)
     assert "accept_deferred" in refused["error"]["message"]

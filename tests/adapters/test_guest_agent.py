@@ -421,6 +421,37 @@ async def test_daemon_honours_a_reclaim_notice(live: LiveAgent, tmp_path: Path,
     assert (await leases_of(live))[0].end_reason == "released by guest"
 
 
+async def test_more_than_its_share_429_is_retried_after_retry_after(live: LiveAgent,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A VM over its share (here its share of the lease queue: TooManyRequests -> 429 + Retry-After through the
+    real middleware) waits as told and asks again, with the same idempotency key."""
+    from hostagent.domain.errors import TooManyRequests
+
+    real = live.runtime.manager.request
+    keys = []
+
+    async def share_full_once(domain_uuid: str, request: Any, **kw: Any) -> Any:
+        keys.append(request.idempotency_key)
+        if len(keys) == 1:
+            raise TooManyRequests("VM vm-a already has 32 request(s) queued", retry_after=30)
+        return await real(domain_uuid, request, **kw)
+
+    monkeypatch.setattr(live.runtime.manager, "request", share_full_once)
+    sleeps: list[float] = []
+
+    async def sleep(s: float) -> None:
+        sleeps.append(s)
+
+    async with HostClient(live.url, live.rig.tokens["vm-a"], retries=2, sleep=sleep, backoff_max_s=60) as a:
+        status, lease = await a.create_lease({"gpus": 1, "idempotency_key": "job-1"})
+    assert status == 201 and sleeps == [30.0] and keys == ["job-1", "job-1"]
+    async with HostClient(live.url, live.rig.tokens["vm-a"], retries=0, sleep=sleep) as a:
+        keys.clear()
+        with pytest.raises(ApiError) as e:
+            await a.create_lease({"gpus": 1, "idempotency_key": "job-2"})
+    assert e.value.status == 429 and e.value.retry_after == 30.0 and "more than its share" in e.value.message
+
+
 async def test_overloaded_host_503_is_retried_after_retry_after(live: LiveAgent, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The host's ingestion queue is full (its own Overloaded -> 503 + Retry-After through the real middleware)."""

@@ -7,6 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hostagent.domain.errors import Conflict, InvalidInput, InvalidTransition
+from hostagent.domain.admission import (
+    DAY_S, Ledger, Shadow, TenantUse, gpu_hours, may_backfill, quota_cap, shadow,
+)
 from hostagent.domain.lease import (
     TERMINAL,
     TRANSITIONS,
@@ -15,11 +18,9 @@ from hostagent.domain.lease import (
     LeaseRequest,
     LeaseState,
     Quota,
-    QuotaUse,
     Verdict,
     Waiting,
     arbitrate,
-    check_quota,
     estimate_eta,
     new_lease,
     parse_lease_request,
@@ -162,6 +163,11 @@ def test_queue_order_is_priority_then_age() -> None:
     assert [x.lease_id for x in queue_order(w)] == ["c", "b", "a"]
 
 
+def test_queue_order_keeps_request_order_among_equal_times() -> None:
+    w = [Waiting(i, 0, 1.0, 1) for i in ("z", "a", "m")]
+    assert [x.lease_id for x in queue_order(w)] == ["z", "a", "m"]
+
+
 class TestEta:
     def test_free_now(self) -> None:
         assert estimate_eta(100.0, free=2, busy_until=[], ahead=[], need=1) == 100.0
@@ -185,10 +191,50 @@ class TestEta:
             assert shorter is not None and shorter <= t
 
 
-def test_quota() -> None:
-    check_quota("vm", Quota(), QuotaUse(100, 100.0), LeaseRequest(gpus=8))
+def test_quota_cap() -> None:
+    assert quota_cap("vm", Quota(), TenantUse(100, 100, 100.0), LeaseRequest(gpus=8)) == 8
+    with pytest.raises(Conflict, match="holds 2"):
+        quota_cap("vm", Quota(max_gpus=2), TenantUse(2), LeaseRequest())
+    with pytest.raises(Conflict, match="1 more queued"):
+        quota_cap("vm", Quota(max_gpus=2), TenantUse(1, 1), LeaseRequest())
+    with pytest.raises(Conflict, match="GPU-hours"):
+        quota_cap("vm", Quota(max_gpu_hours_per_day=1), TenantUse(0, 0, 1.0), LeaseRequest())
+    assert quota_cap("vm", Quota(max_gpu_hours_per_day=1), TenantUse(0, 0, 0.99), LeaseRequest()) == 1
+    assert quota_cap("vm", Quota(max_gpus=3), TenantUse(2), LeaseRequest(gpus=2, accept_partial=True)) == 1
+    assert quota_cap("vm", Quota(max_gpus=3), TenantUse(0, 1), LeaseRequest(gpus=8, accept_partial=True)) == 2
+    assert quota_cap("vm", Quota(max_gpus=3), TenantUse(0), LeaseRequest(gpus=3)) == 3
+    with pytest.raises(Conflict, match="never"):
+        quota_cap("vm", Quota(max_gpus=3), TenantUse(0), LeaseRequest(gpus=4))
     with pytest.raises(Conflict):
-        check_quota("vm", Quota(max_gpus=2), QuotaUse(2), LeaseRequest())
-    with pytest.raises(Conflict):
-        check_quota("vm", Quota(max_gpu_hours_per_day=1), QuotaUse(0, 1.5), LeaseRequest())
-    check_quota("vm", Quota(max_gpus=3), QuotaUse(2), LeaseRequest(gpus=2, accept_partial=True))
+        quota_cap("vm", Quota(max_gpus=3), TenantUse(3), LeaseRequest(gpus=1, accept_partial=True))
+
+
+def test_gpu_hours_over_a_sliding_day() -> None:
+    now = 10 * DAY_S
+    assert gpu_hours([], now) == 0
+    assert gpu_hours([(now - 3600, None, 2)], now) == pytest.approx(2.0)  # live: up to now
+    assert gpu_hours([(now - 7200, now - 3600, 1)], now) == pytest.approx(1.0)  # ended
+    assert gpu_hours([(now - DAY_S - 3600, now - DAY_S + 3600, 1)], now) == pytest.approx(1.0)  # half inside
+    assert gpu_hours([(now - 3 * DAY_S, now - 2 * DAY_S, 8)], now) == 0
+
+
+def test_ledger_forgets_what_left_the_window() -> None:
+    led = Ledger()
+    base = new_lease("l", "u", "vm", LeaseRequest(), NOW)
+    dev = LeaseDevice("g0", ("0000:01:00.0",), ("nvidia",), 1)
+    for i, end in enumerate((NOW + 10, NOW + DAY_S, NOW + DAY_S + 10)):
+        led.add(base.with_changes(id=f"l{i}", granted_at=NOW, ended_at=end, devices=(dev,)))
+    led.add(base.with_changes(id="never", devices=()))  # never granted: used nothing
+    spans = led.spans(lambda u, n: u == "u", NOW + DAY_S + 15)
+    assert [e for _, e, _ in spans] == [NOW + DAY_S, NOW + DAY_S + 10]
+    assert led.spans(lambda u, n: u == "other", NOW + DAY_S + 5) == []
+
+
+def test_shadow_and_backfill() -> None:
+    # head needs 4: 2 free now, 6 free at t=100 -> it starts at 100 with 4 spare
+    sh = shadow(0.0, 2, [100.0] * 6, 4)
+    assert sh == Shadow(100.0, 4)
+    assert may_backfill(sh, 0.0, 100.0) and not may_backfill(sh, 0.0, 101.0)
+    assert shadow(0.0, 8, [], 8) == Shadow(0.0, 0)  # it could start now
+    assert shadow(0.0, 1, [50.0, 200.0], 2) == Shadow(50.0, 0)
+    assert shadow(0.0, 1, [50.0], 3).start is None and not may_backfill(shadow(0.0, 1, [], 3), 0.0, 1.0)

@@ -1,0 +1,101 @@
+"""Admission: what a tenant may ask of this host, decided under the lease driver's decide lock so that concurrent
+requests cannot slip past it together. Owns the tenants' accounting (GPUs held, queued and used in the last day,
+per VM and per project, from live leases and the ledger of ended ones: `use_of`), the quota cap of a
+request (`quota_cap_for`), the operator's priority policy (`apply_priority_policy`), each VM's share of the queue
+(`check_queue_share`), and the queue's default wait (`queue_deadline`). The rules themselves are pure, in
+:mod:`hostagent.domain.admission`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from hostagent.domain.admission import Ledger, TenantUse, gpu_hours, quota_cap
+from hostagent.domain.errors import TooManyRequests
+from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Quota
+from hostagent.services.lease_types import LeaseCore
+
+S = LeaseState
+def _classes(m: LeaseCore, domain_uuid: str, domain_name: str
+             ) -> list[tuple[str, Quota, Callable[[str, str], bool]]]:
+    """The quota classes a VM belongs to: itself, then each project that names it (by UUID or name)."""
+    out: list[tuple[str, Quota, Callable[[str, str], bool]]] = [
+        (f"VM {domain_name}", m.policy.vm_quota, lambda u, _n: u == domain_uuid)]
+    for project, quota, members in m.policy.project_quotas:
+        if domain_uuid in members or domain_name in members:
+            ms = frozenset(members)
+            out.append((f"project {project}", quota, lambda u, n, ms=ms: u in ms or n in ms))  # type: ignore[misc]
+    return out
+
+
+def use_of(m: LeaseCore, match: Callable[[str, str], bool], quota: Quota, *, exclude: str | None = None
+           ) -> TenantUse:
+    """What the tenant `match` picks holds (leases granted or being granted), has queued (each queued request
+    counted for at most the quota's GPUs) and used in the last day. `exclude`: a lease left out (the queued
+    request being granted is not in the way of itself)."""
+    now = m.clock()
+    held = queued = 0
+    spans: list[tuple[float, float | None, int]] = []
+    for x in m.leases.values():
+        if x.id == exclude or not match(x.domain_uuid, x.domain_name):
+            continue
+        if x.state.holds_devices:
+            held += len(x.devices) or x.granted_gpus or x.request.gpus
+            if x.granted_at is not None:
+                spans.append((x.granted_at, None, len(x.devices)))
+        elif x.state is S.QUEUED:
+            queued += min(x.request.gpus, quota.max_gpus) if quota.max_gpus else x.request.gpus
+    if quota.max_gpu_hours_per_day:
+        spans += m.ledger.spans(match, now)
+    return TenantUse(held, queued, gpu_hours(spans, now) if quota.max_gpu_hours_per_day else 0.0)
+
+
+def quota_cap_for(m: LeaseCore, domain_uuid: str, domain_name: str, request: LeaseRequest, *,
+                  exclude: str | None = None) -> int:
+    """How many GPUs the VM's quota and every project quota it is in let this request take (Conflict when none,
+    or when a whole request does not fit)."""
+    n = request.gpus
+    for who, quota, match in _classes(m, domain_uuid, domain_name):
+        n = quota_cap(who, quota, use_of(m, match, quota, exclude=exclude), dataclasses.replace(request, gpus=n))
+    return n
+
+
+def apply_priority_policy(m: LeaseCore, domain_uuid: str, domain_name: str, request: LeaseRequest, *,
+                          trusted: bool) -> tuple[LeaseRequest, str | None]:
+    """A guest's request at most at the highest priority its classes allow (`leases.guest_max_priority` for
+    every VM, raised by a project's `max_priority`); the reason says so when it was capped. An operator's request
+    (`trusted`) keeps its priority."""
+    if trusted:
+        return request, None
+    caps = [q.max_priority for _, q, _ in _classes(m, domain_uuid, domain_name) if q.max_priority is not None]
+    if not caps or request.priority <= max(caps):
+        return request, None
+    top = max(caps)
+    return (dataclasses.replace(request, priority=top),
+            f"priority {request.priority} capped to {top}, the highest this VM's policy allows")
+
+
+def check_queue_share(m: LeaseCore, domain_uuid: str, domain_name: str) -> None:
+    """Refuse (429) a VM's request to queue when it already has its share of the queue waiting."""
+    share = m.policy.queue_max_per_vm
+    if not share:
+        return
+    mine = sum(1 for x in m.leases.values() if x.state is S.QUEUED and x.domain_uuid == domain_uuid)
+    if mine >= share:
+        raise TooManyRequests(f"VM {domain_name} already has {mine} request(s) queued, its share of the queue "
+                              f"(leases.queue_max_per_vm = {share}); retry when one is granted or withdrawn",
+                              field="accept_deferred", retry_after=30)
+
+
+def queue_deadline(policy: Any, lease: Lease) -> float | None:
+    """When a queued request gives up: its own `not_after`, or `leases.queue_max_wait_s` after it was queued,
+    whichever comes first (None: it waits as long as it takes)."""
+    limits = [lease.request.not_after] if lease.request.not_after is not None else []
+    if policy.queue_max_wait_s:
+        limits.append((lease.queued_at or lease.created_at) + policy.queue_max_wait_s)
+    return min(limits) if limits else None
+
+
+__all__ = ["apply_priority_policy", "check_queue_share", "queue_deadline",
+           "quota_cap_for", "use_of"]
