@@ -1,5 +1,5 @@
 """What every command group shares: the exit statuses, output (`table`, `emit`, `die`), settings with per-command
-overrides (`settings_for`), the common and API-client options, the agent API client (`api_call`, `api_or_die`,
+overrides (`settings_for`), the common and API-client options, the agent API client (`api_call`, `api`,
 `api_error`), and the mapping of the project's errors to exit statuses (`run`). Group modules import from here and
 from the rest of hostagent, never from `hostagent.cli.parser` or from each other.
 """
@@ -123,13 +123,26 @@ def api_call(args: argparse.Namespace, method: str, path: str, body: Any = None)
             return exc.code, {"error": {"code": "http_error", "message": exc.reason}}
 
 
-def api_or_die(args: argparse.Namespace, method: str, path: str, body: Any = None) -> tuple[int, Any] | int:
-    """`api_call`, or exit status 3 with one line when the agent cannot be reached."""
+class CommandExit(Exception):
+    """Stop the command with this exit status; the line saying why is already printed (`run` returns `code`)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def api(args: argparse.Namespace, method: str, path: str, body: Any = None, *,
+        ok: tuple[int, ...] = (200,)) -> tuple[int, Any]:
+    """`api_call` for a command: the status and body of an answer in `ok`. An unreachable agent (exit status 3)
+    or any other answer (its error printed in one line; exit status 1) ends the command through `run`."""
     try:
-        return api_call(args, method, path, body)
+        status, answer = api_call(args, method, path, body)
     except (urllib.error.URLError, OSError) as exc:
-        return die(f"cannot reach the agent's API ({exc}); is `hostagent serve` running? (--url, HOSTAGENT_URL)",
-                   EXIT_UNREACHABLE)
+        raise CommandExit(die(f"cannot reach the agent's API ({exc}); is `hostagent serve` running? "
+                              "(--url, HOSTAGENT_URL)", EXIT_UNREACHABLE)) from None
+    if status not in ok:
+        raise CommandExit(api_error(status, answer))
+    return status, answer
 
 
 def api_error(status: int, body: Any) -> int:
@@ -146,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the parsed command; the project's errors become one line and an exit status."""
     try:
         return int(args.func(args) or 0)
+    except CommandExit as exc:
+        return exc.code
     except ConfigError as exc:
         return die(f"configuration: {exc.message}", EXIT_USAGE)
     except HostAgentError as exc:

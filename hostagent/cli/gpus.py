@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hostagent.cli.common import (EXIT_OK, add_client_options, add_common_options, api_error, api_or_die, emit,
+from hostagent.cli.common import (EXIT_OK, add_client_options, add_common_options, api, emit,
                                   settings_for, table)
 
 
@@ -45,12 +45,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 def cmd_gpu_clear(args: argparse.Namespace) -> int:
     """Clear a GPU's quarantine through the API."""
-    r = api_or_die(args, "POST", f"/v1/gpus/{args.gpu_id}/clear-quarantine", {})
-    if isinstance(r, int):
-        return r
-    status, body = r
-    if status != 200:
-        return api_error(status, body)
+    _, body = api(args, "POST", f"/v1/gpus/{args.gpu_id}/clear-quarantine", {})
     emit(args, body, lambda b: print(f"{b['id']}: {b['state']}"))
     return EXIT_OK
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hostagent.cli.common import EXIT_OK, add_client_options, api_error, api_or_die, emit, fmt_time, table
+from hostagent.cli.common import EXIT_OK, add_client_options, api, emit, fmt_time, table
 
 
 def lease_rows(leases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -24,12 +24,7 @@ def cmd_leases(args: argparse.Namespace) -> int:
         q.append(f"state={args.state}")
     if args.since is not None:
         q.append(f"since={args.since}")
-    r = api_or_die(args, "GET", "/v1/leases" + ("?" + "&".join(q) if q else ""))
-    if isinstance(r, int):
-        return r
-    status, body = r
-    if status != 200:
-        return api_error(status, body)
+    _, body = api(args, "GET", "/v1/leases" + ("?" + "&".join(q) if q else ""))
     emit(args, body, lambda b: table(lease_rows(b["leases"]), [("id", "ID"), ("state", "STATE"), ("vm", "VM"),
          ("gpus", "GPUS"), ("task", "TASK"), ("prio", "PRIO"), ("expires", "EXPIRES"), ("note", "NOTE")]))
     return EXIT_OK
@@ -37,12 +32,7 @@ def cmd_leases(args: argparse.Namespace) -> int:
 
 def cmd_release(args: argparse.Namespace) -> int:
     """Release a lease through the API."""
-    r = api_or_die(args, "DELETE", f"/v1/leases/{args.lease_id}")
-    if isinstance(r, int):
-        return r
-    status, body = r
-    if status not in (200, 202):
-        return api_error(status, body)
+    status, body = api(args, "DELETE", f"/v1/leases/{args.lease_id}", ok=(200, 202))
     emit(args, body, lambda b: print(f"lease {b['id']}: {b['state']}"
                                      + (" (detach not acknowledged yet; GPU stays on vfio-pci)" if status == 202 else "")))
     return EXIT_OK

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hostagent.cli.common import add_client_options, api_error, api_or_die, emit
+from hostagent.cli.common import add_client_options, api, emit
 
 
 def human_probe(b: dict[str, Any]) -> None:
@@ -30,12 +30,7 @@ def human_probe(b: dict[str, Any]) -> None:
 
 def cmd_probe(args: argparse.Namespace) -> int:
     """Probe one GPU now through the agent (it must be free and on its host driver)."""
-    r = api_or_die(args, "POST", f"/v1/gpus/{args.gpu}/probe", {})
-    if isinstance(r, int):
-        return r
-    status, body = r
-    if status != 200:
-        return api_error(status, body)
+    _, body = api(args, "POST", f"/v1/gpus/{args.gpu}/probe", {})
     emit(args, body, human_probe)
     return 0 if body["ok"] else 1
 

@@ -7,17 +7,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hostagent.cli.common import add_client_options, api_error, api_or_die, emit, fmt_time, table
+from hostagent.cli.common import add_client_options, api, emit, fmt_time, table
 
 
 def cmd_reaper_status(args: argparse.Namespace) -> int:
     """Every lease's strike state and next check."""
-    r = api_or_die(args, "GET", "/v1/reaper")
-    if isinstance(r, int):
-        return r
-    status, body = r
-    if status != 200:
-        return api_error(status, body)
+    _, body = api(args, "GET", "/v1/reaper")
 
     def human(b: dict[str, Any]) -> None:
         print(f"reaper {'on' if b['enabled'] else 'OFF'}: check every {b['check_interval_s']:g} s, "
@@ -38,12 +33,7 @@ def cmd_reaper_status(args: argparse.Namespace) -> int:
 
 def cmd_reaper_pause(args: argparse.Namespace) -> int:
     """Pause or resume idle reclaim on one lease."""
-    r = api_or_die(args, "POST", f"/v1/leases/{args.lease_id}/reclaim", {"paused": args.reaper_command == "pause"})
-    if isinstance(r, int):
-        return r
-    status, body = r
-    if status != 200:
-        return api_error(status, body)
+    _, body = api(args, "POST", f"/v1/leases/{args.lease_id}/reclaim", {"paused": args.reaper_command == "pause"})
     emit(args, body, lambda b: print(f"lease {b['id']}: reclaim {'paused' if b['reclaim']['paused'] else 'resumed'}"))
     return 0
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hostagent.cli.common import add_client_options, api_error, api_or_die, emit, settings_for
+from hostagent.cli.common import add_client_options, api, emit, settings_for
 
 
 def _print_tree(block: dict[str, Any], states: dict[str, str], indent: str = "") -> None:
@@ -51,12 +51,7 @@ def cmd_topology(args: argparse.Namespace) -> int:
                   for g in inv.gpus}
         emit(args, topology_view(topo, states), human_topology)
         return 0
-    r = api_or_die(args, "GET", "/v1/topology")
-    if isinstance(r, int):
-        return r
-    status, body = r
-    if status != 200:
-        return api_error(status, body)
+    _, body = api(args, "GET", "/v1/topology")
     emit(args, body, human_topology)
     return 0
 
