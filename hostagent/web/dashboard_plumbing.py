@@ -21,12 +21,14 @@ from aiohttp import web
 from hostagent.domain.errors import Forbidden, HostAgentError, Unauthorized
 from hostagent.web.auth import Identity
 from hostagent.web.dashboard_auth import (
+    DEVICE_KEY_FILE,
     SESSION_COOKIE,
     LoginThrottle,
     Session,
     SessionBook,
     check_csrf,
     dashboard_identity,
+    load_device_key,
     safe_next,
 )
 from hostagent.web.dashboard_data import RANGES, DashboardData
@@ -48,7 +50,8 @@ class Dashboard:
     def __init__(self, runtime: Any) -> None:
         self.rt = runtime
         self.sessions = SessionBook()
-        self.throttle = LoginThrottle()
+        # the device-cookie key lives in the state dir so that browsers stay recognised across restarts
+        self.throttle = LoginThrottle(key=load_device_key(Path(runtime.settings.agent.state_dir) / DEVICE_KEY_FILE))
         self.data = DashboardData(runtime, clock=runtime.clock)
 
 
