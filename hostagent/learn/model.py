@@ -22,7 +22,7 @@ from hostagent.domain.errors import InvalidInput
 from hostagent.domain.placement import DeviceView, PlacementRequest
 from hostagent.learn.features import FeatureEncoder, fit_vocabulary
 from hostagent.learn.forest import CompiledForest
-from hostagent.learn.records import Example
+from hostagent.learn.records import Example, tenant_weights
 
 TARGETS = ("work_rate", "utilization", "completion")
 FORMAT = 1
@@ -146,7 +146,7 @@ def fit(examples: Sequence[Example], *, target: str = "work_rate",
     X[:, empty] = 0.0
     p = {**DEFAULT_PARAMS, **(params or {})}
     est = HistGradientBoostingRegressor(**p)
-    est.fit(X, y)
+    est.fit(X, y, sample_weight=np.array(tenant_weights([e.tenant for e in kept])))
     counts: dict[str, int] = {}
     for e in kept:
         counts[e.request.task_type] = counts.get(e.request.task_type, 0) + 1

@@ -8,6 +8,8 @@ per lease, so the faster device of a mixed pair is labelled with the pair's mean
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,6 +19,11 @@ from hostagent.domain.placement import NUMA_POLICIES, DeviceView, PlacementReque
 
 ERROR_WINDOW_S = 7 * 86400.0  # failed leases on a device within this window count as its recent errors
 FAILED_OUTCOMES = ("failed",)
+IMPLAUSIBLE_DECADES = 3.0  # a work rate this many orders of magnitude from the other tenants' median is not believed
+PEER_MIN = 5  # ... judged only where the other tenants reported at least this many for the task type
+TENANT_MAX_SHARE = 0.25  # no tenant carries more of the training weight (unless fewer than 1/share tenants exist)
+
+log = logging.getLogger(__name__)
 
 
 class TrainingSource(Protocol):
@@ -41,6 +48,7 @@ class Example:
     util_pct: float | None
     held_s: float
     outcome: str | None  # released | reclaimed | expired | failed
+    tenant: str = ""  # the VM whose lease it was (its domain UUID): whose word the labels are
 
 
 def _num(x: Any) -> float | None:
@@ -99,12 +107,68 @@ def examples_from_records(records: Sequence[Mapping[str, Any]],
                 lease_id=str(rec.get("id")), created_at=created, request=request, device=device,
                 work_rate=_num(usage.get("work_mean")), util_pct=_num(usage.get("util_mean")),
                 held_s=_num(rec.get("held_s")) or 0.0, outcome=rec.get("outcome"),
+                tenant=str(rec.get("domain_uuid") or ""),
             ))
         if rec.get("outcome") in FAILED_OUTCOMES:
             ended = _num(rec.get("ended_at")) or created
             for d in devices:
                 failures.setdefault((host, str(d["gpu_id"])), []).append(ended)
+    doubtful = implausible(out)
+    if doubtful:
+        log.warning("%d training record(s) report a work rate over %g orders of magnitude from the other tenants' "
+                    "for their task type: their work rate is not learnt from", len(doubtful), IMPLAUSIBLE_DECADES)
+        out = [dataclasses.replace(e, work_rate=None) if i in doubtful else e for i, e in enumerate(out)]
     return out
+
+
+def implausible(examples: Sequence[Example], *, decades: float = IMPLAUSIBLE_DECADES,
+                min_peers: int = PEER_MIN) -> set[int]:
+    """Indexes of examples whose reported work rate is more than `decades` orders of magnitude from the median of
+    what OTHER tenants reported for the same task type (judged only where at least `min_peers` of theirs exist).
+    A guest reports its own work rate: one that claims a thousand times everyone else's would otherwise teach the
+    model that its GPUs are the best, for every tenant. Comparing with the others only, a tenant cannot move its
+    own yardstick."""
+    by_task: dict[str, list[tuple[str, float]]] = {}
+    for e in examples:
+        if e.work_rate is not None and e.work_rate > 0:
+            by_task.setdefault(e.request.task_type, []).append((e.tenant, math.log10(e.work_rate)))
+    out = set()
+    for i, e in enumerate(examples):
+        if e.work_rate is None or e.work_rate <= 0:
+            continue
+        peers = sorted(v for t, v in by_task[e.request.task_type] if t != e.tenant)
+        if len(peers) < min_peers:
+            continue
+        median = peers[len(peers) // 2] if len(peers) % 2 else (peers[len(peers) // 2 - 1] + peers[len(peers) // 2]) / 2
+        if abs(math.log10(e.work_rate) - median) > decades:
+            out.add(i)
+    return out
+
+
+def tenant_weights(tenants: Sequence[str], share: float = TENANT_MAX_SHARE) -> list[float]:
+    """A weight per example so that no tenant carries more than `share` of the total weight (or an equal part,
+    when fewer than 1/share tenants have records): the largest tenants' examples are scaled down to a common cap,
+    the others keep weight 1. One guest leasing all day cannot make the model its own."""
+    counts: dict[str, int] = {}
+    for t in tenants:
+        counts[t] = counts.get(t, 0) + 1
+    if not counts:
+        return []
+    share = max(share, 1.0 / len(counts))
+    order = sorted(counts.values(), reverse=True)
+    cap = float(order[0])
+    rest = sum(order)
+    for k, n in enumerate(order, start=1):
+        rest -= n  # the records of the tenants smaller than the k largest
+        nxt = order[k] if k < len(order) else 0
+        # capping the k largest at c gives each exactly `share` (c = share * (rest + k c)); with k >= 1/share
+        # equal parts are within it, so their own count is cap enough. The first k whose cap leaves the next
+        # tenant uncapped is the answer (k = 1 with c >= n: the largest is within its share, nothing is capped).
+        c = min(float(n), share * rest / (1 - share * k) if share * k < 1 else float(n))
+        if c >= nxt:
+            cap = c
+            break
+    return [min(1.0, cap / counts[t]) for t in tenants]
 
 
 def load_examples(source: TrainingSource, *, since: float | None = None) -> list[Example]:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import skops.io as sio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hostagent.domain.errors import InvalidInput, NotFound
 from hostagent.domain.placement import PlacementRequest, place
 from hostagent.learn import lifecycle
 from hostagent.learn.forest import CompiledForest
 from hostagent.learn.model import LearnedScorer, ModelBundle, fit
-from hostagent.learn.records import examples_from_records
+from hostagent.learn.records import examples_from_records, tenant_weights
 from tests.support.placement import TRUTH, FakeStore, OnlyThese, dev, gpu_rows, store_records
 
 DEVICES = [dev("g0", "X"), dev("g1", "Y"), dev("g2", "X"), dev("g3", "Y")]
@@ -127,3 +131,53 @@ def test_failed_leases_count_as_slow_and_bad_target_is_refused() -> None:
     assert len(s) == 2
     with pytest.raises(InvalidInput):
         fit(examples_from_records(recs, gpu_rows()), target="happiness")
+
+
+def _tenant_records(n: int, tenant: str, seed: int, **kw: Any) -> list[dict[str, Any]]:
+    return [dict(r, id=f"{tenant}-{r['id']}", domain_uuid=tenant) for r in store_records(n, seed=seed, **kw)]
+
+
+def _ranks_x_first_for_a(records: list[dict[str, Any]]) -> bool:
+    scorer = LearnedScorer(fit(examples_from_records(records, gpu_rows())))
+    scores = scorer.score(PlacementRequest(task_type="a"), DEVICES)
+    return max(s for s, d in zip(scores, DEVICES) if d.model == "X") > max(
+        s for s, d in zip(scores, DEVICES) if d.model == "Y")
+
+
+def test_one_tenant_flooding_plausible_lies_cannot_make_the_model_its_own() -> None:
+    """Four honest tenants say job "a" runs 10x faster on X; one tenant leases all day and says Y is 5x faster
+    than X (a plausible figure). With its weight bounded the model still ranks X first; the same records spread
+    over as many tenants as records (no bound binds) would flip it, so the bound is what holds."""
+    honest = [r for i in range(4) for r in _tenant_records(60, f"vm-{i}", seed=i)]
+    lies = {("a", "X"): 100.0, ("a", "Y"): 500.0, ("b", "X"): 5.0, ("b", "Y"): 50.0, ("c", "X"): 20.0,
+            ("c", "Y"): 20.0}
+    flood = _tenant_records(2000, "liar", seed=99, truth=lies)
+    assert _ranks_x_first_for_a(honest + flood)
+    churned = [dict(r, domain_uuid=f"liar-{i}") for i, r in enumerate(flood)]
+    assert not _ranks_x_first_for_a(honest + churned)
+
+
+def test_implausible_work_rates_are_not_learnt_from() -> None:
+    honest = [r for i in range(2) for r in _tenant_records(100, f"vm-{i}", seed=i)]
+    absurd = {k: v * 1e6 if k[1] == "Y" else v for k, v in TRUTH.items()}
+    liar = _tenant_records(30, "liar", seed=7, truth=absurd)
+    examples = examples_from_records(honest + liar, gpu_rows())
+    dropped = [e for e in examples if e.tenant == "liar" and e.work_rate is None]
+    assert dropped and all(e.device.model == "Y" for e in dropped)
+    assert all(e.work_rate is not None for e in examples if e.tenant != "liar")
+    assert _ranks_x_first_for_a(honest + liar)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 500), min_size=1, max_size=8), st.sampled_from([0.1, 0.25, 0.5]))
+def test_no_tenant_carries_more_than_its_share_of_the_weight(counts: list[int], share: float) -> None:
+    tenants = [f"t{i}" for i, c in enumerate(counts) for _ in range(c)]
+    weights = tenant_weights(tenants, share)
+    total: dict[str, float] = {}
+    for t, w in zip(tenants, weights):
+        total[t] = total.get(t, 0.0) + w
+    bound = max(share, 1 / len(counts))
+    assert max(total.values()) <= bound * sum(total.values()) + 1e-9
+    assert all(0 < w <= 1 for w in weights)
+    if min(weights) < 1 and len(counts) * share > 1:  # whatever is capped is capped no more than needed
+        assert abs(max(total.values()) - bound * sum(total.values())) < 1e-6
