@@ -36,6 +36,10 @@ class AgentSettings:
     header_timeout_s: float = 10.0  # request line + headers not all in this long after connect / their first byte: 408
     idle_timeout_s: float = 75.0  # a keep-alive connection idle this long between requests is closed
     max_connections: int = 256  # open HTTP connections at most; one more gets 503 and is closed
+    max_connections_per_source: int = 32  # open connections from one client address at most; one more gets 429
+    max_inflight_per_token: int = 8  # a guest token's requests being handled at once at most; one more gets 429
+    guest_requests_per_s: float = 50.0  # a guest's sustained request rate (bursts of 10 s of it; long lists cost more)
+    metrics_listen: str = ""  # "": /metrics on the API port, operator token required; "host:port": its own listener
     gc_freeze: bool = True  # after start (and each model swap), freeze the heap out of the collector's reach
 
 
@@ -76,6 +80,8 @@ class StoreSettings:
     auto_upgrade: bool = True
     spool_path: str = ""  # default: <state_dir>/spool.sqlite3
     queue_max: int = 20_000
+    samples_per_lease_per_s: float = 20.0  # a lease's sustained heartbeat sample rate (bursts of 60 s of it); over: 429
+    ingest_share: float = 0.25  # the part of queue_max one VM's samples may fill; over: 429 for that VM only
     flush_interval_s: float = 1.0
     flush_batch: int = 1000
     raw_retention_days: int = 30
@@ -113,6 +119,7 @@ class ReclaimSettings:
     memory_counts_busy: bool = True
     min_lease_age_s: float = 600.0
     no_heartbeat: str = "host-signal"  # host-signal | never-idle
+    guest_busy_host_idle: str = "flag"  # guest busy, host flat: flag (guest wins) | reclaim (host wins)
     notice_window_s: float = 60.0
     per_priority: dict[str, dict[str, float]] = field(default_factory=dict)  # "10" -> {check_interval_s=..}
 
@@ -126,7 +133,6 @@ class PlacementSettings:
     explore_epsilon: float = 0.05
     explore_max_priority: int = 5  # no exploration for requests above this priority
     retrain_interval_s: float = 6 * 3600.0
-    model_dir: str = ""  # default: <state_dir>/models
 
 
 @dataclass(frozen=True)
@@ -179,11 +185,6 @@ class Settings:
         """Local spool used while MySQL is unreachable."""
         return Path(self.store.spool_path) if self.store.spool_path else self.state_dir / "spool.sqlite3"
 
-    @property
-    def model_dir(self) -> Path:
-        """Where placement models are kept."""
-        return Path(self.placement.model_dir) if self.placement.model_dir else self.state_dir / "models"
-
     def replace(self, **sections: dict[str, Any]) -> Settings:
         """A copy with some keys changed, validated like a file: `replace(agent={"port": 0})`."""
         raw = settings_to_dict(self)
@@ -199,11 +200,17 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "host.guest_layout": ("auto", "multifunction", "per-function"),
     "host.kernel": ("sysfs", "fake"),
     "reclaim.no_heartbeat": ("host-signal", "never-idle"),
+    "reclaim.guest_busy_host_idle": ("flag", "reclaim"),
     "placement.outcome": ("work_rate", "utilization", "completion"),
+}
+REMOVED = {  # keys older versions documented, and why a file that sets one must change
+    "placement.model_dir": "placement models are kept in the usage store with their figures "
+                           "(`hostagent model show`, `hostagent model rollback`); remove the key",
 }
 _POSITIVE = {
     "agent.max_body_bytes", "agent.body_timeout_s", "agent.header_timeout_s", "agent.idle_timeout_s",
-    "agent.max_connections", "host.step_timeout_s", "libvirt.detach_timeout_s", "store.queue_max",
+    "agent.max_connections", "agent.max_connections_per_source", "agent.max_inflight_per_token", "agent.guest_requests_per_s",
+    "store.samples_per_lease_per_s", "store.ingest_share", "host.step_timeout_s", "libvirt.detach_timeout_s", "store.queue_max",
     "store.flush_interval_s", "store.flush_batch", "store.max_lag_s", "leases.default_duration_s", "leases.max_duration_s",
     "reclaim.check_interval_s", "reclaim.grace_s", "placement.retrain_interval_s",
 }
@@ -258,6 +265,8 @@ def settings_from_dict(raw: dict[str, Any]) -> Settings:
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             full = f"{name}.{key}"
+            if full in REMOVED:
+                raise ConfigError(f"{full} is no longer a setting: {REMOVED[full]}", field=full)
             if key not in hints:
                 raise ConfigError(
                     f"unknown key {full}; keys of [{name}]: {', '.join(sorted(hints))}", field=full
@@ -274,6 +283,15 @@ def settings_from_dict(raw: dict[str, Any]) -> Settings:
     return settings
 
 
+def metrics_address(value: str) -> tuple[str, int]:
+    """agent.metrics_listen as (host, port): "127.0.0.1:9470", "[::1]:9470" or ":9470" (loopback)."""
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"agent.metrics_listen: expected host:port, got {value!r}", field="agent.metrics_listen")
+    return host, int(port)
+
+
 def _check_cross(s: Settings) -> None:
     """Rules that involve more than one key."""
     if not (0 <= s.agent.port <= 65535):
@@ -281,6 +299,10 @@ def _check_cross(s: Settings) -> None:
     if s.agent.header_timeout_s > s.agent.idle_timeout_s:
         raise ConfigError("agent.header_timeout_s must not exceed agent.idle_timeout_s (the idle timer would close a "
                           "silent new connection first, without the 408)", field="agent.header_timeout_s")
+    if s.store.ingest_share > 1:
+        raise ConfigError("store.ingest_share: a part of store.queue_max, 0 < share <= 1", field="store.ingest_share")
+    if s.agent.metrics_listen:
+        metrics_address(s.agent.metrics_listen)
     if bool(s.agent.tls_cert) != bool(s.agent.tls_key):
         raise ConfigError("agent.tls_cert and agent.tls_key must be set together", field="agent.tls_cert")
     for v in s.host.gpu_vendors:
@@ -355,6 +377,16 @@ def _env_overrides(environ: typing.Mapping[str, str]) -> dict[str, dict[str, Any
             value = text
         out.setdefault(section, {})[key] = value
     return out
+
+
+def settings_without_file(overrides: dict[str, dict[str, Any]], *,
+                          environ: typing.Mapping[str, str] | None = None) -> Settings:
+    """Defaults, then the HOSTAGENT_* environment, then `overrides`: settings that no file adds to (the demo)."""
+    raw: dict[str, dict[str, Any]] = {}
+    for layer in (_env_overrides(os.environ if environ is None else environ), overrides):
+        for section, values in layer.items():
+            raw.setdefault(section, {}).update(values)
+    return settings_from_dict(raw)
 
 
 def load_settings(path: str | os.PathLike[str] | None = None, *, environ: typing.Mapping[str, str] | None = None,

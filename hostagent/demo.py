@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hostagent.config import load_settings, settings_from_dict
+from hostagent.config import load_settings, settings_without_file
 from hostagent.store.journal import Journal
 from hostagent.web.auth import hash_token, new_token
 
@@ -61,8 +61,8 @@ def prepare_demo(state_dir: Path, *, scenario: str = "demo16", db: str | None = 
         creds_path.write_text(json.dumps(creds, indent=2) + "\n")
         os.chmod(creds_path, 0o600)
     overrides["auth"] = {"operator_token_sha256": hash_token(creds["operator"]["token"])}
-    # The demo never reads /etc/hostagent: only an explicit --config file adds to its settings.
-    settings = load_settings(config, overrides=overrides) if config else settings_from_dict(overrides)
+    # The demo never reads /etc/hostagent: only an explicit --config file (and HOSTAGENT_* variables) add to it.
+    settings = load_settings(config, overrides=overrides) if config else settings_without_file(overrides)
     return settings, creds
 
 
@@ -81,7 +81,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"  operator token  : {creds['operator']['token']}",
         "",
         "Try:",
-        "  curl -s {url}/v1/gpus",
+        f"  curl -s -H 'Authorization: Bearer {vm['token']}' {{url}}/v1/gpus",
         f"  curl -s -X POST -H 'Authorization: Bearer {vm['token']}' -H 'Content-Type: application/json' \\",
         "       -d '{\"gpus\": 1, \"task_type\": \"training\"}' {url}/v1/leases",
         "  dashboard: {url}/  (log in with the operator token)",

@@ -19,7 +19,8 @@ from typing import Any
 from aiohttp import web
 
 from hostagent.config import Settings
-from hostagent.domain.errors import HostAgentError, NotFound
+from hostagent.domain.admission import TokenBucket
+from hostagent.domain.errors import HostAgentError, InvalidInput, NotFound, TooManyRequests
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseState, Quota
 from hostagent.host.adapter import SysfsHost
@@ -40,6 +41,7 @@ SET_ASIDE_KIND = "store-set-aside"  # journal event: the usage store refused a w
 RECLAIM_KINDS = frozenset({"strike-one", "strike-two", "strike-cleared", "reclaim", "reclaim-outcome"})
 REREAD_RETRY_S = 5.0  # a domain whose state could not be re-read after a reconnect is read again after this long...
 REREAD_RETRY_MAX_S = 60.0  # ... doubling up to this, until it answers or a newer reconnect re-reads everything
+SAMPLE_BURST_S = 60.0  # a lease may send this many seconds of store.samples_per_lease_per_s at once
 MISSED_WHILE_AWAY = "missed while disconnected from libvirt; found on reconnect"  # end_reason suffix of such stops
 
 
@@ -116,6 +118,7 @@ class Runtime:
     hypervisor_ok: bool = False
     recent_samples: dict[str, collections.deque[dict[str, Any]]] = field(default_factory=dict)
     last_heartbeat: dict[str, float] = field(default_factory=dict)
+    sample_buckets: dict[str, TokenBucket] = field(default_factory=dict)  # lease -> its heartbeat sample rate
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     use_store: bool = True
     placer: Any = None
@@ -158,17 +161,16 @@ class Runtime:
         drivers = await self.run(self.host.current_drivers, self.manager.gpus[gpu_id])
         for f in body["functions"]:
             f["driver"] = drivers.get(f["address"], f["driver"])
-        leases = [x for x in await self.run(self.journal.leases, limit=5000) if gpu_id in x.gpu_ids]
-        body["history"] = {
-            "leases": len(leases),
-            "last_lease_at": leases[0].created_at if leases else None,
-            "reclaims": sum(1 for x in leases if (x.end_reason or "").startswith("reclaim")),
-        }
+        # the GPU's own index rows, however long the journal: the counts and the newest lease's id
+        history = await self.run(self.journal.gpu_history, gpu_id)
+        last_id = history.pop("last_lease_id")
+        body["history"] = history
         if identity is not None and identity.is_operator:
             events = await self.run(self.journal.events, gpu_id=gpu_id, limit=50)
             body["events"] = [e.to_dict() for e in events]
-            if leases and leases[0].placement:
-                body["last_placement"] = {"lease_id": leases[0].id, **dict(leases[0].placement)}
+            last = await self.run(self.journal.get, last_id) if last_id is not None else None
+            if last is not None and last.placement:
+                body["last_placement"] = {"lease_id": last.id, **dict(last.placement)}
         return body
 
     async def lease_usage(self, lease_id: str) -> dict[str, Any]:
@@ -190,9 +192,18 @@ class Runtime:
                 "last_ts": max(s["ts"] for s in window)}
 
     async def accept_samples(self, lease: Lease, samples: list[dict[str, Any]]) -> int:
-        """Queue samples for the store (raises Overloaded when full) and keep a window for the reaper."""
-        if self.ingestor is not None and samples:
-            self.ingestor.submit([dict(s, source="guest") for s in samples], lease_id=lease.id)
+        """Queue samples for the store and keep a window for the reaper. A lease sends at most
+        store.samples_per_lease_per_s (in bursts of SAMPLE_BURST_S of it) and its VM fills at most its share of the
+        store's queue: past either, TooManyRequests (429) for it alone; Overloaded (503) when the queue is full."""
+        if samples:
+            self._take_sample_rate(lease, len(samples))
+        try:
+            if self.ingestor is not None and samples:
+                self.ingestor.submit([dict(s, source="guest") for s in samples], lease_id=lease.id,
+                                     tenant=lease.domain_uuid)
+        except BaseException:
+            self.sample_buckets[lease.id].give_back(len(samples))
+            raise
         window = self.recent_samples.setdefault(lease.id, collections.deque(maxlen=4096))
         window.extend(samples)
         self.last_heartbeat[lease.id] = self.clock()
@@ -204,13 +215,35 @@ class Runtime:
                 await self.reaper.activity_seen(lease.id, f"heartbeat with {len(busy)} busy sample(s)")
         return len(samples)
 
+    def samples_refused_for(self, lease: Lease) -> float:
+        """Seconds this lease must still wait after its last heartbeat was refused for its sample rate: a heartbeat
+        sooner is answered 429 before its body is read or parsed (a flood of refused 1,000-sample heartbeats cost
+        3.4 ms of parsing each)."""
+        bucket = self.sample_buckets.get(lease.id)
+        return bucket.refused_for(self.clock()) if bucket is not None else 0.0
+
+    def _take_sample_rate(self, lease: Lease, n: int) -> None:
+        rate = self.settings.store.samples_per_lease_per_s
+        bucket = self.sample_buckets.get(lease.id)
+        if bucket is None:
+            bucket = self.sample_buckets[lease.id] = TokenBucket(rate, max(1.0, rate * SAMPLE_BURST_S), self.clock())
+        if n > bucket.capacity:
+            raise InvalidInput(f"{n} samples in one heartbeat; this agent takes at most {bucket.capacity:.0f} "
+                               f"(store.samples_per_lease_per_s x {SAMPLE_BURST_S:.0f} s)", field="samples")
+        wait = bucket.take(n, self.clock())
+        if wait:
+            raise TooManyRequests(f"this lease sends samples faster than store.samples_per_lease_per_s ({rate:g}/s); "
+                                  f"send these {n} in {wait:.0f} s, or fewer", field="samples", retry_after=wait)
+
     def _forget_ended(self, lease: Lease | None, detail: str | None) -> None:
         """Drop per-lease memory once a lease has ended (its samples are in the store)."""
         if lease is not None and lease.state.terminal:
             self.recent_samples.pop(lease.id, None)
             self.last_heartbeat.pop(lease.id, None)
+            self.sample_buckets.pop(lease.id, None)
             if self.reaper is not None:
                 self.reaper.last_verdicts.pop(lease.id, None)
+                self.reaper.disputed.pop(lease.id, None)
 
     def samples_since(self, lease_id: str, since: float) -> list[dict[str, Any]]:
         """Guest samples of a lease newer than `since` (the reaper's window)."""
@@ -307,7 +340,7 @@ class Runtime:
         with contextlib.suppress(HostAgentError):
             await self.store.upsert_gpus(list(self.manager.gpus.values()))
         self.ingestor = SampleIngestor(self._write_samples, max_queue=st.queue_max, batch=st.flush_batch,
-                                       interval_s=st.flush_interval_s)
+                                       interval_s=st.flush_interval_s, tenant_share=st.ingest_share)
         self.ingestor.start()
 
     async def _mirror_loop(self) -> None:

@@ -48,8 +48,9 @@ BENCHES = (
     Bench("rollup", "Ingest", "bench_rollup_query.py", ("--small",), 1800),
     Bench("place", "Placement", "bench_place.py", ("--decisions", "500"), 900),
     Bench("dashboard", "Dashboard", "bench_dashboard.py", ("--small",), 900),
+    Bench("tenants", "Tenants", "bench_tenants.py", ("--quick",), 600),
 )
-SECTION_ORDER = ("Load", "Agent overhead per lease", "Restart to ready", "Ingest", "Placement", "Dashboard")
+SECTION_ORDER = ("Load", "Agent overhead per lease", "Restart to ready", "Ingest", "Placement", "Dashboard", "Tenants")
 
 
 def describe(script: Path) -> str:
@@ -114,14 +115,15 @@ def header(quick: bool, load_before: str) -> str:
         " load (above). Where a script prints CPU seconds as well as wall time, the CPU figure is the one a busy"
         " machine does not inflate.",
         "",
-        "Regenerate the whole page (about 15 minutes; needs MariaDB on 127.0.0.1:3306 for the ingest section):",
+        "Regenerate the whole page (about 18 minutes; needs MariaDB on 127.0.0.1:3306 for the ingest section):",
         "",
         "    hostagent bench all --write docs/benchmarks.md        # or: python scripts/bench_all.py --write ...",
         "    hostagent bench all --write docs/benchmarks.md --only load,restart   # some sections only",
         "",
-        "One benchmark alone: `hostagent bench load|overhead|restart|ingest|rollup|place|dashboard [script args]`"
+        "One benchmark alone: `hostagent bench load|overhead|restart|ingest|rollup|place|dashboard|tenants"
+        " [script args]`"
         " (`--quick` for a smoke run where a script has it). Benchmarks are not tests: they print figures and"
-        " verdicts, and stop by themselves; all traffic stays on 127.0.0.1.",
+        " verdicts, and stop by themselves; all traffic stays on loopback (127.0.0.0/8).",
         "",
     ])
 

@@ -310,8 +310,13 @@ async def end_state(url: str, operator: str) -> tuple[int, int, list[str]]:
         async with s.get(url + "/v1/gpus", headers=h) as r:
             gpus = (await r.json())["gpus"]
         live = "QUEUED,BINDING,ATTACHING,ACTIVE,RELEASING,DETACHING,DETACH_PENDING,REBINDING"
-        async with s.get(url + f"/v1/leases?state={live}&limit=10000", headers=h) as r:
-            leases = (await r.json())["leases"]
+        leases: list[dict[str, Any]] = []
+        page = f"/v1/leases?state={live}&limit=1000"
+        while page:
+            async with s.get(url + page, headers=h) as r:
+                body = await r.json()
+            leases += body["leases"]
+            page = f"/v1/leases?state={live}&limit=1000&cursor={body['next_cursor']}" if body["next_cursor"] else ""
     return (sum(1 for g in gpus if g["state"].upper() == "FREE"), len(gpus),
             [f"{x['id']} {x['state']} {x['domain']['name']} ({x['end_reason'] or 'no end reason'})" for x in leases])
 

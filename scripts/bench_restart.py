@@ -92,7 +92,7 @@ class Restarter:
         ready = wait_ready(self.agent.url)
         cpu = read_cpu_s(self.agent.pid) or 0.0
         operator = self.creds["operator"]["token"]
-        status, body = http("GET", self.agent.url + "/v1/leases?state=ACTIVE&limit=10000", operator)
+        status, body = http("GET", self.agent.url + "/v1/leases?state=ACTIVE&limit=1000", operator)
         active = len(body["leases"]) if status == 200 else -1
         _, gpus = http("GET", self.agent.url + "/v1/gpus", operator)
         leased = sum(1 for g in gpus["gpus"] if g["state"].upper() == "LEASED")

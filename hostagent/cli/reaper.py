@@ -26,6 +26,9 @@ def cmd_reaper_status(args: argparse.Namespace) -> int:
                          ("recheck", "RECHECK"), ("next", "NEXT CHECK"), ("verdict", "LAST VERDICT")])
         else:
             print("no active leases")
+        for x in b["leases"]:
+            if x.get("disputed"):
+                print(f"DISPUTED {x['lease_id']} ({x['domain']}): {x['disputed']}")
 
     emit(args, body, human)
     return 0

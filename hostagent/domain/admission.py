@@ -110,4 +110,43 @@ def may_backfill(sh: Shadow, now: float, duration_s: float) -> bool:
     return sh.start is not None and now + duration_s <= sh.start
 
 
-__all__ = ["DAY_S", "Ledger", "Shadow", "TenantUse", "gpu_hours", "may_backfill", "quota_cap", "shadow"]
+class TokenBucket:
+    """A rate with bursts: `rate` per second sustained, at most `capacity` at once (it starts full)."""
+
+    __slots__ = ("capacity", "rate", "refused_until", "stamp", "tokens")
+
+    def __init__(self, rate: float, capacity: float, now: float) -> None:
+        self.rate = rate
+        self.capacity = capacity
+        self.tokens = capacity
+        self.stamp = now
+        self.refused_until = now  # a taker told to wait is refused until then without its work being looked at
+
+    def take(self, n: float, now: float) -> float:
+        """Take `n` now and return 0.0, or take nothing and return the seconds until `n` would be there (and
+        remember it: see :meth:`refused_for`)."""
+        self.tokens = min(self.capacity, self.tokens + max(0.0, now - self.stamp) * self.rate)
+        self.stamp = max(self.stamp, now)
+        if n <= self.tokens:
+            self.tokens -= n
+            return 0.0
+        wait = (n - self.tokens) / self.rate
+        self.refused_until = now + wait
+        return wait
+
+    def charge(self, n: float, now: float) -> None:
+        """Take `n` more for work already done, even into debt: the taker waits it off before its next `take`."""
+        self.take(0.0, now)
+        self.tokens -= n
+
+    def refused_for(self, now: float) -> float:
+        """Seconds left of the wait the last refusal named (0.0 when none is left): a taker that comes back sooner
+        is refused at once, before the cost of counting what it brings."""
+        return max(0.0, self.refused_until - now)
+
+    def give_back(self, n: float) -> None:
+        """Return what was taken for work that did not happen after all."""
+        self.tokens = min(self.capacity, self.tokens + n)
+
+
+__all__ = ["DAY_S", "Ledger", "Shadow", "TenantUse", "TokenBucket", "gpu_hours", "may_backfill", "quota_cap", "shadow"]

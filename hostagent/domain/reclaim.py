@@ -25,6 +25,7 @@ class IdlePolicy:
     memory_busy_bytes: int = 512 * 1024**2  # guest memory use above this means a process holds the GPU
     min_lease_age_s: float = 600.0
     no_heartbeat: str = "host-signal"  # host-signal | never-idle
+    guest_busy_host_idle: str = "flag"  # flag: the guest's word wins, flagged | reclaim: the host's wins
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,7 @@ class Verdict:
 
     activity: Activity
     reason: str
+    disputed: str | None = None  # the guest reports busy while the host saw nothing: both figures, for the operator
 
 
 def interrupt_delta(before: Mapping[str, int] | None, now: Mapping[str, int] | None,
@@ -68,21 +70,35 @@ def judge(samples: Sequence[Sample], irq_delta: int | None, *, lease_age_s: floa
         return Verdict(Activity.EXEMPT, f"lease younger than {policy.min_lease_age_s:.0f} s")
     if irq_delta is not None and irq_delta > 0:
         return Verdict(Activity.BUSY, f"host: {irq_delta} vfio interrupts since the last check")
-    busy = [s for s in samples if s.util_pct > policy.idle_util_pct]
-    if busy:
-        return Verdict(Activity.BUSY, f"guest: {len(busy)} of {len(samples)} samples above "
-                                      f"{policy.idle_util_pct:g} % (max {max(s.util_pct for s in busy):.0f} %)")
-    if policy.memory_counts_busy:
-        held = [s for s in samples if s.mem_used_bytes > policy.memory_busy_bytes]
-        if held:
-            return Verdict(Activity.BUSY, f"guest: a process holds {max(s.mem_used_bytes for s in held) / 2**20:.0f} "
-                                          "MiB of GPU memory")
+    claim = _guest_busy(samples, policy)
+    if claim is not None:
+        if irq_delta != 0:  # the host has no reading: the guest's word stands
+            return Verdict(Activity.BUSY, claim)
+        # The host's own signal was readable and flat for the whole window while the guest says busy.
+        disputed = f"{claim}, but the host saw 0 vfio interrupts since the last check"
+        if policy.guest_busy_host_idle == "reclaim":
+            return Verdict(Activity.IDLE, f"host: no vfio interrupts since the last check (the {claim}; "
+                                          "reclaim.guest_busy_host_idle = reclaim)", disputed)
+        return Verdict(Activity.BUSY, f"{claim} (the host saw no vfio interrupts: flagged for the operator)", disputed)
     if samples:
         host = "no host interrupts" if irq_delta == 0 else "host interrupt counters unavailable"
         return Verdict(Activity.IDLE, f"guest: all {len(samples)} samples at or below {policy.idle_util_pct:g} %; {host}")
     if policy.no_heartbeat == "host-signal" and irq_delta == 0:
         return Verdict(Activity.IDLE, "no guest heartbeats in the window; judged by host interrupts alone: none")
     return Verdict(Activity.UNKNOWN, "no guest heartbeats and no host interrupt reading: not judged idle")
+
+
+def _guest_busy(samples: Sequence[Sample], policy: IdlePolicy) -> str | None:
+    """What makes the guest's samples say busy, or None."""
+    busy = [s for s in samples if s.util_pct > policy.idle_util_pct]
+    if busy:
+        return (f"guest: {len(busy)} of {len(samples)} samples above {policy.idle_util_pct:g} % "
+                f"(max {max(s.util_pct for s in busy):.0f} %)")
+    if policy.memory_counts_busy:
+        held = [s for s in samples if s.mem_used_bytes > policy.memory_busy_bytes]
+        if held:
+            return f"guest: a process holds {max(s.mem_used_bytes for s in held) / 2**20:.0f} MiB of GPU memory"
+    return None
 
 
 class Action(str, enum.Enum):

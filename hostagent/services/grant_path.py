@@ -219,9 +219,18 @@ def head_shadow(m: LeaseCore, now: float, order: Sequence[Lease] | None = None
     usable = feasible(m, head.request)
     ids = frozenset(g.id for g in usable)
     free = sum(1 for g in usable if is_free(m, g.id))
-    ends = [x.expected_end or now + m.policy.default_duration_s
-            for x in m.leases.values() if x.state.holds_devices for gid in x.gpu_ids if gid in ids]
+    ends = [busy_until(m, g.id, now) for g in usable if not is_free(m, g.id)]
     return head, ids, shadow(now, free, ends, head.request.gpus)
+
+
+def busy_until(m: LeaseCore, gpu_id: str, now: float) -> float:
+    """When a claimed GPU is expected to be free: its lease's end; for a lease still being granted (its devices not
+    yet journaled) its asked duration from now; for a claim that is no lease's (a probe), the default duration.
+    Every claimed GPU is dated, so one caught mid-grant never leaves the head of the queue without a shadow."""
+    lease = m.leases.get(m.claims.get(gpu_id, ""))
+    if lease is None:
+        return now + m.policy.default_duration_s
+    return lease.expected_end or now + (lease.request.duration_s or m.policy.default_duration_s)
 
 
 async def claim(m: LeaseCore, lease: Lease, free: Sequence[Gpu], count: int, actor: str, why: str,

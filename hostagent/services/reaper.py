@@ -65,6 +65,7 @@ class Reaper:
         self.on_reclaim = on_reclaim
         self.scheduler: AsyncIOScheduler | None = None
         self.last_verdicts: dict[str, tuple[float, str, str]] = {}  # lease -> (ts, activity, reason)
+        self.disputed: dict[str, str] = {}  # lease -> why its guest's and the host's figures disagree
 
     async def start(self) -> None:
         """Schedule the check job on the running loop."""
@@ -106,6 +107,7 @@ class Reaper:
                 "strike_at": lease.strike_at, "recheck_at": lease.recheck_at,
                 "notice_deadline": lease.notice_deadline, "next_check": self.next_check(lease),
                 "last_verdict": None if v is None else {"ts": v[0], "activity": v[1], "reason": v[2]},
+                "disputed": self.disputed.get(lease.id),
             })
         return out
 
@@ -154,6 +156,7 @@ class Reaper:
         verdict = judge(samples, delta, lease_age_s=now - (lease.granted_at or lease.created_at),
                         paused=lease.reclaim_paused, policy=self.settings.policy)
         self.last_verdicts[lease.id] = (now, verdict.activity.value, verdict.reason)
+        await self._note_dispute(lease, verdict.disputed)
         _, grace = self.settings.timing(lease.request.priority)
         strikes, action = step(Strikes(lease.strike_at, lease.recheck_at), verdict.activity, now, grace)
         new_baseline = tuple((f, int(irq.get(f, 0))) for f in functions) if irq is not None else lease.irq_baseline
@@ -184,8 +187,24 @@ class Reaper:
             await self._reclaim(lease, "no notice window configured")
         return action
 
+    async def _note_dispute(self, lease: Lease, disputed: str | None) -> None:
+        """Flag (or unflag) a lease whose guest reports busy while the host's signal is flat; the journal gets an
+        event when a dispute starts, so the operator sees both figures once, not at every check."""
+        if disputed is None:
+            self.disputed.pop(lease.id, None)
+            return
+        started = lease.id not in self.disputed
+        self.disputed[lease.id] = disputed
+        if started:
+            log.warning("lease %s: %s", lease.id, disputed, extra={"lease_id": lease.id})
+            await self.m._run(self.m.journal.event, "guest-host-disagree", actor="reaper", lease_id=lease.id,
+                              gpu_id=",".join(lease.gpu_ids), detail=disputed)
+
     async def activity_seen(self, lease_id: str, reason: str) -> None:
-        """A busy heartbeat between the strikes clears strike one at once."""
+        """A busy heartbeat between the strikes clears strike one at once, unless the host's signal disputes the
+        guest's word and the policy believes the host (reclaim.guest_busy_host_idle = reclaim)."""
+        if lease_id in self.disputed and self.settings.policy.guest_busy_host_idle == "reclaim":
+            return
         async with self.m.lease_lock(lease_id):
             lease = self.m.leases.get(lease_id)
             if lease is None or lease.state is not S.ACTIVE or lease.strike_at is None or lease.notice == "reclaim":
@@ -231,7 +250,8 @@ def reaper_settings(reclaim: Any) -> ReaperSettings:
         enabled=reclaim.enabled, check_interval_s=reclaim.check_interval_s, grace_s=reclaim.grace_s,
         notice_window_s=reclaim.notice_window_s,
         policy=IdlePolicy(idle_util_pct=reclaim.idle_util_pct, memory_counts_busy=reclaim.memory_counts_busy,
-                          min_lease_age_s=reclaim.min_lease_age_s, no_heartbeat=reclaim.no_heartbeat),
+                          min_lease_age_s=reclaim.min_lease_age_s, no_heartbeat=reclaim.no_heartbeat,
+                          guest_busy_host_idle=reclaim.guest_busy_host_idle),
         per_priority=tuple(per),
     )
 

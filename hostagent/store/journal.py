@@ -7,8 +7,10 @@ mirror afterwards. On start the journal says what was intended; sysfs and libvir
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -17,19 +19,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hostagent.domain.errors import InvalidInput
 from hostagent.domain.lease import Lease, LeaseState, Step
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS leases (
     id TEXT PRIMARY KEY, state TEXT NOT NULL, domain_uuid TEXT NOT NULL, idem_key TEXT,
-    doc TEXT NOT NULL, updated_at REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS leases_state ON leases(state);
+    doc TEXT NOT NULL, updated_at REAL NOT NULL, created_at REAL, ended_at REAL);
+CREATE TABLE IF NOT EXISTS lease_gpus (
+    gpu_id TEXT NOT NULL, lease_id TEXT NOT NULL, created_at REAL NOT NULL, reclaimed INTEGER NOT NULL,
+    PRIMARY KEY(gpu_id, lease_id)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS lease_gpus_time ON lease_gpus(gpu_id, created_at);
+CREATE INDEX IF NOT EXISTS lease_gpus_lease ON lease_gpus(lease_id);
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, lease_id TEXT, gpu_id TEXT, ts REAL NOT NULL, kind TEXT NOT NULL,
     from_state TEXT, to_state TEXT, actor TEXT NOT NULL, detail TEXT, error TEXT, mirrored INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS events_lease ON events(lease_id);
 CREATE INDEX IF NOT EXISTS events_mirror ON events(mirrored);
+CREATE TABLE IF NOT EXISTS event_gpus (gpu_id TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY(gpu_id, seq))
+    WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS event_gpus_seq ON event_gpus(seq);
 CREATE TABLE IF NOT EXISTS quarantine (gpu_id TEXT PRIMARY KEY, reason TEXT NOT NULL, since REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS tokens (
     sha256 TEXT PRIMARY KEY, role TEXT NOT NULL, domain_uuid TEXT, domain_name TEXT, created REAL NOT NULL,
@@ -61,6 +71,23 @@ class JournalEvent:
         }
 
 
+def _cursor(created_at: float, rowid: int) -> str:
+    """The opaque cursor of a position in the lease order: URL-safe base64 of 'created_at:rowid', unpadded."""
+    return base64.urlsafe_b64encode(f"{created_at!r}:{rowid}".encode()).decode().rstrip("=")
+
+
+def _position(cursor: str) -> tuple[float, int]:
+    """The position a cursor names; InvalidInput for any text `_cursor` would not have written."""
+    try:
+        created_at, _, rowid = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode().partition(":")
+        position = (float(created_at), int(rowid))
+    except ValueError:  # bad base64, bytes that are not UTF-8, or numbers that are not numbers
+        position = None
+    if position is None or not math.isfinite(position[0]) or _cursor(*position) != cursor:
+        raise InvalidInput("cursor is not one this API issued", field="cursor")
+    return position
+
+
 def read_boot_id(proc_root: Path = Path("/proc")) -> str:
     """The kernel's boot id (changes on every boot); 'unknown' when unreadable."""
     try:
@@ -82,6 +109,7 @@ class Journal:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
         self._unique_idempotency_keys()
+        self._indexed_history()
 
     def _unique_idempotency_keys(self) -> None:
         """One lease per (VM, idempotency key), enforced by the journal itself. A journal written before the
@@ -95,6 +123,48 @@ class Journal:
                 " SELECT MIN(rowid) FROM leases WHERE idem_key IS NOT NULL GROUP BY domain_uuid, idem_key)")
             self._db.execute("CREATE UNIQUE INDEX leases_idem ON leases(domain_uuid, idem_key) "
                              "WHERE idem_key IS NOT NULL")
+
+    def _indexed_history(self) -> None:
+        """Lease lists and GPU history read indexed columns and tables, not every document. A journal written before
+        them gets the columns (from its documents) and the GPU tables (from its leases and events) once, in one
+        transaction; the indexes on the new columns come after, as they need the columns."""
+        if "created_at" not in {row[1] for row in self._db.execute("PRAGMA table_info(leases)")}:
+            with self._transaction():
+                self._db.execute("ALTER TABLE leases ADD COLUMN created_at REAL")
+                self._db.execute("ALTER TABLE leases ADD COLUMN ended_at REAL")
+                self._db.execute("UPDATE leases SET created_at=json_extract(doc, '$.created_at'),"
+                                 " ended_at=json_extract(doc, '$.ended_at')")
+                for lease_id, doc in self._db.execute("SELECT id, doc FROM leases").fetchall():
+                    d = json.loads(doc)
+                    self._index_lease_gpus(lease_id, [x["gpu_id"] for x in d.get("devices", ())], d["created_at"],
+                                           d.get("end_reason"))
+                for seq, gpus in self._db.execute("SELECT seq, gpu_id FROM events WHERE gpu_id IS NOT NULL").fetchall():
+                    self._index_event_gpus(seq, gpus)
+        # creation time then rowid (an index ends with it) is the order of every lease list, alone, within a VM's
+        # leases and within a state's (the index on state alone, of older journals, goes)
+        self._db.execute("CREATE INDEX IF NOT EXISTS leases_created ON leases(created_at)")
+        self._db.execute("CREATE INDEX IF NOT EXISTS leases_domain ON leases(domain_uuid, created_at)")
+        self._db.execute("CREATE INDEX IF NOT EXISTS leases_state_created ON leases(state, created_at)")
+        self._db.execute("DROP INDEX IF EXISTS leases_state")
+
+    def _index_lease_gpus(self, lease_id: str, gpu_ids: Sequence[str], created_at: float,
+                          end_reason: str | None) -> None:
+        """A lease's rows of GPU history, one per GPU it names now (inside the caller's transaction). A row that
+        would not change is not rewritten: a step that changes neither the lease's GPUs nor its end writes nothing
+        here."""
+        self._db.execute(f"DELETE FROM lease_gpus WHERE lease_id=? AND gpu_id NOT IN ({','.join('?' * len(gpu_ids))})",
+                         (lease_id, *gpu_ids))
+        reclaimed = int((end_reason or "").startswith("reclaim"))
+        self._db.executemany(
+            "INSERT INTO lease_gpus(gpu_id, lease_id, created_at, reclaimed) VALUES(?,?,?,?)"
+            " ON CONFLICT(gpu_id, lease_id) DO UPDATE SET created_at=excluded.created_at, reclaimed=excluded.reclaimed"
+            " WHERE created_at IS NOT excluded.created_at OR reclaimed IS NOT excluded.reclaimed",
+            [(gpu_id, lease_id, created_at, reclaimed) for gpu_id in gpu_ids])
+
+    def _index_event_gpus(self, seq: int | None, gpus: str | None) -> None:
+        """One row per GPU of an event's comma-joined GPU ids (inside the caller's transaction)."""
+        self._db.executemany("INSERT OR IGNORE INTO event_gpus(gpu_id, seq) VALUES(?,?)",
+                             [(gpu_id, seq) for gpu_id in (gpus or "").split(",") if gpu_id])
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -137,29 +207,35 @@ class Journal:
         with self._transaction():
             # An upsert updates the row where it is; INSERT OR REPLACE deletes it and inserts a copy under a new
             # rowid, which rewrites the table's and the primary key index's pages too (about a third more WAL per
-            # lease step, and so more frequent checkpoints inside a step's commit).
+            # lease step, and so more frequent checkpoints inside a step's commit). A lease's VM and creation time
+            # never change: left out of the update, the indexes on them are not rewritten on every step either.
             self._db.execute(
-                "INSERT INTO leases(id, state, domain_uuid, idem_key, doc, updated_at) VALUES(?,?,?,?,?,?)"
-                " ON CONFLICT(id) DO UPDATE SET state=excluded.state, domain_uuid=excluded.domain_uuid,"
-                " idem_key=excluded.idem_key, doc=excluded.doc, updated_at=excluded.updated_at",
+                "INSERT INTO leases(id, state, domain_uuid, idem_key, doc, updated_at, created_at, ended_at)"
+                " VALUES(?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET state=excluded.state,"
+                " idem_key=excluded.idem_key, doc=excluded.doc, updated_at=excluded.updated_at,"
+                " ended_at=excluded.ended_at",
                 (lease.id, lease.state.value, lease.domain_uuid, lease.request.idempotency_key,
-                 json.dumps(lease.to_dict()), now),
+                 json.dumps(lease.to_dict()), now, lease.created_at, lease.ended_at),
             )
-            self._db.executemany(
-                "INSERT INTO events(lease_id, gpu_id, ts, kind, from_state, to_state, actor, detail, error)"
-                " VALUES(?,?,?,?,?,?,?,?,?)",
-                [(lease.id, gpus, now, "transition" if frm != to else "update", frm.value if frm else None,
-                  to.value, actor, det, err) for frm, to, det, err in events],
-            )
+            self._index_lease_gpus(lease.id, lease.gpu_ids, lease.created_at, lease.end_reason)
+            for frm, to, det, err in events:
+                seq = self._db.execute(
+                    "INSERT INTO events(lease_id, gpu_id, ts, kind, from_state, to_state, actor, detail, error)"
+                    " VALUES(?,?,?,?,?,?,?,?,?)",
+                    (lease.id, gpus, now, "transition" if frm != to else "update", frm.value if frm else None,
+                     to.value, actor, det, err),
+                ).lastrowid
+                self._index_event_gpus(seq, gpus)
 
     def event(self, kind: str, *, actor: str, lease_id: str | None = None, gpu_id: str | None = None,
               detail: str | None = None, error: str | None = None) -> None:
         """Record a non-transition event (repair, strike, quarantine, probe...)."""
-        with self._lock:
-            self._db.execute(
+        with self._transaction():
+            seq = self._db.execute(
                 "INSERT INTO events(lease_id, gpu_id, ts, kind, actor, detail, error) VALUES(?,?,?,?,?,?,?)",
                 (lease_id, gpu_id, self._clock(), kind, actor, detail, error),
-            )
+            ).lastrowid
+            self._index_event_gpus(seq, gpu_id)
 
     def get(self, lease_id: str) -> Lease | None:
         """One lease, or None."""
@@ -190,9 +266,21 @@ class Journal:
         return Lease.from_dict(json.loads(row[0])) if row else None
 
     def leases(self, *, states: Iterable[LeaseState] | None = None, domain_uuid: str | None = None,
-               since: float | None = None, limit: int = 1000) -> list[Lease]:
-        """Leases, newest first (ties in creation time in the order they were first journaled)."""
-        sql = "SELECT doc, rowid FROM leases WHERE 1=1"
+               since: float | None = None, limit: int = 1000, cursor: str | None = None) -> list[Lease]:
+        """Leases, newest first (ties in creation time in the order they were first journaled); with `since`, those
+        created or ended at or after it and those not ended; with `cursor`, those after an earlier page's end."""
+        return self.lease_page(states=states, domain_uuid=domain_uuid, since=since, limit=limit, cursor=cursor)[0]
+
+    def lease_page(self, *, states: Iterable[LeaseState] | None = None, domain_uuid: str | None = None,
+                   since: float | None = None, limit: int = 200,
+                   cursor: str | None = None) -> tuple[list[Lease], str | None]:
+        """One page of `leases()` and the cursor of the next page (None after the last one).
+
+        SQL filters, orders and limits on indexed columns, so a page costs its own rows, not the journal's. The
+        cursor is a position in the order (creation time, then rowid), not an offset: leases journaled while a
+        caller pages neither shift nor repeat the leases that were there when it started.
+        """
+        sql = "SELECT doc, created_at, rowid FROM leases WHERE 1=1"
         args: list[Any] = []
         if states is not None:
             st = [s.value for s in states]
@@ -201,13 +289,34 @@ class Journal:
         if domain_uuid is not None:
             sql += " AND domain_uuid=?"
             args.append(domain_uuid)
+        if since is not None:
+            sql += " AND (created_at >= ? OR ended_at IS NULL OR ended_at >= ?)"
+            args += [since, since]
+        if cursor is not None:
+            sql += " AND (created_at, rowid) < (?, ?)"
+            args += _position(cursor)
+        limit = max(limit, 0)
+        sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
+        args.append(limit + 1)  # one more than asked: whether there is a next page
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()
-        found = [(Lease.from_dict(json.loads(doc)), rowid) for doc, rowid in rows]
-        if since is not None:
-            found = [(x, n) for x, n in found if x.created_at >= since or (x.ended_at or 1e18) >= since]
-        found.sort(key=lambda xn: (xn[0].created_at, xn[1]), reverse=True)
-        return [x for x, _ in found[:limit]]
+        page = rows[:limit]
+        following = _cursor(page[-1][1], page[-1][2]) if page and len(rows) > limit else None
+        return [Lease.from_dict(json.loads(doc)) for doc, _, _ in page], following
+
+    def gpu_history(self, gpu_id: str) -> dict[str, Any]:
+        """A GPU's lease history from its index rows: how many leases it had, the newest one's creation time and id
+        (ties in the order first journaled, as in `leases()`), and how many ended by reclaim."""
+        with self._lock:
+            n, reclaims, last_at = self._db.execute(
+                "SELECT count(*), total(reclaimed), max(created_at) FROM lease_gpus WHERE gpu_id=?", (gpu_id,)
+            ).fetchone()
+            last = self._db.execute(
+                "SELECT g.lease_id FROM lease_gpus g JOIN leases l ON l.id=g.lease_id"
+                " WHERE g.gpu_id=? AND g.created_at=? ORDER BY l.rowid DESC LIMIT 1", (gpu_id, last_at),
+            ).fetchone()
+        return {"leases": n, "last_lease_at": last_at, "last_lease_id": last[0] if last else None,
+                "reclaims": int(reclaims)}
 
     def live_leases(self) -> list[Lease]:
         """Leases not yet in a terminal state."""
@@ -223,33 +332,39 @@ class Journal:
         if mirrored_only:
             ended += " AND NOT EXISTS (SELECT 1 FROM events e WHERE e.lease_id = leases.id AND e.mirrored = 0)"
         args = (*terminal, before)
+        of_leases = f"lease_id IN (SELECT id FROM leases WHERE {ended})"
+        of_none = "lease_id IS NULL AND ts < ?" + (" AND mirrored = 1" if mirrored_only else "")
         with self._transaction():
             # Their events first: the condition reads only events that stay (unmirrored ones keep their lease).
-            events = self._db.execute(f"DELETE FROM events WHERE lease_id IN (SELECT id FROM leases WHERE {ended})",
-                                      args).rowcount
+            # Index rows go before what they index, whose rows still say which they are.
+            self._db.execute(f"DELETE FROM event_gpus WHERE seq IN (SELECT seq FROM events WHERE {of_leases})", args)
+            events = self._db.execute(f"DELETE FROM events WHERE {of_leases}", args).rowcount
+            self._db.execute(f"DELETE FROM lease_gpus WHERE {of_leases}", args)
             leases = self._db.execute(f"DELETE FROM leases WHERE {ended}", args).rowcount
-            events += self._db.execute(
-                "DELETE FROM events WHERE lease_id IS NULL AND ts < ?" + (" AND mirrored = 1" if mirrored_only else ""),
-                (before,)).rowcount
+            self._db.execute(f"DELETE FROM event_gpus WHERE seq IN (SELECT seq FROM events WHERE {of_none})", (before,))
+            events += self._db.execute(f"DELETE FROM events WHERE {of_none}", (before,)).rowcount
         return leases, events
 
     # -- events --------------------------------------------------------------------------------------------------
     def events(self, *, lease_id: str | None = None, gpu_id: str | None = None, kinds: Iterable[str] | None = None,
                since_seq: int = 0, limit: int = 500) -> list[JournalEvent]:
-        """Events, oldest first, filtered."""
-        sql = "SELECT seq, lease_id, gpu_id, ts, kind, from_state, to_state, actor, detail, error FROM events WHERE seq>?"
-        args: list[Any] = [since_seq]
+        """Events, oldest first, filtered; the newest `limit` of them. A GPU's events are found through its index
+        rows, newest first, so the limit ends the walk."""
+        cols = "e.seq, e.lease_id, e.gpu_id, e.ts, e.kind, e.from_state, e.to_state, e.actor, e.detail, e.error"
+        args: list[Any]
+        if gpu_id is None:
+            sql, key, args = f"SELECT {cols} FROM events e WHERE e.seq>?", "e.seq", [since_seq]
+        else:
+            sql = f"SELECT {cols} FROM event_gpus g JOIN events e ON e.seq=g.seq WHERE g.gpu_id=? AND g.seq>?"
+            key, args = "g.seq", [gpu_id, since_seq]
         if lease_id is not None:
-            sql += " AND lease_id=?"
+            sql += " AND e.lease_id=?"
             args.append(lease_id)
-        if gpu_id is not None:
-            sql += " AND (',' || gpu_id || ',') LIKE ?"
-            args.append(f"%,{gpu_id},%")
         if kinds is not None:
             k = list(kinds)
-            sql += f" AND kind IN ({','.join('?' * len(k))})"
+            sql += f" AND e.kind IN ({','.join('?' * len(k))})"
             args += k
-        sql += " ORDER BY seq DESC LIMIT ?"
+        sql += f" ORDER BY {key} DESC LIMIT ?"
         args.append(limit)
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()

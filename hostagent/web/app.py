@@ -14,12 +14,14 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from hostagent.domain.errors import Conflict, Forbidden, HostAgentError, InvalidInput, NotFound, Unauthorized
+from hostagent.domain.admission import TokenBucket
+from hostagent.domain.errors import (Conflict, Forbidden, HostAgentError, InvalidInput, NotFound, TooManyRequests,
+                                     Unauthorized)
 from hostagent.domain.lease import LeaseState, parse_lease_request
 from hostagent.services.leases import lease_view
 from hostagent.web.auth import Identity, bearer, require
 from hostagent.web.keys import IDENTITY, RUNTIME
-from hostagent.web.openapi import MAX_WORK_RATE, STATE_FILTER_PATTERN
+from hostagent.web.openapi import MAX_PAGE, MAX_WORK_RATE, STATE_FILTER_PATTERN
 
 log = logging.getLogger("hostagent.web")
 
@@ -27,6 +29,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_SAMPLES_PER_HEARTBEAT = 1000
 SAMPLE_FUTURE_SKEW_S = 300.0
 SAMPLE_MAX_AGE_S = 7 * 24 * 3600.0
+MEMORY_SLACK = 1.05  # a GPU's memory size may be an estimate (from its name or BAR): refuse only what is clearly more
 
 
 def error_body(code: str, message: str, field: str | None = None) -> dict[str, Any]:
@@ -39,7 +42,7 @@ def error_body(code: str, message: str, field: str | None = None) -> dict[str, A
 
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                405: "method_not_allowed", 408: "request_timeout", 409: "conflict", 413: "payload_too_large",
-               415: "unsupported_media_type", 429: "too_many_requests", 431: "header_fields_too_large",
+               415: "unsupported_media_type", 429: "rate_limited", 431: "header_fields_too_large",
                503: "unavailable", 504: "timeout"}
 BODY_ABANDONED: web.RequestKey[bool] = web.RequestKey("hostagent.body_abandoned")  # set by read_json (abandon_body)
 _STATE_FILTER = re.compile(STATE_FILTER_PATTERN)  # the document's pattern for GET /v1/leases?state=
@@ -62,7 +65,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except HostAgentError as exc:
-        headers = {"Retry-After": str(int(exc.details.get("retry_after", 1)))} if exc.retryable else None
+        headers = {"Retry-After": str(max(1, math.ceil(exc.details.get("retry_after", 1))))} if exc.retryable else None
         resp = web.json_response({"error": exc.to_dict()}, status=exc.http_status, headers=headers)
         if request.get(BODY_ABANDONED):
             resp.force_close()  # what is left of a body that failed to decode cannot be told from a next request
@@ -85,9 +88,20 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return web.json_response(error_body("internal", "internal error; see the agent's log"), status=500)
 
 
+INFLIGHT: web.AppKey[dict[str, int]] = web.AppKey("hostagent.inflight", dict)  # guest -> its requests being handled
+RATES: web.AppKey[dict[str, TokenBucket]] = web.AppKey("hostagent.rates", dict)  # guest -> its request rate
+COST: web.RequestKey[float] = web.RequestKey("hostagent.cost")  # what a request cost beyond 1 (set by its handler)
+REQUEST_BURST_S = 10.0  # a guest may send this many seconds of agent.guest_requests_per_s at once
+ROWS_PER_REQUEST = 100  # a listing costs one more request per this many rows it returns
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Resolve the caller's identity from its bearer token (None for anonymous); handlers decide what they need.
+    A guest has at most agent.max_inflight_per_token requests being handled at once (all its tokens together), and
+    sends at most agent.guest_requests_per_s (a long listing counts one more per ROWS_PER_REQUEST rows): past
+    either, it is answered 429 at once, so a guest that floods the agent with slow or costly requests waits on
+    itself, not on the others.
 
     Only the Authorization header counts: the dashboard's session cookie never authenticates the API, which has no
     CSRF protection (a browser would send the cookie with any site's forged request)."""
@@ -99,7 +113,34 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         if identity is None:
             raise Unauthorized("unknown or revoked token", field="Authorization")
     request[IDENTITY] = identity
-    return await handler(request)
+    if identity is None or identity.is_operator:
+        return await handler(request)
+    key = identity.domain_uuid or identity.subject
+    inflight = request.app[INFLIGHT]
+    cap = rt.settings.agent.max_inflight_per_token
+    if inflight.get(key, 0) >= cap:
+        raise TooManyRequests(f"this VM already has {cap} requests in progress (agent.max_inflight_per_token); "
+                              "wait for their answers", field="Authorization", retry_after=1)
+    rate = rt.settings.agent.guest_requests_per_s
+    bucket = request.app[RATES].get(key)
+    now = time.monotonic()
+    if bucket is None:
+        bucket = request.app[RATES][key] = TokenBucket(rate, rate * REQUEST_BURST_S, now)
+    wait = bucket.refused_for(now) or bucket.take(1.0, now)
+    if wait:
+        raise TooManyRequests(f"this VM sends requests faster than agent.guest_requests_per_s ({rate:g}/s, long "
+                              f"listings counting more); retry in {math.ceil(wait)} s", field="Authorization",
+                              retry_after=wait)
+    inflight[key] = inflight.get(key, 0) + 1
+    try:
+        return await handler(request)
+    finally:
+        bucket.charge(request.get(COST, 0.0), time.monotonic())
+        left = inflight[key] - 1
+        if left:
+            inflight[key] = left
+        else:
+            del inflight[key]
 
 
 async def read_json(request: web.Request) -> Any:
@@ -173,9 +214,9 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def list_gpus(request: web.Request) -> web.Response:
-    """Every GPU on this host with its state (anyone on the API may read inventory)."""
+    """Every GPU on this host with its state (any token may read the inventory)."""
     rt = request.app[RUNTIME]
-    who = request.get(IDENTITY)
+    who = ident(request)
     return web.json_response({"gpus": [rt.gpu_view_for(g, who) for g in sorted(rt.manager.gpus)]})
 
 
@@ -185,7 +226,7 @@ async def get_gpu(request: web.Request) -> web.Response:
     gpu_id = request.match_info["gpu_id"]
     if gpu_id not in rt.manager.gpus:
         raise NotFound(f"no GPU {gpu_id!r}; list them with GET /v1/gpus", field="gpu_id")
-    identity = request.get(IDENTITY)
+    identity = ident(request)
     return web.json_response(await rt.gpu_detail(gpu_id, identity))
 
 
@@ -257,11 +298,14 @@ async def list_leases(request: web.Request) -> web.Response:
         try:
             limit = int(request.query["limit"])
         except ValueError:
-            raise InvalidInput("limit must be an integer 1..10000", field="limit") from None
-        if not 1 <= limit <= 10000:
-            raise InvalidInput("limit must be an integer 1..10000", field="limit")
-    leases = await rt.run(rt.journal.leases, states=states, domain_uuid=who.scope, since=since, limit=limit)
-    return web.json_response({"leases": [lease_view(rt.manager.leases.get(x.id, x), rt.manager) for x in leases]})
+            raise InvalidInput(f"limit must be an integer 1..{MAX_PAGE}", field="limit") from None
+        if not 1 <= limit <= MAX_PAGE:
+            raise InvalidInput(f"limit must be an integer 1..{MAX_PAGE} (page on with next_cursor)", field="limit")
+    leases, after = await rt.run(rt.journal.lease_page, states=states, domain_uuid=who.scope, since=since,
+                                 limit=limit, cursor=request.query.get("cursor"))
+    request[COST] = len(leases) / ROWS_PER_REQUEST
+    return web.json_response({"leases": [lease_view(rt.manager.leases.get(x.id, x), rt.manager) for x in leases],
+                              "next_cursor": after})
 
 
 async def get_lease(request: web.Request) -> web.Response:
@@ -306,8 +350,11 @@ def _finite(value: Any) -> bool:
         return False
 
 
-def parse_samples(body: Any, gpu_ids: set[str], now: float) -> list[dict[str, Any]]:
-    """Validate a heartbeat body completely before anything is written."""
+def parse_samples(body: Any, memory: dict[str, int | None], now: float, not_before: float) -> list[dict[str, Any]]:
+    """Validate a heartbeat body completely before anything is written. `memory`: the lease's GPUs and how many
+    bytes each has (None: unknown); `not_before`: when the lease got its GPUs (a sample from before is not of this
+    lease). What no GPU could report (more memory used than it has) is refused too: samples feed accounting and
+    the placement model."""
     if not isinstance(body, dict):
         raise InvalidInput("body must be a JSON object")
     unknown = sorted(set(body) - {"samples"})
@@ -337,15 +384,22 @@ def parse_samples(body: Any, gpu_ids: set[str], now: float) -> list[dict[str, An
                                field=f"{where}.ts")
         if ts < now - SAMPLE_MAX_AGE_S:
             raise InvalidInput(f"{where}.ts is older than {SAMPLE_MAX_AGE_S / 86400:.0f} days", field=f"{where}.ts")
+        if ts < not_before - SAMPLE_FUTURE_SKEW_S:
+            raise InvalidInput(f"{where}.ts is {not_before - ts:.0f} s before this lease got its GPUs",
+                               field=f"{where}.ts")
         if not isinstance(gpu, str):  # a list here is unhashable, and its repr could echo a megabyte back
             raise InvalidInput(f"{where}.gpu must be a GPU id (a string)", field=f"{where}.gpu")
-        if gpu not in gpu_ids:
+        if gpu not in memory:
             raise InvalidInput(f"{where}.gpu {gpu[:64]!r} is not a GPU of this lease", field=f"{where}.gpu")
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 <= util <= 100:
             raise InvalidInput(f"{where}.util_pct must be 0..100", field=f"{where}.util_pct")
         mem = s.get("mem_used_bytes", 0)
         if isinstance(mem, bool) or not isinstance(mem, int) or not 0 <= mem <= 2**50:
             raise InvalidInput(f"{where}.mem_used_bytes must be a non-negative integer", field=f"{where}.mem_used_bytes")
+        has = memory[gpu]
+        if has is not None and mem > has * MEMORY_SLACK:
+            raise InvalidInput(f"{where}.mem_used_bytes is more than {gpu} has ({has} bytes)",
+                               field=f"{where}.mem_used_bytes")
         rate = s.get("work_rate")
         if rate is not None and (not _finite(rate) or not 0 <= rate <= MAX_WORK_RATE):
             raise InvalidInput(f"{where}.work_rate must be a number 0..{MAX_WORK_RATE:g}", field=f"{where}.work_rate")
@@ -359,11 +413,16 @@ async def heartbeat(request: web.Request) -> web.Response:
     who = ident(request)
     rt = request.app[RUNTIME]
     lease = rt.manager.get(request.match_info["lease_id"], domain_uuid=who.scope)
+    wait = rt.samples_refused_for(lease)
+    if wait:
+        raise TooManyRequests(f"this lease was told to wait {wait:.0f} s more before sending samples "
+                              "(store.samples_per_lease_per_s)", field="samples", retry_after=wait)
     body = await read_json(request)
     if lease.state.terminal:
         raise Conflict(f"lease {lease.id} has ended ({lease.state.value})", field="lease_id")
-    samples = parse_samples(body, set(lease.gpu_ids), time.time())
-    accepted = await rt.accept_samples(lease, samples)  # Overloaded -> 503 + Retry-After
+    memory = {g: rt.manager.gpus[g].memory_bytes if g in rt.manager.gpus else None for g in lease.gpu_ids}
+    samples = parse_samples(body, memory, time.time(), lease.granted_at or lease.created_at)
+    accepted = await rt.accept_samples(lease, samples)  # 429 over its rate or share, 503 when the queue is full
     current = rt.manager.leases.get(lease.id, lease)
     view = lease_view(current, rt.manager)
     return web.json_response({"accepted": accepted, "state": current.state.value, "warnings": view["warnings"],
@@ -404,9 +463,10 @@ async def list_events(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    """The OpenAPI 3 document of this API."""
+    """The OpenAPI 3 document of this API (any token)."""
     from hostagent.web.openapi import document
 
+    ident(request)
     return web.json_response(document(max_duration_s=request.app[RUNTIME].settings.leases.max_duration_s))
 
 
@@ -414,6 +474,8 @@ def add_api_routes(app: web.Application) -> None:
     """Register every JSON API route (the OpenAPI test walks these), and hide the server's version on every response
     of the app (make_app calls this for every app it builds, served by serve.py or by a test client)."""
     app.on_response_prepare.append(hide_server_version)
+    app[INFLIGHT] = {}
+    app[RATES] = {}
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/v1/openapi.json", openapi)

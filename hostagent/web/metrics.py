@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from hostagent.domain.inventory import GpuState
 from hostagent.domain.lease import Lease, LeaseState
 from hostagent.host.memory import read_memory
+from hostagent.web.app import hide_server_version, ident
 
 if TYPE_CHECKING:
     from hostagent.web.ports import AgentServices
@@ -95,6 +96,9 @@ class _Gauges:
                 leases.add_metric([st.value], lc.get(st.value, 0))
         yield leases
         yield GaugeMetricFamily("hostagent_queue_depth", "requests waiting for GPUs", value=len(m.queue()))
+        yield GaugeMetricFamily("hostagent_leases_disputed", "leases whose guest reports busy while the host saw no "
+                                "vfio interrupts (reclaim.guest_busy_host_idle)",
+                                value=len(self.rt.reaper.disputed) if self.rt.reaper is not None else 0)
         st = self.rt.store.status() if self.rt.store is not None else {"degraded": False, "spool_depth": 0}
         yield GaugeMetricFamily("hostagent_store_degraded", "1 while the usage store is unreachable (spooling)",
                                 value=1 if st["degraded"] else 0)
@@ -119,6 +123,9 @@ class _Gauges:
         ing = self.rt.ingestor
         yield GaugeMetricFamily("hostagent_ingest_queue_depth", "heartbeat samples waiting to be written",
                                 value=ing.depth if ing is not None else 0)
+        yield CounterMetricFamily("hostagent_ingest_refused_over_share", "heartbeats refused (429) because their VM's "
+                                  "samples filled its share of the queue (store.ingest_share)",
+                                  value=ing.over_share if ing is not None else 0)
         version = GaugeMetricFamily("hostagent_model_version", "placement model in use (1 for the current)",
                                     labels=["version", "rule"])
         version.add_metric([str(getattr(self.rt, "model_version", None) or "none"),
@@ -166,15 +173,35 @@ METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
-    """GET /metrics in the Prometheus text format."""
-    body = request.app[METRICS].render()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    """GET /metrics in the Prometheus text format, on the API's port: the operator's token is required (a scrape
+    tells the load, leases and tenants of the host)."""
+    ident(request, operator=True)
+    return _render(request.app[METRICS])
+
+
+def _render(metrics: Metrics) -> web.Response:
+    return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def listener_app(metrics: Metrics) -> web.Application:
+    """The app of agent.metrics_listen: /metrics alone, without a token (as Prometheus exporters serve it; whoever
+    can reach that address may scrape, so keep it on loopback or a management network)."""
+    app = web.Application()
+
+    async def scrape(request: web.Request) -> web.Response:
+        return _render(metrics)
+
+    app.on_response_prepare.append(hide_server_version)
+    app.router.add_get("/metrics", scrape)
+    return app
 
 
 def install(app: web.Application, runtime: AgentServices) -> Metrics:
-    """Create the metrics, hook the lease listener, add /metrics."""
+    """Create the metrics, hook the lease listener, and add /metrics to the API (behind the operator's token) unless
+    agent.metrics_listen gives it a listener of its own (serve() starts it from `app[METRICS]`)."""
     metrics = Metrics(runtime)
     app[METRICS] = metrics
     runtime.manager.listeners.append(metrics.on_lease)
-    app.router.add_get("/metrics", metrics_handler)
+    if not runtime.settings.agent.metrics_listen:
+        app.router.add_get("/metrics", metrics_handler)
     return metrics

@@ -24,6 +24,7 @@ _STD = {"400": _err("invalid input"), "401": _err("missing or bad token"), "403"
 _LEASE_ID = {"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string", "maxLength": 64}}
 _GPU_ID = {"name": "gpu_id", "in": "path", "required": True, "schema": {"type": "string", "maxLength": 64}}
 _SECURED = [{"bearer": []}]
+MAX_PAGE = 1000  # GET /v1/leases returns at most this many per page; next_cursor leads on
 
 _NULLABLE_NUM = {"type": "number", "nullable": True}
 _NULLABLE_STR = {"type": "string", "nullable": True}
@@ -138,22 +139,24 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
         },
     }
     paths: dict[str, Any] = {
-        "/healthz": {"get": {"summary": "liveness", "operationId": "healthz",
+        "/healthz": {"get": {"summary": "liveness", "operationId": "healthz", "security": [],
                              "responses": {"200": {"description": "alive", "content": {"application/json": {
                                  "schema": {"type": "object"}}}}}}},
         "/readyz": {"get": {"summary": "readiness (reconciled, hypervisor, store)", "operationId": "readyz",
+                            "security": [],
                             "responses": {"200": {"description": "ready", "content": {"application/json": {
                                 "schema": {"type": "object"}}}},
                                 "503": {"description": "not ready", "content": {"application/json": {
                                     "schema": {"type": "object"}}}}}}},
-        "/v1/openapi.json": {"get": {"summary": "this document", "operationId": "openapi",
+        "/v1/openapi.json": {"get": {"summary": "this document", "operationId": "openapi", "security": _SECURED,
                                      "responses": {"200": {"description": "OpenAPI document", "content": {
                                          "application/json": {"schema": {"type": "object"}}}}}}},
-        "/v1/gpus": {"get": {"summary": "every GPU with its state", "operationId": "listGpus",
+        "/v1/gpus": {"get": {"summary": "every GPU with its state", "operationId": "listGpus", "security": _SECURED,
                              "responses": {"200": {"description": "GPUs", "content": {"application/json": {"schema": {
                                  "type": "object", "properties": {"gpus": {"type": "array", "items": {
                                      "$ref": "#/components/schemas/Gpu"}}}}}}}}}},
         "/v1/gpus/{gpu_id}": {"get": {"summary": "one GPU with its lease and history", "operationId": "getGpu",
+                                      "security": _SECURED,
                                       "parameters": [_GPU_ID],
                                       "responses": {"200": _ok("the GPU", "Gpu"), "404": _err("unknown GPU")}}},
         "/v1/gpus/{gpu_id}/clear-quarantine": {"post": {
@@ -179,6 +182,7 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                                    "503": _err("overloaded or hypervisor unavailable"), **_STD}},
             "get": {"summary": "leases, newest first (a guest sees its own)", "operationId": "listLeases",
                     "security": _SECURED,
+                    "x-runtime-checks": {"cursor": "a next_cursor this API issued"},
                     "parameters": [
                         {"name": "state", "in": "query", "schema": {"type": "string",
                                                                     "pattern": STATE_FILTER_PATTERN},
@@ -186,10 +190,17 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                         {"name": "since", "in": "query", "schema": {"type": "number"},
                          "description": "unix seconds: leases created or still running since then"},
                         {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
-                                                                    "maximum": 10000}}],
-                    "responses": {"200": {"description": "leases", "content": {"application/json": {"schema": {
-                        "type": "object", "properties": {"leases": {"type": "array", "items": {
-                            "$ref": "#/components/schemas/Lease"}}}}}}}, **_STD}},
+                                                                    "maximum": MAX_PAGE},
+                         "description": f"leases per page (default 200, at most {MAX_PAGE})"},
+                        {"name": "cursor", "in": "query",
+                         "schema": {"type": "string", "maxLength": 200, "pattern": "^[A-Za-z0-9_-]*$"},
+                         "description": "next_cursor of the previous page: the page after it"}],
+                    "responses": {"200": {"description": "one page of leases", "content": {"application/json": {
+                        "schema": {"type": "object", "required": ["leases", "next_cursor"], "properties": {
+                            "leases": {"type": "array", "items": {"$ref": "#/components/schemas/Lease"}},
+                            "next_cursor": {"type": "string", "nullable": True,
+                                            "description": "pass as cursor for the next page; null on the last"}}}}}},
+                                  **_STD}},
         },
         "/v1/leases/{lease_id}": {
             "get": {"summary": "one lease: state, devices, usage, warnings", "operationId": "getLease",
@@ -204,8 +215,11 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
         "/v1/leases/{lease_id}/heartbeat": {"post": {
             "summary": "usage samples; the reply carries warnings and reclaim notices", "operationId": "heartbeat",
             "security": _SECURED, "parameters": [_LEASE_ID],
-            "x-runtime-checks": {"samples[].ts": "within the skew bounds of the agent's clock",
-                                 "samples[].gpu": "one of the lease's GPUs"},
+            "x-runtime-checks": {"samples[].ts": "within the skew bounds of the agent's clock, and not before the "
+                                                  "lease had its GPUs",
+                                 "samples[].gpu": "one of the lease's GPUs",
+                                 "samples[].mem_used_bytes": "no more than the GPU has",
+                                 "samples": "no more than this agent's burst (store.samples_per_lease_per_s x 60 s)"},
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "additionalProperties": False,
                 "properties": {"samples": {"type": "array", "maxItems": 1000, "items": sample}}}}}},
@@ -215,6 +229,8 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                                "warnings": {"type": "array", "items": {"type": "object"}},
                                "reclaim": {"type": "object"}, "expires_at": _NULLABLE_NUM}}}}},
                           "409": _err("lease has ended"), "415": _err("wrong content type"),
+                          "429": _err("over the lease's sample rate (store.samples_per_lease_per_s) or its VM's "
+                                      "share of the sample queue (store.ingest_share); Retry-After says when"),
                           "503": _err("ingestion queue full (Retry-After)"), **_STD}}},
         "/v1/leases/{lease_id}/renew": {"post": {
             "summary": "extend the TTL", "operationId": "renewLease", "security": _SECURED,
@@ -250,11 +266,19 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
     from hostagent.web import openapi_ext
 
     openapi_ext.extend(paths)
+    for ops in paths.values():
+        for op in ops.values():
+            if op.get("security", _SECURED):  # every operation but healthz and readyz
+                op["responses"].setdefault("401", _err("missing or bad token"))
+                op["responses"].setdefault("429", _err("this VM already has agent.max_inflight_per_token requests "
+                                                       "in progress; Retry-After says when to try again"))
     return {
         "openapi": "3.0.3",
         "info": {"title": "hostagent API", "version": __version__,
                  "description": "Lease whole GPUs to KVM/libvirt guests over VFIO passthrough. Every error body is "
-                                "{\"error\": {\"code\", \"message\", \"field\"?}}."},
+                                "{\"error\": {\"code\", \"message\", \"field\"?}}. Every operation but "
+                                "healthz and readyz needs a bearer token; a guest's token sees its own VM's leases."},
+        "security": _SECURED,
         "paths": paths,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

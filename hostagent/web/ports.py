@@ -52,6 +52,8 @@ class AgentServices(Protocol):
     async def lease_usage(self, lease_id: str) -> dict[str, Any]:
         """A lease's usage so far."""
 
+    def samples_refused_for(self, lease: Lease) -> float: ...
+
     async def accept_samples(self, lease: Lease, samples: list[dict[str, Any]]) -> int:
         """Take a heartbeat's samples (raises Overloaded when the ingest queue is full)."""
 

@@ -120,29 +120,58 @@ def describe_parse_error(exc: BaseException | None, max_line: int, max_headers: 
     return 400, "malformed HTTP request"
 
 
+def source_of(transport: asyncio.BaseTransport) -> str:
+    """The client address a connection counts against (agent.max_connections_per_source): the peer's IP."""
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "?"
+
+
 class GuardedServer(web.Server):
-    """aiohttp's low-level server, making GuardedRequestHandler connections and counting them against the cap."""
+    """aiohttp's low-level server, making GuardedRequestHandler connections and counting them against the caps:
+    agent.max_connections in all, agent.max_connections_per_source from one client address (so one client cannot
+    hold the connections every other tenant needs)."""
 
     def __init__(self, handler: Any, *, agent: AgentSettings, **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
         self.agent = agent
-        self.refused = 0
+        self.refused = 0  # connections refused because the agent was full (503)
+        self.refused_source = 0  # connections refused because their address held its share (429)
+        self.per_source: dict[str, int] = {}  # open connections by client address
         self._cap_logged_at = -CAP_LOG_INTERVAL_S
+        self._source_logged_at = -CAP_LOG_INTERVAL_S
 
     def __call__(self) -> RequestHandler:
         return GuardedRequestHandler(self, loop=self._loop, agent=self.agent, **self._kwargs)
 
-    def full(self) -> bool:
-        """True when a new connection would exceed agent.max_connections (counts itself, logs now and then)."""
-        if len(self._connections) < self.agent.max_connections:
-            return False
-        self.refused += 1
+    def admit(self, source: str) -> int | None:
+        """Count a new connection from `source` against the caps: None when admitted (then `release(source)` when
+        it ends), else the status to refuse it with (503: the agent is full; 429: this address holds its share)."""
         now = time.monotonic()
-        if now - self._cap_logged_at >= CAP_LOG_INTERVAL_S:
-            self._cap_logged_at = now
-            log.warning("connection cap reached (agent.max_connections=%d): refusing new connections with 503 "
-                        "(%d refused so far)", self.agent.max_connections, self.refused)
-        return True
+        if len(self._connections) >= self.agent.max_connections:
+            self.refused += 1
+            if now - self._cap_logged_at >= CAP_LOG_INTERVAL_S:
+                self._cap_logged_at = now
+                log.warning("connection cap reached (agent.max_connections=%d): refusing new connections with 503 "
+                            "(%d refused so far)", self.agent.max_connections, self.refused)
+            return 503
+        if self.per_source.get(source, 0) >= self.agent.max_connections_per_source:
+            self.refused_source += 1
+            if now - self._source_logged_at >= CAP_LOG_INTERVAL_S:
+                self._source_logged_at = now
+                log.warning("%s holds agent.max_connections_per_source=%d connections: refusing its new ones with "
+                            "429 (%d refused so far)", source, self.agent.max_connections_per_source,
+                            self.refused_source)
+            return 429
+        self.per_source[source] = self.per_source.get(source, 0) + 1
+        return None
+
+    def release(self, source: str) -> None:
+        """A connection admitted for `source` ended."""
+        left = self.per_source.get(source, 0) - 1
+        if left > 0:
+            self.per_source[source] = left
+        else:
+            self.per_source.pop(source, None)
 
 
 class GuardedRequestHandler(RequestHandler):
@@ -154,7 +183,8 @@ class GuardedRequestHandler(RequestHandler):
     the first request, and from the first byte of each later one; before that byte, a keep-alive connection may
     idle for idle_timeout_s (aiohttp's keep-alive timer, which closes it silently). A head begun while the previous
     request was still being handled (pipelining, which no client of the agent does) is bounded by that idle timer.
-    A connection over agent.max_connections is answered 503 before anything is parsed. Both answers are written in
+    A connection over agent.max_connections is answered 503 before anything is parsed, one over
+    agent.max_connections_per_source from its address 429. Both answers are written in
     the API's JSON error model, then the write side is shut and the client given SHED_GRACE_S to read it: closing
     at once, with its bytes unread, would reset the connection and could lose the answer.
 
@@ -169,13 +199,18 @@ class GuardedRequestHandler(RequestHandler):
         self._head_timer: asyncio.TimerHandle | None = None
         self._shed_timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self._source: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if cast(GuardedServer, self._manager).full():
-            self._refused = True  # never registered with the server, never parsed: it does not count against the cap
-            self._shed(cast(asyncio.Transport, transport), 503, "too many connections to the agent; retry shortly",
-                       retry_after=1)
+        source = source_of(transport)
+        status = cast(GuardedServer, self._manager).admit(source)
+        if status is not None:
+            self._refused = True  # never registered with the server, never parsed: it does not count against a cap
+            self._shed(cast(asyncio.Transport, transport), status,
+                       "too many connections to the agent; retry shortly" if status == 503 else
+                       "too many connections from your address; close some, or retry shortly", retry_after=1)
             return
+        self._source = source
         super().connection_made(transport)
         self._arm_head_timer()
 
@@ -208,7 +243,18 @@ class GuardedRequestHandler(RequestHandler):
             self._shed_timer = None
         if self._refused:
             return  # nothing of aiohttp's was set up for it
+        if self._source is not None:
+            cast(GuardedServer, self._manager).release(self._source)
+            self._source = None
+        # After answering a request whose body it never read (a 401, a 429), aiohttp lingers up to lingering_time
+        # (10 s) reading the rest, and a client that hangs up does not end that read: the connection then counted
+        # against agent.max_connections for 10 s with nobody on it, and a client opening such requests and closing
+        # them filled the cap for everyone. With no request being handled, nothing is lost by ending the task now.
+        task = self._task_handler
+        idle = self._current_request is None and task is not None and not task.done()
         super().connection_lost(exc)
+        if idle and task is not None:
+            task.cancel()
 
     def _arm_head_timer(self) -> None:
         self._head_timer = self._loop.call_later(self._agent.header_timeout_s, self._head_timed_out)
@@ -280,18 +326,36 @@ async def start_server(app: web.Application, settings: Settings,
                        ctx: ssl.SSLContext | None = None) -> tuple[web.AppRunner, str]:
     """Start the app (its lifecycle included) on agent.listen:agent.port with the agent's connection limits; return
     the runner (cleanup() stops it) and the bound URL."""
-    runner = AgentRunner(app, settings.agent)
+    return await _start(app, settings.agent, settings.agent.listen, settings.agent.port, ctx)
+
+
+async def start_metrics_server(app: web.Application, settings: Settings) -> tuple[web.AppRunner, str] | None:
+    """With agent.metrics_listen set, serve the agent app's metrics there (plain HTTP, no token, the same connection
+    limits); None when it is not set (/metrics is then on the API's port, behind the operator's token)."""
+    if not settings.agent.metrics_listen:
+        return None
+    from hostagent.config import metrics_address
+    from hostagent.web.metrics import METRICS, listener_app
+
+    host, port = metrics_address(settings.agent.metrics_listen)
+    runner, url = await _start(listener_app(app[METRICS]), settings.agent, host, port, None)
+    return runner, url + "/metrics"
+
+
+async def _start(app: web.Application, agent: AgentSettings, listen: str, port: int,
+                 ctx: ssl.SSLContext | None) -> tuple[web.AppRunner, str]:
+    runner = AgentRunner(app, agent)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, settings.agent.listen, settings.agent.port, ssl_context=ctx)
+        site = web.TCPSite(runner, listen, port, ssl_context=ctx)
         await site.start()
     except BaseException:
         await runner.cleanup()
         raise
     sockets = site._server.sockets if site._server else []  # noqa: SLF001 - the bound port for port=0
-    port = sockets[0].getsockname()[1] if sockets else settings.agent.port
-    host = settings.agent.listen if ":" not in settings.agent.listen else f"[{settings.agent.listen}]"
-    return runner, f"{'https' if ctx else 'http'}://{host}:{port}"
+    bound = sockets[0].getsockname()[1] if sockets else port
+    host = listen if ":" not in listen else f"[{listen}]"
+    return runner, f"{'https' if ctx else 'http'}://{host}:{bound}"
 
 
 async def _watchdog(app: web.Application) -> AsyncIterator[None]:
@@ -333,10 +397,18 @@ async def _serve(settings: Settings, make_app: Callable[[], web.Application], ct
     app = make_app()
     app.cleanup_ctx.append(_watchdog)
     runner, url = await start_server(app, settings, ctx)
+    try:
+        scrape = await start_metrics_server(app, settings)
+    except BaseException:
+        await runner.cleanup()
+        raise
     if banner:
         print(banner.replace("{url}", url), flush=True)
     print(f"hostagent: serving on {url}", flush=True)
     log.info("serving on %s", url)
+    if scrape is not None:
+        print(f"hostagent: metrics on {scrape[1]}", flush=True)
+        log.info("metrics on %s", scrape[1])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -344,4 +416,6 @@ async def _serve(settings: Settings, make_app: Callable[[], web.Application], ct
     try:
         await stop.wait()
     finally:
+        if scrape is not None:
+            await scrape[0].cleanup()
         await runner.cleanup()

@@ -21,7 +21,7 @@ from hostagent.services.probes import ProbeService, ProbeSettings
 from hostagent.services.topology import TopologyPlacer, load_topology, make_topology_place, topology_view
 from hostagent.web import openapi_ext
 from hostagent.web.app import ident
-from hostagent.web.keys import IDENTITY, RUNTIME
+from hostagent.web.keys import RUNTIME
 
 if TYPE_CHECKING:
     from hostagent.web.ports import AgentServices
@@ -90,7 +90,9 @@ def _states(runtime: AgentServices) -> dict[str, str]:
 
 
 async def get_topology(request: web.Request) -> web.Response:
-    """The free-block picture: places, distances, the block tree with free counts, the best set per size now."""
+    """The free-block picture: places, distances, the block tree with free counts, the best set per size now (any
+    token)."""
+    ident(request)
     rt = request.app[RUNTIME]
     parts = request.app[TOPOLOGY]
     body = topology_view(parts.topology, _states(rt))
@@ -99,11 +101,12 @@ async def get_topology(request: web.Request) -> web.Response:
 
 
 async def get_probes(request: web.Request) -> web.Response:
-    """Probe runners available here, settings, and every GPU's latest score."""
+    """Probe runners available here, settings, and every GPU's latest score (any token; operators also get the
+    reports)."""
+    who = ident(request)
     parts = request.app[TOPOLOGY]
     body = parts.probes.status()
-    who = request.get(IDENTITY)
-    if who is not None and who.is_operator:
+    if who.is_operator:
         body["reports"] = {g: r.to_dict() for g, r in parts.probes.reports.items()}
     return web.json_response(body)
 
@@ -130,7 +133,7 @@ def _paths(paths: dict[str, Any]) -> None:
     """OpenAPI entries for these routes."""
     paths["/v1/topology"] = {"get": {
         "summary": "PCIe/NUMA/NVLink topology with the free-block picture and the best set per request size",
-        "operationId": "getTopology",
+        "operationId": "getTopology", "security": [{"bearer": []}],
         "responses": {"200": {"description": "topology", "content": {"application/json": {"schema": {
             "type": "object", "required": ["levels", "gpus", "tree", "distances", "free"],
             "properties": {"levels": {"type": "array", "items": {"type": "object"}},
@@ -140,7 +143,7 @@ def _paths(paths: dict[str, Any]) -> None:
                            "probe_scores": {"type": "object"}}}}}}}}}
     paths["/v1/probes"] = {"get": {
         "summary": "probe runners available on this host and every GPU's latest probe score",
-        "operationId": "probeStatus", "responses": {"200": {"description": "probe status", "content": _OBJ}}}}
+        "operationId": "probeStatus", "security": [{"bearer": []}], "responses": {"200": {"description": "probe status", "content": _OBJ}}}}
     paths["/v1/gpus/{gpu_id}/probe"] = {"post": {
         "summary": "operator: probe a free GPU now (compute throughput, memory bandwidth, health signals)",
         "operationId": "probeGpu", "security": [{"bearer": []}], "parameters": [_GPU_ID],

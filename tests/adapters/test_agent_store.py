@@ -175,7 +175,7 @@ async def _load_through_outage(rig: AgentRig, proxy: TcpProxy) -> tuple[Ledger, 
     ready = await (await rig.client.get("/readyz")).json()
     store = ready["checks"]["store"]
     assert ready["ready"] is True and store["ok"] is False and store["spool_depth"] > 0
-    metrics = await (await rig.client.get("/metrics")).text()
+    metrics = await (await rig.client.get("/metrics", headers=rig.auth("operator"))).text()
     assert "hostagent_store_degraded 1.0" in metrics
     proxy.restore()
     for i in range(30, 35):

@@ -72,15 +72,15 @@ async def test_health_and_ready(rig: AgentRig) -> None:
 
 
 async def test_gpus_list_every_group_function(rig: AgentRig) -> None:
-    body = await (await rig.client.get("/v1/gpus")).json()
+    body = await (await rig.client.get("/v1/gpus", headers=rig.auth("operator"))).json()
     assert len(body["gpus"]) == 8
     for g in body["gpus"]:
         for key in ("id", "address", "vendor", "model", "memory_bytes", "numa_node", "iommu_group", "functions", "state"):
             assert key in g
         assert g["state"] == "free" and g["functions"][0]["driver"] == "nvidia"
-    one = await rig.client.get(f"/v1/gpus/{body['gpus'][0]['id']}")
+    one = await rig.client.get(f"/v1/gpus/{body['gpus'][0]['id']}", headers=rig.auth("operator"))
     assert one.status == 200 and (await one.json())["history"]["leases"] == 0
-    missing = await rig.client.get("/v1/gpus/gpu-nope")
+    missing = await rig.client.get("/v1/gpus/gpu-nope", headers=rig.auth("operator"))
     assert missing.status == 404 and (await missing.json())["error"]["field"] == "gpu_id"
 
 
@@ -93,7 +93,7 @@ async def test_grant_binds_attaches_and_release_gives_back(rig: AgentRig) -> Non
     attached = {str(h.source) for h in await rig.hv.attached_hostdevs(rig.uuids["vm-a"])}
     assert attached == funcs
     assert body["expires_at"] == pytest.approx(time.time() + 600, abs=30)
-    gpus = {g["id"]: g for g in (await (await rig.client.get("/v1/gpus")).json())["gpus"]}
+    gpus = {g["id"]: g for g in (await (await rig.client.get("/v1/gpus", headers=rig.auth("operator"))).json())["gpus"]}
     assert all(gpus[d["gpu_id"]]["state"] == "leased" for d in body["devices"])
 
     r = await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
@@ -191,7 +191,7 @@ async def test_detach_never_acknowledged_stays_on_vfio(rig: AgentRig) -> None:
     assert r.status == 202 and pending["state"] == "DETACH_PENDING"
     assert any(w["code"] == "detach_pending" for w in pending["warnings"])
     assert funcs <= vfio_functions(rig)  # never rebound under a live guest
-    gpu = (await (await rig.client.get(f"/v1/gpus/{body['devices'][0]['gpu_id']}")).json())
+    gpu = (await (await rig.client.get(f"/v1/gpus/{body['devices'][0]['gpu_id']}", headers=rig.auth("operator"))).json())
     assert gpu["state"] == "detach-pending"
     await rig.runtime.manager.retry_pending()
     assert rig.runtime.manager.leases[body["id"]].state is LeaseState.DETACH_PENDING
@@ -284,13 +284,13 @@ async def test_domain_stop_ends_its_leases(rig: AgentRig) -> None:
 
 
 async def test_quarantine_clear_is_operator_only(rig: AgentRig) -> None:
-    gid = (await (await rig.client.get("/v1/gpus")).json())["gpus"][0]["id"]
+    gid = (await (await rig.client.get("/v1/gpus", headers=rig.auth("operator"))).json())["gpus"][0]["id"]
     r = await rig.client.post(f"/v1/gpus/{gid}/clear-quarantine", json={}, headers=rig.auth("vm-a"))
     assert r.status == 403
     r = await rig.client.post(f"/v1/gpus/{gid}/clear-quarantine", json={}, headers=rig.auth("operator"))
     assert r.status == 409
     await rig.runtime.manager._quarantine(gid, "test", "test")
-    gpu = await (await rig.client.get(f"/v1/gpus/{gid}")).json()
+    gpu = await (await rig.client.get(f"/v1/gpus/{gid}", headers=rig.auth("operator"))).json()
     assert gpu["state"] == "quarantined"
     r = await rig.client.post(f"/v1/gpus/{gid}/clear-quarantine", json={}, headers=rig.auth("operator"))
     assert r.status == 200 and (await r.json())["state"] == "free"
@@ -320,7 +320,7 @@ async def test_events_record_every_transition(rig: AgentRig) -> None:
 
 async def test_metrics_exposed(rig: AgentRig) -> None:
     await lease(rig)
-    text = await (await rig.client.get("/metrics")).text()
+    text = await (await rig.client.get("/metrics", headers=rig.auth("operator"))).text()
     assert 'hostagent_gpus{state="leased"} 1.0' in text
     assert 'hostagent_leases{state="ACTIVE"} 1.0' in text
     assert "hostagent_http_request_duration_seconds_bucket" in text

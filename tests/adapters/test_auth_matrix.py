@@ -39,12 +39,12 @@ OPERATOR = {"none": 401, "bad": 401, "other": 403, "own": 403, "operator": 200, 
 API: dict[tuple[str, str], tuple[Any, dict[str, int]]] = {
     ("GET", "/healthz"): (None, PUBLIC),
     ("GET", "/readyz"): (None, PUBLIC),
-    ("GET", "/metrics"): (None, PUBLIC),
-    ("GET", "/v1/openapi.json"): (None, PUBLIC),
-    ("GET", "/v1/gpus"): (None, PUBLIC),
-    ("GET", "/v1/gpus/{gpu_id}"): (None, PUBLIC),
-    ("GET", "/v1/topology"): (None, PUBLIC),
-    ("GET", "/v1/probes"): (None, PUBLIC),
+    ("GET", "/metrics"): (None, OPERATOR),  # or on a listener of its own (agent.metrics_listen)
+    ("GET", "/v1/openapi.json"): (None, GUEST_OR_OPERATOR),
+    ("GET", "/v1/gpus"): (None, GUEST_OR_OPERATOR),
+    ("GET", "/v1/gpus/{gpu_id}"): (None, GUEST_OR_OPERATOR),
+    ("GET", "/v1/topology"): (None, GUEST_OR_OPERATOR),
+    ("GET", "/v1/probes"): (None, GUEST_OR_OPERATOR),
     ("POST", "/v1/gpus/{gpu_id}/clear-quarantine"): ({}, {**OPERATOR, "operator": 409}),  # not quarantined
     ("POST", "/v1/gpus/{gpu_id}/probe"): ({}, {**OPERATOR, "operator": 409}),  # leased: not probed
     ("POST", "/v1/leases"): ({"gpus": 1}, {**GUEST_OR_OPERATOR, "other": 201, "own": 201, "operator": 400}),

@@ -11,7 +11,8 @@ import pytest
 from hostagent.web.auth import hash_token, new_token
 from hostagent.web.dashboard import CSP
 from hostagent.web.dashboard_auth import SESSION_COOKIE, safe_next
-from tests.support.agent import AgentRig, make_rig, start_rig
+from hostagent.web.dashboard_plumbing import DASHBOARD
+from tests.support.agent import AgentRig, Clock, make_rig, start_rig
 
 CSRF = re.compile(r'name="csrf" value="([^"]+)"')
 
@@ -60,7 +61,7 @@ async def test_login_sets_a_strict_httponly_session_and_goes_back(rig: AgentRig)
     r = await rig.client.get("/")
     assert r.status == 200 and "GPUs on test-host" in await r.text()
     assert r.headers["Content-Security-Policy"] == CSP and r.headers["X-Frame-Options"] == "DENY"
-    assert "Content-Security-Policy" not in (await rig.client.get("/v1/gpus")).headers
+    assert "Content-Security-Policy" not in (await rig.client.get("/v1/gpus", headers=rig.auth("operator"))).headers
 
 
 async def test_login_refusals(rig: AgentRig) -> None:
@@ -81,10 +82,11 @@ async def test_open_redirects_are_refused(rig: AgentRig) -> None:
 
 
 async def test_login_is_throttled_after_repeated_failures(rig: AgentRig) -> None:
-    for _ in range(10):
+    rig.client.server.app[DASHBOARD].throttle.clock = Clock()  # frozen: the 1 s wait cannot run out mid-test
+    for _ in range(6):  # five free failures, then the sixth makes the address wait (see test_login_throttle.py)
         assert (await login(rig, "op_wrong")).status == 401
     r = await login(rig, rig.operator)
-    assert r.status == 429 and "too many failed logins" in await r.text()
+    assert r.status == 429 and "too many failed logins" in await r.text() and int(r.headers["Retry-After"]) >= 1
 
 
 async def test_release_needs_the_session_csrf_token(rig: AgentRig) -> None:

@@ -29,7 +29,7 @@ async def test_grafana_queries_use_exported_series(tmp_path: Path, aiohttp_clien
     rig = await start_rig(make_rig(tmp_path), aiohttp_client)
     r = await rig.client.post("/v1/leases", json={"gpus": 1}, headers=rig.auth("vm-a"))
     assert r.status == 201
-    text = await (await rig.client.get("/metrics")).text()
+    text = await (await rig.client.get("/metrics", headers=rig.auth("operator"))).text()
     exported = set(re.findall(r"^# TYPE (hostagent_\w+) ", text, re.M))
     assert "hostagent_gpus" in exported
     used = {m for e in exprs(doc) for m in re.findall(r"hostagent_\w+", e)}

@@ -88,7 +88,7 @@ async def test_slow_client_gets_408_and_others_are_served(tmp_path: Path, aiohtt
     head = (f"POST /v1/leases HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
             "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"gpus\"")
     await loop.sock_sendall(s, head.encode())
-    r = await rig.client.get("/v1/gpus")  # others are served meanwhile
+    r = await rig.client.get("/v1/gpus", headers=rig.auth("operator"))  # others are served meanwhile
     assert r.status == 200
     data = await asyncio.wait_for(loop.sock_recv(s, 65536), 5)
     s.close()
@@ -127,5 +127,5 @@ async def test_release_of_a_queued_lease_racing_its_grant_never_resurrects_it(tm
         assert not rig.runtime.manager.claims
     else:  # the grant won first: the guest was told to retry; the lease is ACTIVE and owns its GPU
         assert final["state"] == "ACTIVE"
-    gpus = (await (await rig.client.get("/v1/gpus")).json())["gpus"]
+    gpus = (await (await rig.client.get("/v1/gpus", headers=rig.auth("operator"))).json())["gpus"]
     assert sum(g["state"] == "leased" for g in gpus) == len(rig.runtime.manager.claims)

@@ -38,15 +38,16 @@ def test_document_matches_routes(tmp_path: Path) -> None:
 
 
 async def test_served_document_is_the_same(tmp_path: Path, aiohttp_client: Any) -> None:
-    client = await aiohttp_client(make_app(make_rig(tmp_path).runtime))
-    r = await client.get("/v1/openapi.json")
+    rig = make_rig(tmp_path)
+    client = await aiohttp_client(make_app(rig.runtime))
+    r = await client.get("/v1/openapi.json", headers=rig.auth("vm-a"))
     assert r.status == 200 and await r.json() == document()
 
 
 async def test_served_document_carries_the_configured_maximum(tmp_path: Path, aiohttp_client: Any) -> None:
     """duration_s's maximum is the agent's [leases] max_duration_s, in the request schema and in renew's."""
     rig = make_rig(tmp_path, leases={"max_duration_s": 3600, "default_duration_s": 600})
-    doc = await (await (await aiohttp_client(make_app(rig.runtime))).get("/v1/openapi.json")).json()
+    doc = await (await (await aiohttp_client(make_app(rig.runtime))).get("/v1/openapi.json", headers=rig.auth("vm-a"))).json()
     assert doc["components"]["schemas"]["LeaseRequest"]["properties"]["duration_s"]["maximum"] == 3600
     renew = doc["paths"]["/v1/leases/{lease_id}/renew"]["post"]["requestBody"]["content"]["application/json"]
     assert renew["schema"]["properties"]["duration_s"]["maximum"] == 3600

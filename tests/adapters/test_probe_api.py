@@ -39,11 +39,11 @@ async def test_scores_against_peers_and_quarantines_a_slow_gpu(tmp_path: Path, a
     slow = await probe(client, rig, SLOW)
     assert slow["score"] == pytest.approx(0.5, abs=0.01) and slow["spread"] == pytest.approx(0.02, abs=0.005)
     assert slow["peers"] == 5 and not slow["ok"] and "below 0.70" in slow["quarantined"]
-    gpus = {g["id"]: g for g in (await (await client.get("/v1/gpus")).json())["gpus"]}
+    gpus = {g["id"]: g for g in (await (await client.get("/v1/gpus", headers=rig.auth("operator"))).json())["gpus"]}
     assert gpus[SLOW]["state"] == "quarantined" and "probe: score 0.50" in gpus[SLOW]["quarantine_reason"]
     # placement feature and topology view see the scores
     assert parts.probes.score_of(SLOW) == pytest.approx(0.5, abs=0.01)
-    topo = await (await client.get("/v1/topology")).json()
+    topo = await (await client.get("/v1/topology", headers=rig.auth("operator"))).json()
     assert topo["probe_scores"][ALL[1]] == pytest.approx(1.0)
     # the usage store got one row per probe with the details
     await asyncio.sleep(0)
@@ -169,7 +169,7 @@ async def test_without_compute_runners_the_probe_says_so(tmp_path: Path, aiohttp
     """The real runner set on the fake host: sysfs only (no NVML library, no torch/cupy here)."""
     rig, app, parts = topology_rig(tmp_path, runners=default_runners(FakeKernel(tmp_path / "host" / "sys")))
     client = await aiohttp_client(app)
-    status = await (await client.get("/v1/probes")).json()
+    status = await (await client.get("/v1/probes", headers=rig.auth("operator"))).json()
     runners = {r["name"]: r for r in status["runners"]}
     assert runners["sysfs"]["available"]
     body = await probe(client, rig, ALL[0])

@@ -74,7 +74,7 @@ async def test_idle_lease_is_warned_then_reclaimed_and_given_back(rig: AgentRig)
     done = await (await rig.client.get(f"/v1/leases/{body['id']}", headers=h)).json()
     assert done["state"] == "RELEASED" and done["end_reason"] == "reclaimed: idle"
     assert rig.sysfs_driver(fn) == "nvidia"
-    gpu_view = await (await rig.client.get(f"/v1/gpus/{gpu}")).json()
+    gpu_view = await (await rig.client.get(f"/v1/gpus/{gpu}", headers=rig.auth("operator"))).json()
     assert gpu_view["state"] == "free"
     kinds = [e["kind"] for e in (await (await rig.client.get(f"/v1/events?lease_id={body['id']}",
                                                                headers=rig.auth("operator"))).json())["events"]]
@@ -135,3 +135,44 @@ async def test_reaper_status_cli(rig: AgentRig, capsys: pytest.CaptureFixture[st
     code = await asyncio.to_thread(main, ["reaper", "status", "--url", url, "--token", rig.operator])
     out = capsys.readouterr().out
     assert code == 0 and body["id"] in out and "one" in out and "guest: all 3 samples" in out
+
+
+async def test_a_busy_guest_on_a_quiet_host_is_flagged_with_both_figures(rig: AgentRig) -> None:
+    """reclaim.guest_busy_host_idle = flag (the default): the guest's word keeps the lease; the operator sees the
+    dispute in the reaper's status, the journal (once) and the metrics, until the host sees activity again."""
+    body = await lease(rig)
+    fn, lid = body["devices"][0]["functions"][0], body["id"]
+    record_interrupts(rig.settings.proc_root, fn, 5)
+    assert await check(rig, lid, 61, util=90.0) is Action.NONE  # the first reading sets the host's baseline
+    assert lid not in rig.runtime.reaper.disputed
+    for _ in range(3):
+        assert await check(rig, lid, 61, util=90.0) is Action.NONE  # busy guest, flat host: kept, flagged
+    op = rig.auth("operator")
+    status = {x["lease_id"]: x for x in (await (await rig.client.get("/v1/reaper", headers=op)).json())["leases"]}
+    assert "3 of 3 samples above 5 %" in status[lid]["disputed"] and "0 vfio interrupts" in status[lid]["disputed"]
+    events = (await (await rig.client.get(f"/v1/events?lease_id={lid}", headers=op)).json())["events"]
+    assert [e["kind"] for e in events].count("guest-host-disagree") == 1
+    assert "hostagent_leases_disputed 1.0" in await (await rig.client.get("/metrics", headers=op)).text()
+    assert rig.runtime.manager.leases[lid].strike_at is None
+    record_interrupts(rig.settings.proc_root, fn, 500)
+    assert await check(rig, lid, 61, util=90.0) is Action.NONE
+    assert lid not in rig.runtime.reaper.disputed, "the host saw activity: no dispute any more"
+
+
+async def test_a_policy_that_believes_the_host_reclaims_a_busy_guest_on_a_quiet_host(
+        tmp_path: Path, aiohttp_client: Any) -> None:
+    clock = Clock(time.time())
+    r = make_rig(tmp_path, clock=clock, reclaim=dict(RECLAIM, check_interval_s=3600.0, guest_busy_host_idle="reclaim"))
+    r.extra["clock"] = clock
+    r.runtime.use_store = False
+    rig = await start_rig(r, aiohttp_client)
+    body = await lease(rig)
+    fn, gpu, lid = body["devices"][0]["functions"][0], body["devices"][0]["gpu_id"], body["id"]
+    record_interrupts(rig.settings.proc_root, fn, 5)
+    assert await check(rig, lid, 61, util=90.0) is Action.NONE
+    assert await check(rig, lid, 61, util=90.0) is Action.STRIKE_ONE
+    assert "guest_busy_host_idle = reclaim" in rig.runtime.reaper.last_verdicts[lid][2]
+    r2 = await rig.client.post(f"/v1/leases/{lid}/heartbeat", headers=rig.auth("vm-a"), json={
+        "samples": [{"ts": time.time(), "gpu": gpu, "util_pct": 99, "mem_used_bytes": 0}]})
+    assert r2.status == 200 and rig.runtime.manager.leases[lid].strike_at is not None, "the guest's word alone"
+    assert await check(rig, lid, 121, util=90.0) is Action.RECLAIM

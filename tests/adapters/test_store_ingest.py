@@ -116,7 +116,7 @@ async def test_overloaded_only_when_full_and_nothing_dropped() -> None:
     await until(lambda: ing.figures()["queue_depth"] == 100 and ing._inflight > 0, 30.0, interval=0.01)
     with pytest.raises(Overloaded) as err:
         ing.submit(sample_rows(["gpu-1"], "L1", T0, 1))
-    assert err.value.details["retry_after_s"] >= 1 and err.value.http_status == 503
+    assert err.value.details["retry_after"] >= 1 and err.value.http_status == 503
     gate.set()
     await until(lambda: ing.depth == 0, 30.0, interval=0.01)
     ing.submit(sample_rows(["gpu-1"], "L1", T0, 1))  # room again

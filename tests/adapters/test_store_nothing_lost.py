@@ -111,7 +111,7 @@ async def test_a_row_made_unwritable_is_set_aside_while_later_rows_flow(tmp_path
     assert health["ok"] is False and health["set_aside"] == len(aside), health
     assert any("set aside" in p for p in health["problems"])
     assert (await rig.client.get("/readyz")).status == 200  # the store is not required for readiness
-    metrics = await (await rig.client.get("/metrics")).text()
+    metrics = await (await rig.client.get("/metrics", headers=rig.auth("operator"))).text()
     assert "hostagent_store_healthy 0.0" in metrics and f"hostagent_store_set_aside_writes {len(aside)}.0" in metrics
     # the agent journaled it, and that note reached the store
     notes = [e for e in rt.journal.events(kinds=["store-set-aside"])]

@@ -16,8 +16,9 @@ from tests.support.agent import AgentRig, Clock, make_rig, start_rig
 S = LeaseState
 
 
-async def _rig(tmp_path: Path, aiohttp_client: Any, *, clock: Clock | None = None, **leases: Any) -> AgentRig:
-    return await start_rig(make_rig(tmp_path, clock=clock, leases=leases), aiohttp_client)
+async def _rig(tmp_path: Path, aiohttp_client: Any, *, clock: Clock | None = None, agent: dict[str, Any] | None = None,
+               **leases: Any) -> AgentRig:
+    return await start_rig(make_rig(tmp_path, clock=clock, leases=leases, agent=agent or {}), aiohttp_client)
 
 
 async def post(rig: AgentRig, who: str, **body: Any) -> tuple[int, dict[str, Any], Any]:
@@ -149,7 +150,8 @@ async def test_quotas_hold_under_concurrent_requests(tmp_path: Path, aiohttp_cli
 
 # -- idempotency --------------------------------------------------------------------------------------------------
 async def test_fifty_concurrent_duplicates_make_one_lease(tmp_path: Path, aiohttp_client: Any) -> None:
-    rig = await _rig(tmp_path, aiohttp_client)
+    """(The VM's in-flight cap is raised so that all fifty reach the decision; the next test keeps it.)"""
+    rig = await _rig(tmp_path, aiohttp_client, agent={"max_inflight_per_token": 64})
     body = {"gpus": 1, "idempotency_key": "job-42", "accept_deferred": True}
     results = await asyncio.gather(*(post(rig, "vm-a", **body) for _ in range(50)))
     ids = {data["id"] for _, data, _ in results}
@@ -162,9 +164,23 @@ async def test_fifty_concurrent_duplicates_make_one_lease(tmp_path: Path, aiohtt
     assert (await lease(rig, "vm-b", **body))["id"] not in ids
 
 
+async def test_duplicates_past_the_in_flight_cap_are_told_to_retry_and_make_no_second_lease(
+        tmp_path: Path, aiohttp_client: Any) -> None:
+    rig = await _rig(tmp_path, aiohttp_client)  # agent.max_inflight_per_token = 8
+    body = {"gpus": 1, "idempotency_key": "job-7"}
+    results = await asyncio.gather(*(post(rig, "vm-a", **body) for _ in range(50)))
+    codes = [code for code, _, _ in results]
+    assert set(codes) <= {201, 429} and 201 in codes, codes
+    assert all(h["Retry-After"] == "1" for code, _, h in results if code == 429)
+    assert len({data["id"] for code, data, _ in results if code == 201}) == 1
+    again = await lease(rig, "vm-a", **body)  # the retry gets the same lease
+    assert {again["id"]} == {data["id"] for code, data, _ in results if code == 201}
+    assert len(rig.runtime.journal.leases(domain_uuid=rig.uuids["vm-a"])) == 1
+
+
 async def test_concurrent_duplicates_of_a_refused_request_share_the_refusal(tmp_path: Path,
                                                                              aiohttp_client: Any) -> None:
-    rig = await _rig(tmp_path, aiohttp_client)
+    rig = await _rig(tmp_path, aiohttp_client, agent={"max_inflight_per_token": 64})
     await lease(rig, "vm-b", gpus=8)
     results = await asyncio.gather(*(post(rig, "vm-a", gpus=1, idempotency_key="k") for _ in range(10)))
     assert {code for code, _, _ in results} == {409}
@@ -274,6 +290,22 @@ async def test_backfill_starts_what_cannot_delay_the_head(tmp_path: Path, aiohtt
     await settle(rig)
     assert rig.runtime.manager.leases[head["id"]].state is S.ACTIVE, "the head starts as soon as its GPUs free"
     assert rig.runtime.manager.leases[long["id"]].state is S.QUEUED
+
+
+async def test_backfill_dates_a_gpu_claimed_by_no_lease(tmp_path: Path, aiohttp_client: Any) -> None:
+    """A GPU claimed outside any lease (a probe runs on it) is dated too: the head still has a predicted start,
+    and a short request still backfills (it once made every request behind the head wait)."""
+    rig = await _rig(tmp_path, aiohttp_client)
+    m = rig.runtime.manager
+    await lease(rig, "vm-a", gpus=1, duration_s=3600)
+    probed = next(g for g in sorted(m.gpus) if g not in m.claims)
+    m.claims[probed] = "probe:test"
+    try:
+        await lease(rig, "vm-b", 202, gpus=8, accept_deferred=True)
+        short = await lease(rig, "vm-c", gpus=1, duration_s=600)
+        assert any("backfilled" in r for r in short["reasons"]), short["reasons"]
+    finally:
+        del m.claims[probed]
 
 
 async def test_backfill_uses_gpus_the_head_will_not_need(tmp_path: Path, aiohttp_client: Any) -> None:

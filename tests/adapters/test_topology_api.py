@@ -65,7 +65,7 @@ async def test_four_and_eight_gpu_sets(rig: AgentRig) -> None:
 
 
 async def test_topology_view_reports_free_blocks(rig: AgentRig) -> None:
-    body = await (await rig.client.get("/v1/topology")).json()
+    body = await (await rig.client.get("/v1/topology", headers=rig.auth("operator"))).json()
     assert [g["id"] for g in body["gpus"]] == list(NODE0 + NODE1)
     assert body["free"]["count"] == 8 and body["free"]["capacity"] == 1.0
     assert body["free"]["best_sets"]["2"] == {"gpus": list(SWITCH_A), "distance": 1, "distance_name": "pcie-switch"}
@@ -77,7 +77,7 @@ async def test_topology_view_reports_free_blocks(rig: AgentRig) -> None:
     assert body["distances"][SWITCH_A[0]][SWITCH_C[0]] == 4
 
     await lease(rig, "vm-a", gpus=4)
-    body = await (await rig.client.get("/v1/topology")).json()
+    body = await (await rig.client.get("/v1/topology", headers=rig.auth("operator"))).json()
     assert body["free"]["count"] == 4 and 0 < body["free"]["capacity"] < 1
     assert body["free"]["best_sets"]["4"]["gpus"] == list(NODE1)
     assert body["free"]["best_sets"]["8"] is None
@@ -101,7 +101,7 @@ async def test_failed_attach_of_third_device_rolls_back_all_four(tmp_path: Path,
     vfio = rig.tree.sys_root / "bus/pci/drivers/vfio-pci"
     assert not vfio.exists() or not [p for p in vfio.iterdir() if p.is_symlink() and p.name.startswith("0000:")]
     assert await rig.hv.attached_hostdevs(rig.uuids["vm-a"]) == ()
-    gpus = {g["id"]: g["state"] for g in (await (await rig.client.get("/v1/gpus")).json())["gpus"]}
+    gpus = {g["id"]: g["state"] for g in (await (await rig.client.get("/v1/gpus", headers=rig.auth("operator"))).json())["gpus"]}
     assert all(gpus[g] == "free" for g in NODE0)
 
 

@@ -83,7 +83,7 @@ def test_login_refuses_bad_and_vm_credentials(browser: Browser, demo: Demo) -> N
 
 def test_overview_shows_every_gpu_and_counts(browser: Browser, demo: Demo) -> None:
     page = login(browser, demo)
-    _, body = demo.api("GET", "/v1/gpus")
+    _, body = demo.api("GET", "/v1/gpus", demo.operator)
     gpus = body["gpus"]
     rows = page.locator("table.gpus tbody tr")
     expect(rows).to_have_count(len(gpus))

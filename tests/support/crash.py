@@ -311,9 +311,13 @@ class Verdict:
 def check_invariants(ap: AgentProcess, since_seq: int = 0) -> Verdict:
     """The invariants over the running agent's leases (its API), the tree and the hypervisor's persisted state;
     with the repair events journaled after `since_seq`."""
-    status, body = ap.call("GET", "/v1/leases?limit=10000", token=ap.operator)
-    assert status == 200, body
-    leases = body["leases"]
+    leases: list[dict[str, Any]] = []
+    page: str | None = "/v1/leases?limit=1000"
+    while page:  # every lease, page by page
+        status, body = ap.call("GET", page, token=ap.operator)
+        assert status == 200, body
+        leases += body["leases"]
+        page = f"/v1/leases?limit=1000&cursor={body['next_cursor']}" if body["next_cursor"] else None
     violations = find_violations(read_world(ap), leases)
     status, ev = ap.call("GET", "/v1/events?kind=repair", token=ap.operator)
     assert status == 200, ev

@@ -77,8 +77,10 @@ class Demo:
         return dict(data)
 
     def heartbeat(self, vm: str, lease: dict[str, Any], utils: list[float], *, step_s: float = 60.0) -> None:
-        """Send one sample per value for every GPU of a lease, ending now."""
+        """Send one sample per value for every GPU of a lease, ending now. The agent refuses samples from before its
+        lease had the GPU (beyond 300 s of clock skew), so a fresh lease's history is squeezed into those 300 s."""
         now = time.time()
+        step_s = min(step_s, 290.0 / max(1, len(utils) - 1))
         samples = []
         for i, u in enumerate(utils):
             ts = now - (len(utils) - 1 - i) * step_s

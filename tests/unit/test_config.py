@@ -77,3 +77,17 @@ def test_every_key_is_documented() -> None:
     for name, cls in typing.get_type_hints(Settings).items():
         for f in dataclasses.fields(cls):
             assert re.search(rf"`{name}\.{f.name}`", doc), f"{name}.{f.name} is not documented"
+
+
+def test_a_removed_key_is_refused_with_the_reason() -> None:
+    with pytest.raises(ConfigError) as info:
+        settings_from_dict({"placement": {"model_dir": "/var/lib/hostagent/models"}})
+    assert info.value.field == "placement.model_dir" and "usage store" in info.value.message
+
+
+def test_settings_without_a_file_still_take_the_environment() -> None:
+    from hostagent.config import settings_without_file
+
+    s = settings_without_file({"agent": {"port": 0}}, environ={"HOSTAGENT_AGENT__GUEST_REQUESTS_PER_S": "7",
+                                                               "HOSTAGENT_AGENT__PORT": "9999"})
+    assert s.agent.guest_requests_per_s == 7.0 and s.agent.port == 0  # the explicit override wins

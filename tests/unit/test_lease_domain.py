@@ -238,3 +238,16 @@ def test_shadow_and_backfill() -> None:
     assert shadow(0.0, 8, [], 8) == Shadow(0.0, 0)  # it could start now
     assert shadow(0.0, 1, [50.0, 200.0], 2) == Shadow(50.0, 0)
     assert shadow(0.0, 1, [50.0], 3).start is None and not may_backfill(shadow(0.0, 1, [], 3), 0.0, 1.0)
+
+
+def test_a_token_bucket_refills_refuses_and_charges_into_debt() -> None:
+    from hostagent.domain.admission import TokenBucket
+
+    b = TokenBucket(2.0, 10.0, now=0.0)
+    assert b.take(10, 0.0) == 0.0 and b.take(1, 0.0) == 0.5
+    assert b.refused_for(0.2) == 0.3 and b.refused_for(1.0) == 0.0
+    assert b.take(1, 0.5) == 0.0  # refilled at 2 per second
+    b.charge(4, 0.5)  # work already done: into debt
+    assert b.take(1, 0.5) == 2.5 and b.take(1, 3.0) == 0.0
+    b.give_back(100)
+    assert b.take(10, 3.0) == 0.0 and b.take(0.5, 3.0) > 0  # never more than the burst

@@ -111,3 +111,26 @@ def test_reclaim_only_after_two_consecutive_idle_verdicts_grace_apart(steps: lis
             assert now - first_idle_at >= grace
             assert strikes.strike_at is not None and now - strikes.strike_at >= grace
             return
+
+
+def test_a_busy_guest_on_a_quiet_host_is_flagged_and_kept_by_default() -> None:
+    v = judge([Sample(1, 90), Sample(2, 95)], 0, lease_age_s=1e4, paused=False, policy=POL)
+    assert v.activity is Activity.BUSY and v.disputed is not None
+    assert "2 of 2 samples above 5 %" in v.disputed and "0 vfio interrupts" in v.disputed
+
+
+def test_a_busy_guest_on_a_quiet_host_is_idle_when_the_policy_believes_the_host() -> None:
+    pol = IdlePolicy(idle_util_pct=5, min_lease_age_s=0, guest_busy_host_idle="reclaim")
+    v = judge([Sample(1, 90)], 0, lease_age_s=1e4, paused=False, policy=pol)
+    assert v.activity is Activity.IDLE and v.disputed is not None and "guest_busy_host_idle" in v.reason
+    held = judge([Sample(1, 0, 2**33)], 0, lease_age_s=1e4, paused=False, policy=pol)
+    assert held.activity is Activity.IDLE and "MiB of GPU memory" in (held.disputed or "")
+
+
+def test_no_dispute_without_a_host_reading_or_with_host_activity() -> None:
+    pol = IdlePolicy(idle_util_pct=5, min_lease_age_s=0, guest_busy_host_idle="reclaim")
+    for irq in (None, 3):
+        v = judge([Sample(1, 90)], irq, lease_age_s=1e4, paused=False, policy=pol)
+        assert v.activity is Activity.BUSY and v.disputed is None
+    quiet = judge([Sample(1, 1)], 0, lease_age_s=1e4, paused=False, policy=pol)
+    assert quiet.activity is Activity.IDLE and quiet.disputed is None
