@@ -451,8 +451,13 @@ async def run_phase(p: Phase, *, url: str, plan: dict[str, Any], tmp: Path, seco
 
 async def api(session: aiohttp.ClientSession, method: str, url: str, token: str, body: Any = None,
               want: tuple[int, ...] = (200, 201, 202)) -> Any:
-    """A setup call that must succeed."""
-    status, data, _ = await call(session, method, url, token, body)
+    """A setup call that must succeed (after waiting out a 429's Retry-After: setup sends a guest's requests faster
+    than agent.guest_requests_per_s allows, and waits as a guest would)."""
+    for _ in range(100):
+        status, data, _ = await call(session, method, url, token, body)
+        if status != 429:
+            break
+        await asyncio.sleep(1.0)
     if status not in want:
         raise RuntimeError(f"setup: {method} {url} answered {status}: {data}")
     return data

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -115,10 +116,12 @@ class LeaseRequest:
     project: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        return {k: getattr(self, k) for k in self.__slots__}
+        """JSON-ready fields (read in one C call: a listing of a thousand leases makes a thousand of these)."""
+        return dict(zip(_REQUEST_SLOTS, _request_values(self)))
 
 
+_REQUEST_SLOTS: tuple[str, ...] = tuple(LeaseRequest.__slots__)
+_request_values = operator.attrgetter(*_REQUEST_SLOTS)
 _REQUEST_FIELDS = frozenset(LeaseRequest.__slots__)
 
 

@@ -284,9 +284,11 @@ async def test_a_guest_sends_requests_at_its_rate(tmp_path: Path, aiohttp_client
     rig = await start_rig(make_rig(tmp_path, agent={"guest_requests_per_s": 2.0}), aiohttp_client)
     for _ in range(20):  # a burst of 10 s of its rate
         assert (await rig.client.get("/v1/gpus", headers=rig.auth("vm-a"))).status == 200
+    t0 = time.monotonic()
     r = await rig.client.get("/v1/gpus", headers=rig.auth("vm-a"))
     assert r.status == 429 and "guest_requests_per_s" in (await r.json())["error"]["message"]
     assert 1 <= int(r.headers["Retry-After"]) <= 2
+    assert time.monotonic() - t0 >= 0.4, "the refusal is held back (a tarpit), so a tight loop slows itself"
     assert (await rig.client.get("/v1/gpus", headers=rig.auth("vm-b"))).status == 200  # another guest: its own
     assert (await rig.client.get("/v1/gpus", headers=rig.auth("operator"))).status == 200
     await asyncio.sleep(1.1)
