@@ -257,6 +257,16 @@ async def read_head(reader: asyncio.StreamReader) -> int | str:
     return status
 
 
+async def connect_as_abuser(host: str, port: int,
+                            t: Tally) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    """A connection from the abuser's address, or None (counted in `t` as the error's name) after a short pause."""
+    try:
+        return await asyncio.open_connection(host, port, local_addr=(ABUSER_ADDR, 0))
+    except OSError as exc:
+        t.add("connect", type(exc).__name__)
+        await asyncio.sleep(0.01)
+        return None
+
 async def abuse_connection_hog(plan: dict[str, Any], deadline: float, t: Tally) -> None:
     """300 connections, each: connect, one keep-alive GET /healthz, then hold it idle until the agent closes it;
     reconnect at once (a refused connection too: no back-off, Retry-After ignored)."""
@@ -267,12 +277,10 @@ async def abuse_connection_hog(plan: dict[str, Any], deadline: float, t: Tally) 
 
     async def one() -> None:
         while time.monotonic() < deadline:
-            try:
-                reader, writer = await asyncio.open_connection(host, port, local_addr=(ABUSER_ADDR, 0))
-            except OSError as exc:
-                t.add("connect", type(exc).__name__)
-                await asyncio.sleep(0.01)
+            conn = await connect_as_abuser(host, port, t)
+            if conn is None:
                 continue
+            reader, writer = conn
             try:
                 writer.write(b"GET /healthz HTTP/1.1\r\nHost: agent\r\n\r\n")
                 left = deadline - time.monotonic()
@@ -327,12 +335,10 @@ async def abuse_slow_bodies(plan: dict[str, Any], deadline: float, t: Tally) -> 
 
     async def one() -> None:
         while time.monotonic() < deadline:
-            try:
-                reader, writer = await asyncio.open_connection(host, port, local_addr=(ABUSER_ADDR, 0))
-            except OSError as exc:
-                t.add("connect", type(exc).__name__)
-                await asyncio.sleep(0.01)
+            conn = await connect_as_abuser(host, port, t)
+            if conn is None:
                 continue
+            reader, writer = conn
             try:
                 writer.write(head)
                 status = await asyncio.wait_for(read_head(reader), max(0.01, deadline - time.monotonic()))
