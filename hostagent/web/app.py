@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -95,6 +96,33 @@ REQUEST_BURST_S = 10.0  # a guest may send this many seconds of agent.guest_requ
 ROWS_PER_REQUEST = 100  # a listing costs one more request per this many rows it returns
 TARPIT_S = 1.0  # a guest over its limits hears its 429 after this long
 VIEWS_PER_SLICE = 50  # a long listing lets other requests run between slices of this many lease views
+LISTING_THREADS = 2  # journal pages parsed at once in worker threads: each holds the GIL the event loop needs
+LISTINGS: web.AppKey[Listings] = web.AppKey("hostagent.listings")
+
+
+class Listings:
+    """Who may parse a page of leases now: one page per caller at a time, LISTING_THREADS in all. A page of a
+    thousand leases is parsed in a worker thread that holds the GIL while it works; eight of them at once (one
+    guest's whole in-flight share) left the event loop a ninth of the interpreter, and every other tenant's
+    heartbeat waited. With these slots a guest's listings queue behind each other, and another caller waits for
+    at most one of them."""
+
+    def __init__(self) -> None:
+        self.threads = asyncio.Semaphore(LISTING_THREADS)
+        self.callers: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # caller -> its lock, and how many use it
+
+    @contextlib.asynccontextmanager
+    async def slot(self, caller: str) -> AsyncIterator[None]:
+        """Hold one of the slots while parsing a page for `caller`."""
+        lock, users = self.callers.setdefault(caller, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock, self.threads:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self.callers[caller]
 
 
 @web.middleware
@@ -307,8 +335,9 @@ async def list_leases(request: web.Request) -> web.Response:
             raise InvalidInput(f"limit must be an integer 1..{MAX_PAGE}", field="limit") from None
         if not 1 <= limit <= MAX_PAGE:
             raise InvalidInput(f"limit must be an integer 1..{MAX_PAGE} (page on with next_cursor)", field="limit")
-    leases, after = await rt.run(rt.journal.lease_page, states=states, domain_uuid=who.scope, since=since,
-                                 limit=limit, cursor=request.query.get("cursor"))
+    async with request.app[LISTINGS].slot(who.subject):
+        leases, after = await rt.run(rt.journal.lease_page, states=states, domain_uuid=who.scope, since=since,
+                                     limit=limit, cursor=request.query.get("cursor"))
     request[COST] = len(leases) / ROWS_PER_REQUEST
     views = []
     for i, x in enumerate(leases):  # a thousand views in one go held the event loop ~20 ms: other tenants wait less
@@ -487,6 +516,7 @@ def add_api_routes(app: web.Application) -> None:
     app.on_response_prepare.append(hide_server_version)
     app[INFLIGHT] = {}
     app[RATES] = {}
+    app[LISTINGS] = Listings()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/v1/openapi.json", openapi)

@@ -293,3 +293,30 @@ async def test_a_guest_sends_requests_at_its_rate(tmp_path: Path, aiohttp_client
     assert (await rig.client.get("/v1/gpus", headers=rig.auth("operator"))).status == 200
     await asyncio.sleep(1.1)
     assert (await rig.client.get("/v1/gpus", headers=rig.auth("vm-a"))).status == 200
+
+
+async def test_one_callers_listings_parse_one_at_a_time_and_two_in_all(tmp_path: Path, aiohttp_client: Any,
+                                                                        monkeypatch: Any) -> None:
+    """A page is parsed in a worker thread holding the GIL the event loop needs: a guest's concurrent listings
+    queue behind each other, and at most LISTING_THREADS pages are parsed at once."""
+    from hostagent.web import app as web_app
+
+    rig = await start_rig(make_rig(tmp_path, agent={"max_inflight_per_token": 16}), aiohttp_client)
+    real = rig.runtime.journal.lease_page
+    busy: list[str] = []
+    peak = {"all": 0, "vm-a": 0}
+
+    def page(**kw: Any) -> Any:
+        who = "vm-a" if kw.get("domain_uuid") == rig.uuids["vm-a"] else "other"
+        busy.append(who)
+        peak["all"] = max(peak["all"], len(busy))
+        peak["vm-a"] = max(peak["vm-a"], busy.count("vm-a"))
+        time.sleep(0.05)
+        busy.remove(who)
+        return real(**kw)
+
+    monkeypatch.setattr(rig.runtime.journal, "lease_page", page)
+    calls = [rig.client.get("/v1/leases", headers=rig.auth(vm)) for vm in ["vm-a"] * 6 + ["vm-b", "vm-c", "vm-d"]]
+    assert {r.status for r in await asyncio.gather(*calls)} == {200}
+    assert peak["vm-a"] == 1 and peak["all"] == web_app.LISTING_THREADS
+    assert not rig.client.app[web_app.LISTINGS].callers, "no caller's lock outlives its listings"
