@@ -57,31 +57,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return main(args.sim_args)
 
 
+def _store_action(msub: Any, name: str, helptext: str) -> argparse.ArgumentParser:
+    """A `model` action over the usage store: the common options and --db, run by cmd_model."""
+    q: argparse.ArgumentParser = msub.add_parser(name, help=helptext)
+    add_common_options(q, host=False)
+    q.add_argument("--db", help="store URL (default from config)")
+    q.set_defaults(func=cmd_model)
+    return q
+
+
 def register(sub: Any) -> None:
     """Add `model` subcommands."""
     p = sub.add_parser("model", help="placement model: train, evaluate, show, rollback, simulate")
     msub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
-    q = msub.add_parser("train", help="train on the store's records; promote only if at least as good")
-    add_common_options(q, host=False)
-    q.add_argument("--db", help="store URL (default from config)")
+    q = _store_action(msub, "train", "train on the store's records; promote only if at least as good")
     q.add_argument("--target", choices=["work_rate", "utilization", "completion"], help="outcome to predict")
     q.add_argument("--min-records", type=int, help="labelled records needed (default placement.min_records)")
-    q.set_defaults(func=cmd_model)
-    q = msub.add_parser("evaluate", help="figures of a version (default: the active one) on recent records")
-    add_common_options(q, host=False)
-    q.add_argument("--db", help="store URL (default from config)")
-    q.add_argument("version", nargs="?")
-    q.set_defaults(func=cmd_model)
-    q = msub.add_parser("show", help="model versions with their figures and decisions")
-    add_common_options(q, host=False)
-    q.add_argument("--db", help="store URL (default from config)")
-    q.add_argument("--limit", type=int, default=20)
-    q.set_defaults(func=cmd_model)
-    q = msub.add_parser("rollback", help="activate a version (default: the previously promoted one)")
-    add_common_options(q, host=False)
-    q.add_argument("--db", help="store URL (default from config)")
-    q.add_argument("version", nargs="?")
-    q.set_defaults(func=cmd_model)
+    _store_action(msub, "evaluate", "figures of a version (default: the active one) on recent records").add_argument(
+        "version", nargs="?")
+    _store_action(msub, "show", "model versions with their figures and decisions").add_argument(
+        "--limit", type=int, default=20)
+    _store_action(msub, "rollback", "activate a version (default: the previously promoted one)").add_argument(
+        "version", nargs="?")
     q = msub.add_parser("simulate", add_help=False,
                         help="offline evaluation harness (see `hostagent model simulate --help`)")
     q.add_argument("sim_args", nargs=argparse.REMAINDER)
