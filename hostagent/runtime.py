@@ -94,7 +94,8 @@ def lease_policy(settings: Settings) -> LeasePolicy:
         guest_layout=settings.host.guest_layout,
         vm_quota=Quota(lz.max_gpus_per_vm, lz.max_gpu_hours_per_day_per_vm, lz.guest_max_priority),
         project_quotas=projects, queue_max_per_vm=lz.queue_max_per_vm, queue_max_wait_s=lz.queue_max_wait_s,
-        pinned=frozenset(settings.host.pinned),
+        pinned=frozenset(settings.host.pinned), preempt_min_priority=lz.preempt_min_priority,
+        preempt_notice_s=settings.reclaim.notice_window_s,
     )
 
 

@@ -258,6 +258,7 @@ class Lease:
     placement: tuple[tuple[str, Any], ...] = ()  # the placement decision: rule, candidates, dropped (as items)
     last_check_at: float | None = None  # reaper's last idle check
     irq_baseline: tuple[tuple[str, int], ...] = ()  # vfio interrupt counts per function at the last check
+    preempted_by: str | None = None  # the queued lease of higher priority this one's reclaim notice is for
 
     def transition(self, target: LeaseState, **changes: Any) -> Lease:
         """A copy in the target state; raises InvalidTransition if the table forbids it."""
@@ -308,6 +309,7 @@ class Lease:
             "placement": dict(self.placement),
             "last_check_at": self.last_check_at,
             "irq_baseline": [list(x) for x in self.irq_baseline],
+            "preempted_by": self.preempted_by,
         }
 
     @classmethod
@@ -339,6 +341,7 @@ class Lease:
             placement=tuple(sorted((d.get("placement") or {}).items())),
             last_check_at=d.get("last_check_at"),
             irq_baseline=tuple((str(a), int(n)) for a, n in d.get("irq_baseline", ())),
+            preempted_by=d.get("preempted_by"),
         )
 
 

@@ -47,7 +47,7 @@ class Example:
     work_rate: float | None  # mean reported work rate per device (guest's own unit), None when not reported
     util_pct: float | None
     held_s: float
-    outcome: str | None  # released | reclaimed | expired | failed
+    outcome: str | None  # released | reclaimed | preempted | expired | failed
     tenant: str = ""  # the VM whose lease it was (its domain UUID): whose word the labels are
 
 

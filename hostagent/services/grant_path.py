@@ -224,13 +224,17 @@ def head_shadow(m: LeaseCore, now: float, order: Sequence[Lease] | None = None
 
 
 def busy_until(m: LeaseCore, gpu_id: str, now: float) -> float:
-    """When a claimed GPU is expected to be free: its lease's end; for a lease still being granted (its devices not
-    yet journaled) its asked duration from now; for a claim that is no lease's (a probe), the default duration.
-    Every claimed GPU is dated, so one caught mid-grant never leaves the head of the queue without a shadow."""
+    """When a claimed GPU is expected to be free: its lease's end, or its reclaim notice's deadline when sooner; for
+    a lease still being granted (its devices not yet journaled) its asked duration from now; for a claim that is no
+    lease's (a probe, a quarantine), the default duration. Every claimed GPU is dated, so one caught mid-grant never
+    leaves the head of the queue without a shadow. The queue's ETAs and its backfilling both use it."""
     lease = m.leases.get(m.claims.get(gpu_id, ""))
     if lease is None:
         return now + m.policy.default_duration_s
-    return lease.expected_end or now + (lease.request.duration_s or m.policy.default_duration_s)
+    end = lease.expected_end or now + (lease.request.duration_s or m.policy.default_duration_s)
+    if lease.notice == "reclaim" and lease.notice_deadline is not None:  # reclaimed (idle or preempted) by then
+        end = min(end, lease.notice_deadline)
+    return end
 
 
 async def claim(m: LeaseCore, lease: Lease, free: Sequence[Gpu], count: int, actor: str, why: str,

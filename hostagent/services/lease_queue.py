@@ -13,10 +13,12 @@ import logging
 from hostagent.domain.errors import Conflict
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseState
+from hostagent.domain.preemption import Holder, choose_victims, may_preempt
 from hostagent.services.grant_path import (
     BACKFILL_DEPTH,
     backfill_room,
     bind_and_attach,
+    busy_until,
     claim,
     feasible,
     head_shadow,
@@ -50,12 +52,10 @@ def view(m: LeaseCore) -> dict[str, tuple[int, float | None]]:
     out: dict[str, tuple[int, float | None]] = {}
     groups: dict[frozenset[str], list[float]] = {}  # usable GPUs -> when each frees (now for a free one), sorted
     cursor: dict[frozenset[str], tuple[int, float]] = {}
-    ends_of = {gid: x.expected_end or now + m.policy.default_duration_s
-               for x in m.leases.values() if x.state.holds_devices for gid in x.gpu_ids}
     for pos, lease in enumerate(order, start=1):
         usable = frozenset(g.id for g in feasible(m, lease.request))
         if usable not in groups:
-            groups[usable] = sorted(now if is_free(m, gid) else max(now, ends_of.get(gid, now)) for gid in usable)
+            groups[usable] = sorted(now if is_free(m, gid) else max(now, busy_until(m, gid, now)) for gid in usable)
             ahead = [x.request.gpus for x in order[:pos - 1]]
             cursor[usable] = _consume(groups[usable], (0, now), ahead)
         pool = groups[usable]
@@ -102,6 +102,7 @@ async def drain(m: LeaseCore) -> list[Lease]:
         async with m._decide:
             pick = _next_grant(m)
             if pick is None:
+                await preempt_for_head(m)
                 return granted
             head, free, count, why = pick
             async with m.lease_lock(head.id):  # a concurrent release of the queued lease wins cleanly
@@ -139,6 +140,49 @@ def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None
         if room is not None:
             return x, room[0], min(need, len(room[0])), room[1]
     return None
+
+
+async def preempt_for_head(m: LeaseCore) -> tuple[str, ...]:
+    """When the head of the queue waits and its priority is at `leases.preempt_min_priority` or above, give the
+    fewest lowest-priority, youngest running leases it needs a reclaim notice for it (the cooperative path of idle
+    reclaim: the guest is told, may checkpoint and release; the reaper detaches at the notice's deadline).
+    GPUs already being freed (a notice out, a release under way) count towards it, so a head is never given more
+    victims than it needs however often the queue drains. Runs under the decide lock; returns the victims."""
+    threshold = m.policy.preempt_min_priority
+    hs = head_shadow(m, m.clock())
+    if hs is None or not may_preempt(hs[0].request.priority, threshold):
+        return ()
+    head, usable, _ = hs
+    need = min(head.request.gpus, quota_allows(m, head))
+    free = sum(1 for gid in usable if is_free(m, gid))
+    freeing = 0
+    holders = []
+    for x in m.leases.values():
+        mine = sum(1 for gid in x.gpu_ids if gid in usable)
+        if not mine or not x.state.holds_devices:
+            continue
+        if x.state in (S.RELEASING, S.DETACHING, S.DETACH_PENDING, S.REBINDING) or x.notice == "reclaim":
+            freeing += mine
+        elif x.state is S.ACTIVE:
+            holders.append(Holder(x.id, x.request.priority, x.granted_at or x.created_at, mine, x.reclaim_paused))
+    decision = choose_victims(head.request.priority, need - free - freeing, holders)
+    if not decision.victims:
+        return ()
+    now = m.clock()
+    for victim_id in decision.victims:
+        async with m.lease_lock(victim_id):
+            victim = m.leases.get(victim_id)
+            if victim is None or victim.state is not S.ACTIVE or victim.notice == "reclaim":
+                continue
+            why = (f"preempted by {head.id} (priority {head.request.priority}, at or above "
+                   f"leases.preempt_min_priority {threshold}; this lease has {victim.request.priority})")
+            await m._write(victim.with_changes(notice="reclaim", notice_deadline=now + m.policy.preempt_notice_s,
+                                               preempted_by=head.id),
+                           victim.state, "queue", f"reclaim notice: {why}")
+            await m._run(m.journal.event, "preempt", actor="queue", lease_id=victim.id,
+                         gpu_id=",".join(victim.gpu_ids), detail=why)
+            log.warning("lease %s: %s", victim.id, why, extra={"lease_id": victim.id})
+    return decision.victims
 
 
 async def run(m: LeaseCore) -> None:

@@ -50,6 +50,8 @@ class LeasePolicy:
     queue_max_per_vm: int = 0  # a VM's share of the queue (0: the whole queue)
     queue_max_wait_s: float = 0.0  # a queued request without not_after gives up after this long (0: never)
     pinned: frozenset[str] = frozenset()
+    preempt_min_priority: int = 0  # a queued request of at least this priority may reclaim lower ones (0: never)
+    preempt_notice_s: float = 60.0  # a preempted lease's notice window (reclaim.notice_window_s)
 
 
 @dataclass(frozen=True, slots=True)

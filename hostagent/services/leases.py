@@ -390,14 +390,19 @@ def lease_view(lease: Lease, manager: LeaseManager | None = None) -> dict[str, A
         "error": lease.error,
         "warnings": [],
         "reclaim": {"paused": lease.reclaim_paused, "strike_at": lease.strike_at, "recheck_at": lease.recheck_at,
-                    "notice": lease.notice, "notice_deadline": lease.notice_deadline},
+                    "notice": lease.notice, "notice_deadline": lease.notice_deadline,
+                    "preempted_by": lease.preempted_by},
     }
     if lease.notice == "warning":
         body["warnings"].append({"code": "idle_strike_one", "message": "GPU looked idle; it will be reclaimed if "
                                  "still idle at the recheck", "recheck_at": lease.recheck_at})
+    elif lease.notice == "reclaim" and lease.preempted_by:
+        body["warnings"].append({"code": "reclaim_notice", "reason": "preempted",
+                                 "message": f"GPU is being reclaimed for a request of higher priority "
+                                 f"({lease.preempted_by}); release it now", "deadline": lease.notice_deadline})
     elif lease.notice == "reclaim":
-        body["warnings"].append({"code": "reclaim_notice", "message": "GPU is being reclaimed for idleness; release "
-                                 "it now", "deadline": lease.notice_deadline})
+        body["warnings"].append({"code": "reclaim_notice", "reason": "idle", "message": "GPU is being reclaimed for "
+                                 "idleness; release it now", "deadline": lease.notice_deadline})
     if lease.state is S.DETACH_PENDING:
         body["warnings"].append({"code": "detach_pending", "message": "the guest has not acknowledged the detach; "
                                  "the GPU stays on vfio-pci until it does or the VM stops"})

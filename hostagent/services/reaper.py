@@ -68,9 +68,8 @@ class Reaper:
         self.disputed: dict[str, str] = {}  # lease -> why its guest's and the host's figures disagree
 
     async def start(self) -> None:
-        """Schedule the check job on the running loop."""
-        if not self.settings.enabled:
-            return
+        """Schedule the check job on the running loop. With idle reclaim off (`reclaim.enabled = false`) the job
+        still runs, for the deadlines of the reclaim notices that preemption gives."""
         self.scheduler = AsyncIOScheduler()
         self.scheduler.add_job(self.tick, "interval", seconds=self.settings.tick_s, id="reaper-tick",
                                max_instances=1, coalesce=True)
@@ -88,6 +87,8 @@ class Reaper:
             return None
         if lease.notice == "reclaim":
             return lease.notice_deadline
+        if not self.settings.enabled:
+            return None
         if lease.strike_at is not None and lease.recheck_at is not None:
             return lease.recheck_at
         interval, _ = self.settings.timing(lease.request.priority)
@@ -141,10 +142,34 @@ class Reaper:
                     return None
             else:
                 reclaim_due = False
+        if reclaim_due and lease.preempted_by:
+            return await self._preempt(lease)
         if reclaim_due:
             await self._reclaim(lease, "the guest did not release within the notice window")
             return Action.RECLAIM
+        if not self.settings.enabled:
+            return None
         return await self._judge(lease, now, irq)
+
+    async def _preempt(self, lease: Lease) -> Action:
+        """A preempted lease's notice ran out: reclaim it while the request it was preempted for still waits; if
+        that request was granted elsewhere or ended meanwhile, the notice is withdrawn and the lease keeps its GPUs."""
+        head = self.m.leases.get(lease.preempted_by or "")
+        if head is not None and head.state is S.QUEUED:
+            await self._reclaim(lease, f"preempted by {head.id}: the guest did not release within the notice window",
+                                reason="reclaimed: preempted")
+            return Action.RECLAIM
+        async with self.m.lease_lock(lease.id):
+            current = self.m.leases.get(lease.id)
+            if current is None or current.state is not S.ACTIVE or current.preempted_by != lease.preempted_by:
+                return Action.NONE
+            why = f"{lease.preempted_by} no longer waits"
+            await self.m._write(current.with_changes(notice=None, notice_deadline=None, preempted_by=None,
+                                                     strike_at=None, recheck_at=None),
+                                current.state, "reaper", f"preemption withdrawn: {why}")
+            await self.m._run(self.m.journal.event, "preempt-withdrawn", actor="reaper", lease_id=lease.id,
+                              gpu_id=",".join(lease.gpu_ids), detail=why)
+        return Action.CLEAR
 
     async def _judge(self, lease: Lease, now: float, irq: Mapping[str, int] | None) -> Action:
         functions = [a for d in lease.devices for a in d.functions]
@@ -214,12 +239,12 @@ class Reaper:
             await self.m._run(self.m.journal.event, "strike-cleared", actor="reaper", lease_id=lease_id,
                               detail=reason)
 
-    async def _reclaim(self, lease: Lease, why: str) -> None:
+    async def _reclaim(self, lease: Lease, why: str, reason: str = "reclaimed: idle") -> None:
         log.warning("reclaiming lease %s: %s", lease.id, why, extra={"lease_id": lease.id})
         await self.m._run(self.m.journal.event, "reclaim", actor="reaper", lease_id=lease.id,
                           gpu_id=",".join(lease.gpu_ids), detail=why)
         crash_point("reaper:reclaim")
-        done = await self.m.release(lease.id, actor="reaper", reason="reclaimed: idle")
+        done = await self.m.release(lease.id, actor="reaper", reason=reason)
         outcome = done.state.value
         await self.m._run(self.m.journal.event, "reclaim-outcome", actor="reaper", lease_id=lease.id,
                           gpu_id=",".join(lease.gpu_ids), detail=outcome)

@@ -28,11 +28,14 @@ LEASE_MUTABLE = frozenset(c.name for c in t.leases.c) - {"id", "host_id", "creat
 
 
 def outcome_of(state: str | None, end_reason: str | None) -> str | None:
-    """How a lease ended, for training labels: released, reclaimed, expired, failed (None while live)."""
+    """How a lease ended, for training labels: released, reclaimed (idle), preempted, expired, failed (None while
+    live)."""
     if state in TERMINAL_OUTCOMES:
         return TERMINAL_OUTCOMES[state]
     if state == "RELEASED":
         reason = (end_reason or "").lower()
+        if "preempt" in reason:
+            return "preempted"
         return "reclaimed" if ("idle" in reason or "reclaim" in reason) else "released"
     return None
 

@@ -36,7 +36,8 @@ DEFAULT_RANGE = "24h"
 LEASE_WINDOWS: dict[str, int | None] = {"24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400, "all": None}
 STATE_ORDER = [s.value for s in (GpuState.FREE, GpuState.LEASED, GpuState.WARNED, GpuState.DETACH_PENDING,
                                  GpuState.QUARANTINED, GpuState.UNAVAILABLE)]
-RECLAIM_KINDS = ("strike-one", "strike-cleared", "strike-two", "reclaim", "reclaim-outcome")
+RECLAIM_KINDS = ("strike-one", "strike-cleared", "strike-two", "reclaim", "reclaim-outcome", "preempt",
+                 "preempt-withdrawn")
 LIVE_STATES = frozenset(s for s in LeaseState if not s.terminal)
 LEASE_SORT_KEYS = ("vm", "gpus", "task", "priority", "state", "start", "duration", "util", "reason")
 PAGE_ROWS = 200

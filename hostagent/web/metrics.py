@@ -44,6 +44,9 @@ class Metrics:
                                  registry=self.registry)
         self.samples = PCounter("hostagent_heartbeat_samples_total", "usage samples accepted", registry=self.registry)
         self.registry.register(_Gauges(runtime))
+        self.preemptions = PCounter("hostagent_preemptions_total", "leases reclaimed for a request of higher "
+                                    "priority (leases.preempt_min_priority), by outcome", ["outcome"],
+                                    registry=self.registry)
         self._seen_timings = 0
         self._last_state: dict[str, LeaseState] = {}
 
@@ -55,10 +58,12 @@ class Metrics:
                 self._last_state.pop(lease.id, None)
             else:
                 self._last_state[lease.id] = lease.state
-            if lease.end_reason and lease.end_reason.startswith("reclaimed") and lease.state.terminal:
-                self.reclaims.labels(lease.state.value.lower()).inc()
-            elif lease.state is LeaseState.DETACH_PENDING and lease.end_reason == "reclaimed: idle":
-                self.reclaims.labels("detach_pending").inc()
+            counter = {"reclaimed: idle": self.reclaims, "reclaimed: preempted": self.preemptions}.get(
+                lease.end_reason or "")
+            if counter is not None and lease.state.terminal:
+                counter.labels(lease.state.value.lower()).inc()
+            elif counter is not None and lease.state is LeaseState.DETACH_PENDING:
+                counter.labels("detach_pending").inc()
         timings = self.runtime.manager.step_timings
         for kind, seconds in timings.since(self._seen_timings):
             self.step_seconds.labels(kind).observe(seconds)
