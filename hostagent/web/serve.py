@@ -31,6 +31,7 @@ from hostagent.web.app import SERVER_HEADER, error_body, http_code
 log = logging.getLogger("hostagent.serve")
 
 SHED_GRACE_S = 1.0  # a connection answered 408/503 by the guard gets this long to read it before it is closed hard
+CONNECTION_TARPIT_S = 1.0  # a connection refused for its address's share is answered after this long (see admit)
 CAP_LOG_INTERVAL_S = 60.0  # "connection cap reached" is logged at most this often (a flood would flood the log)
 
 
@@ -126,6 +127,11 @@ def source_of(transport: asyncio.BaseTransport) -> str:
     return str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "?"
 
 
+def _refusal(status: int) -> str:
+    return ("too many connections to the agent; retry shortly" if status == 503 else
+            "too many connections from your address; close some, or retry shortly")
+
+
 class GuardedServer(web.Server):
     """aiohttp's low-level server, making GuardedRequestHandler connections and counting them against the caps:
     agent.max_connections in all, agent.max_connections_per_source from one client address (so one client cannot
@@ -137,6 +143,7 @@ class GuardedServer(web.Server):
         self.refused = 0  # connections refused because the agent was full (503)
         self.refused_source = 0  # connections refused because their address held its share (429)
         self.per_source: dict[str, int] = {}  # open connections by client address
+        self.tarpitted = 0  # refused connections waiting CONNECTION_TARPIT_S for their 429 (at most max_connections)
         self._cap_logged_at = -CAP_LOG_INTERVAL_S
         self._source_logged_at = -CAP_LOG_INTERVAL_S
 
@@ -184,7 +191,7 @@ class GuardedRequestHandler(RequestHandler):
     idle for idle_timeout_s (aiohttp's keep-alive timer, which closes it silently). A head begun while the previous
     request was still being handled (pipelining, which no client of the agent does) is bounded by that idle timer.
     A connection over agent.max_connections is answered 503 before anything is parsed, one over
-    agent.max_connections_per_source from its address 429. Both answers are written in
+    agent.max_connections_per_source from its address 429 (after CONNECTION_TARPIT_S). Both answers are written in
     the API's JSON error model, then the write side is shut and the client given SHED_GRACE_S to read it: closing
     at once, with its bytes unread, would reset the connection and could lose the answer.
 
@@ -199,6 +206,7 @@ class GuardedRequestHandler(RequestHandler):
         self._head_timer: asyncio.TimerHandle | None = None
         self._shed_timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self._tarpit = False  # refused, its 429 not yet written (CONNECTION_TARPIT_S)
         self._source: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -206,9 +214,19 @@ class GuardedRequestHandler(RequestHandler):
         status = cast(GuardedServer, self._manager).admit(source)
         if status is not None:
             self._refused = True  # never registered with the server, never parsed: it does not count against a cap
-            self._shed(cast(asyncio.Transport, transport), status,
-                       "too many connections to the agent; retry shortly" if status == 503 else
-                       "too many connections from your address; close some, or retry shortly", retry_after=1)
+            server = cast(GuardedServer, self._manager)
+            if status == 429 and server.tarpitted < self._agent.max_connections:
+                # A client over its address's share that reconnects the moment it is answered would make the agent
+                # accept and refuse thousands of connections a second, costing the other tenants as much as serving
+                # them: its 429 waits CONNECTION_TARPIT_S (a timer costs nothing), so it reconnects at most once a
+                # second per connection it tries to hold. The waiting connections are bounded by max_connections;
+                # past that they are answered at once.
+                server.tarpitted += 1
+                self._tarpit = True
+                self._shed_timer = self._loop.call_later(CONNECTION_TARPIT_S, self._tarpit_done,
+                                                         cast(asyncio.Transport, transport))
+                return
+            self._shed(cast(asyncio.Transport, transport), status, _refusal(status), retry_after=1)
             return
         self._source = source
         super().connection_made(transport)
@@ -236,8 +254,20 @@ class GuardedRequestHandler(RequestHandler):
         if isinstance(exc, HttpProcessingError):
             request.content.set_exception(exc)
 
+    def _tarpit_done(self, transport: asyncio.Transport) -> None:
+        self._shed_timer = None
+        self._leave_tarpit()
+        if not transport.is_closing():
+            self._shed(transport, 429, _refusal(429), retry_after=1)
+
+    def _leave_tarpit(self) -> None:
+        if self._tarpit:
+            self._tarpit = False
+            cast(GuardedServer, self._manager).tarpitted -= 1
+
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()
+        self._leave_tarpit()
         if self._shed_timer is not None:
             self._shed_timer.cancel()
             self._shed_timer = None

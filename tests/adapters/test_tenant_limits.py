@@ -18,7 +18,8 @@ from aiohttp import web
 from hostagent.config import settings_from_dict
 from hostagent.domain.errors import ConfigError
 from hostagent.runtime import make_app
-from hostagent.web.serve import start_metrics_server, start_server
+from hostagent.web import serve
+from hostagent.web.serve import CONNECTION_TARPIT_S, start_metrics_server, start_server
 from tests.adapters.test_bad_input import read_response
 from tests.support.agent import AgentRig, make_rig, start_rig
 
@@ -83,10 +84,12 @@ async def test_one_address_holds_only_its_share_of_the_connections(served: Serve
             writer.write(f"GET /v1/gpus HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n".encode())
             assert (await read_response(reader))[0] == 200
             held.append((reader, writer))
-        for _ in range(3):
-            status, headers, body = await get(port, "/v1/gpus", token, source=ABUSER)
+        started = time.monotonic()
+        for status, headers, body in await asyncio.gather(*(get(port, "/v1/gpus", token, source=ABUSER)
+                                                            for _ in range(3))):
             assert status == 429 and headers.get("Retry-After") == "1", body
             assert json.loads(body)["error"]["code"] == "rate_limited"
+        assert time.monotonic() - started >= CONNECTION_TARPIT_S * 0.9  # answered after the tarpit, not at once
         for _ in range(6):  # the well-behaved tenant from its own address: never refused
             assert (await get(port, "/v1/gpus", rig.tokens["vm-a"]))[0] == 200
         held.pop()[1].close()  # one of the abuser's ends: it may connect again
@@ -97,6 +100,38 @@ async def test_one_address_holds_only_its_share_of_the_connections(served: Serve
     finally:
         for _, writer in held:
             writer.close()
+
+
+async def test_refused_connections_wait_in_a_bounded_tarpit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connections over an address's share wait CONNECTION_TARPIT_S for their 429, at most max_connections of them at
+    once; one more is answered at once, and a client that hangs up leaves the tarpit."""
+    monkeypatch.setattr(serve, "CONNECTION_TARPIT_S", 30.0)
+    rig = make_rig(tmp_path, agent={"listen": "127.0.0.1", "port": 0, "max_connections": 3,
+                                    "max_connections_per_source": 1, "header_timeout_s": 30.0})
+    runner, url = await start_server(make_app(rig.runtime), rig.settings)
+    port = int(url.rsplit(":", 1)[1])
+    server = runner.server
+    assert isinstance(server, serve.GuardedServer)
+    opened = []
+    try:
+        for _ in range(4):  # one admitted, three refused into the tarpit
+            opened.append(await asyncio.open_connection("127.0.0.1", port, local_addr=(ABUSER, 0)))
+        deadline = time.monotonic() + 5
+        while server.tarpitted < 3:
+            assert time.monotonic() < deadline, server.tarpitted
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        status, _, _ = await get(port, "/v1/gpus", rig.tokens["vm-a"], source=ABUSER)  # the tarpit is full
+        assert status == 429 and time.monotonic() - started < 5.0
+        for _, writer in opened[1:]:
+            writer.close()
+        while server.tarpitted:
+            assert time.monotonic() < deadline + 5, server.tarpitted
+            await asyncio.sleep(0.01)
+    finally:
+        for _, writer in opened:
+            writer.close()
+        await runner.cleanup()
 
 
 # -- in-flight requests per guest ------------------------------------------------------------------------------------
