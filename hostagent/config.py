@@ -328,6 +328,9 @@ def _check_cross(s: Settings) -> None:
     for key in ("queue_max_per_vm", "queue_max_wait_s", "max_gpus_per_vm", "max_gpu_hours_per_day_per_vm"):
         if getattr(s.leases, key) < 0:
             raise ConfigError(f"leases.{key}: must be 0 (no limit) or more", field=f"leases.{key}")
+    if s.libvirt.detach_retries < 0:
+        raise ConfigError("libvirt.detach_retries: must be 0 (alert after the first detach) or more",
+                          field="libvirt.detach_retries")
     if not -1000 <= s.leases.guest_max_priority <= 1000:
         raise ConfigError("leases.guest_max_priority: must be -1000..1000", field="leases.guest_max_priority")
     _check_projects(s.leases.projects)

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from hostagent.config import Settings
 from hostagent.domain.admission import TokenBucket
-from hostagent.domain.errors import HostAgentError, InvalidInput, NotFound, TooManyRequests
+from hostagent.domain.errors import ConfigError, HostAgentError, InvalidInput, NotFound, TooManyRequests
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseState, Quota
 from hostagent.host.adapter import SysfsHost
@@ -75,6 +75,24 @@ def discover_host(settings: Settings) -> Inventory:
     allow = frozenset(tuple(int(x, 16) for x in pair.split(":")) for pair in settings.host.group_allow_list)
     return discover(sysfs, vendors=tuple(v.lower() for v in settings.host.gpu_vendors),
                     pci_ids_path=settings.host.pci_ids_path, allow_list=allow)  # type: ignore[arg-type]
+
+
+def _schema_at_head(url: str) -> None:
+    """With store.auto_upgrade off, refuse to start on a store whose schema is missing or older than this agent's,
+    saying what to run, rather than failing at the first write with the database's own error. A store that cannot
+    be reached is left to the degraded start (writes spool until it is back)."""
+    from hostagent.store.migrate import current_revision, head_revision
+
+    try:
+        have = current_revision(url)
+    except Exception as exc:  # noqa: BLE001 - unreachable: the store opens degraded and says so
+        log.warning("cannot read the usage store's schema revision: %s", exc)
+        return
+    want = head_revision()
+    if have != want:
+        raise ConfigError(f"store.auto_upgrade is false and the usage store's schema is at {have or 'nothing (empty)'}"
+                          f", this agent needs {want}: run `hostagent db upgrade` (or set store.auto_upgrade = true)",
+                          field="store.auto_upgrade")
 
 
 def lease_policy(settings: Settings) -> LeasePolicy:
@@ -132,6 +150,16 @@ class Runtime:
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a blocking call in a worker thread."""
         return await asyncio.to_thread(fn, *args, **kwargs)
+
+    @property
+    def model_version(self) -> str | None:
+        """The placement model version placing leases now (None: no model loaded); /metrics and /ui/model."""
+        return self.placer.model_version if self.placer is not None else None
+
+    @property
+    def placement_rule(self) -> str:
+        """What decides placements now: "model" or "cold-start"."""
+        return str(self.placer.rule) if self.placer is not None else "cold-start"
 
     # -- views ---------------------------------------------------------------------------------------------------
     def gpu_view_for(self, gpu_id: str, identity: Identity | None) -> dict[str, Any]:
@@ -334,6 +362,8 @@ class Runtime:
         url = self.settings.store_url
         if url.startswith("sqlite:///"):
             Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        if not st.auto_upgrade:
+            await self.run(_schema_at_head, url)
         self.store = await AsyncUsageStore.open(url, self.settings.agent.host_id, spool_path=self.settings.spool_path,
                                                 auto_upgrade=st.auto_upgrade)
         self.store.store.on_set_aside = self._note_set_aside

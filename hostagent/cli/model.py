@@ -29,7 +29,7 @@ def cmd_model(args: argparse.Namespace) -> int:
                                   min_records=args.min_records or settings.placement.min_records)
             data = res.to_dict()
             emit(args, data, lambda d: print(f"{d.get('decision')}: version {d.get('version') or '-'}\n"
-                                             + "\n".join(f"  {k}: {v}" for k, v in d.get("figures", {}).items())))
+                                             + "\n".join(f"  {k}: {v}" for k, v in d.get("metrics", {}).items())))
             return 0
         if args.model_command == "evaluate":
             data = lifecycle.evaluate(store, args.version)
@@ -76,7 +76,7 @@ def register(sub: Any) -> None:
     _store_action(msub, "evaluate", "figures of a version (default: the active one) on recent records").add_argument(
         "version", nargs="?")
     _store_action(msub, "show", "model versions with their figures and decisions").add_argument(
-        "--limit", type=int, default=20)
+        "--limit", type=int, default=20, help="how many versions, newest first (default 20)")
     _store_action(msub, "rollback", "activate a version (default: the previously promoted one)").add_argument(
         "version", nargs="?")
     q = msub.add_parser("simulate", add_help=False,

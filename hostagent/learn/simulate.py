@@ -479,13 +479,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--throughputs", required=True, help="CSV job_type,gpu_model,throughput[,memory_gib]")
     ap.add_argument("--host", required=True, help="CSV gpu_id,gpu_model,memory_gib,numa_node[,health_factor]")
     ap.add_argument("--trace", required=True, help="CSV arrival_s,job_type,work,num_gpus[,priority]")
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--warmup-jobs", type=int, default=300)
+    ap.add_argument("--seeds", type=int, default=3, help="runs per policy, each with its own seed (default 3)")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help=f"comma-separated, of {', '.join(POLICIES)} (default all)")
+    ap.add_argument("--warmup-jobs", type=int, default=300,
+                    help="jobs before the first training, left out of the figures (default 300)")
     ap.add_argument("--retrain-every", type=int, default=500, help="completed jobs between retrainings")
     ap.add_argument("--min-records", type=int, default=100, help="records before the first model may be trained")
     ap.add_argument("--epsilon", type=float, default=Exploration().epsilon, help="exploration rate once trained")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="machine-readable JSON output")
     args = ap.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     try:

@@ -40,7 +40,7 @@ class LeasePolicy:
     queue_max: int = 1000
     keep_on_domain_stop: bool = False
     detach_timeout_s: float = 30.0
-    detach_retries: int = 3
+    detach_retries: int = 3  # retries of a detach the guest did not acknowledge, before the operator alert
     guest_bus: int = 0
     rom_bar_off: bool = False
     driver_vfio: bool = True
@@ -151,6 +151,14 @@ class LeaseCore(Protocol):
                       final: LeaseState = LeaseState.RELEASED) -> Lease: ...
 
     async def drain_queue(self) -> list[Lease]: ...
+
+
+def detach_retries_left(policy: LeasePolicy, lease: Lease) -> bool:
+    """Whether the agent still retries this DETACH_PENDING lease's detach by itself: its first detach and at most
+    `policy.detach_retries` retries went unacknowledged (`lease.detach_attempts` counts them all). Once they have,
+    the operator was alerted (release_path.detach_alert) and only DEVICE_REMOVED, the domain stopping, a release
+    asked again or a restart's reconcile try once more."""
+    return lease.detach_attempts <= max(0, policy.detach_retries)
 
 
 def clocked(timings: list[float], fn: Callable[..., Any], *args: Any) -> Any:

@@ -35,6 +35,7 @@ from hostagent.services.lease_types import (
     PlaceFn,
     Placement,
     TimingLog,
+    detach_retries_left,
     render_hostdevs,
     simple_place,
 )
@@ -406,6 +407,10 @@ def lease_view(lease: Lease, manager: LeaseManager | None = None) -> dict[str, A
     if lease.state is S.DETACH_PENDING:
         body["warnings"].append({"code": "detach_pending", "message": "the guest has not acknowledged the detach; "
                                  "the GPU stays on vfio-pci until it does or the VM stops"})
+        if manager is not None and not detach_retries_left(manager.policy, lease):
+            body["warnings"].append({"code": "detach_alert", "attempts": lease.detach_attempts,
+                                     "message": "the agent has stopped retrying the detach (libvirt.detach_retries); "
+                                     "an operator must look: release the lease again, or stop the VM"})
     if manager is not None and lease.state is S.QUEUED:
         body["queue"] = {"position": manager.queue_position(lease), "eta": manager.eta(lease),
                          "deadline": queue_deadline(manager.policy, lease)}

@@ -1,7 +1,8 @@
 """The release path: how a lease ends. A queued lease is cancelled; a granted one goes RELEASING -> DETACHING -> the
 detach and its DEVICE_REMOVED -> REBINDING -> every function back on its original host driver (`release_lease`,
 `finish_release`, `detach`, `give_back_all`), or DETACH_PENDING while the guest does not acknowledge, retried later
-(`retry_pending`); a give-back that fails quarantines the GPU. It also ends leases nobody asked to release: those
+(`retry_pending`) up to `libvirt.detach_retries` times, then left to the operator with an alert (`detach_alert`);
+a give-back that fails quarantines the GPU. It also ends leases nobody asked to release: those
 past their TTL or not_after (`expire_due`), and those of a domain that stopped, crashed or was undefined, with late
 DEVICE_REMOVED events finishing pending detaches (`on_domain_event`).
 """
@@ -17,13 +18,14 @@ from hostagent.domain.errors import Conflict, HostAgentError, HypervisorError, N
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseState, Step
 from hostagent.services.admission import queue_deadline
 from hostagent.services.faults import crash_point
-from hostagent.services.lease_types import LOGGER, LeaseCore, clocked, step_hook
+from hostagent.services.lease_types import LOGGER, LeaseCore, clocked, detach_retries_left, step_hook
 from hostagent.services.ports import HostOpResult
 from hostagent.services.quarantine import quarantine_gpu
 
 log = logging.getLogger(LOGGER)
 
 S = LeaseState
+DETACH_ALERT = "detach-alert"  # journal event: a detach still unacknowledged after libvirt.detach_retries retries
 
 
 async def release_lease(m: LeaseCore, lease_id: str, *, actor: str, reason: str = "released",
@@ -55,13 +57,31 @@ async def finish_release(m: LeaseCore, lease: Lease, actor: str, final: LeaseSta
         lease = await m._move(lease, S.DETACHING, actor, f"detach retry {lease.detach_attempts + 1}")
     confirmed = await detach(m, lease)
     if not confirmed:
-        return await m._move(
+        pending = await m._move(
             lease, S.DETACH_PENDING, actor,
             "the guest did not acknowledge the detach (no DEVICE_REMOVED); GPU stays on vfio-pci",
             detach_attempts=lease.detach_attempts + 1,
         )
+        if pending.detach_attempts == max(0, m.policy.detach_retries) + 1:  # the last automatic try: once per lease
+            await detach_alert(m, pending, actor)
+        return pending
     crash_point("after-detach-confirmed")
     return await give_back_all(m, lease, actor, final, rebind="detach confirmed by DEVICE_REMOVED")
+
+
+async def detach_alert(m: LeaseCore, lease: Lease, actor: str) -> None:
+    """The operator alert of a detach still unacknowledged after its first try and `libvirt.detach_retries` retries:
+    an ERROR in the log and a `detach-alert` journal event (GET /v1/events, the dashboard, the usage store); the
+    `hostagent_detach_alerts` gauge counts such leases while they last. The agent retries no more by itself
+    (`retry_pending` skips the lease); the GPU stays on vfio-pci, held by the lease."""
+    gpus = ", ".join(lease.gpu_ids)
+    detail = (f"the guest of {lease.domain_name} has not acknowledged the detach of {gpus} after "
+              f"{lease.detach_attempts} attempt(s) (libvirt.detach_retries = {m.policy.detach_retries}); automatic "
+              "retries stopped, the GPU stays on vfio-pci held by the lease until the guest lets go (DEVICE_REMOVED), "
+              "the VM stops, or an operator releases the lease again")
+    log.error("lease %s: %s", lease.id, detail, extra={"lease_id": lease.id})
+    await m._run(m.journal.event, DETACH_ALERT, actor=actor, lease_id=lease.id, gpu_id=",".join(lease.gpu_ids),
+                 detail=detail)
 
 
 async def detach(m: LeaseCore, lease: Lease) -> bool:
@@ -141,11 +161,12 @@ async def give_back_all(m: LeaseCore, lease: Lease, actor: str, final: LeaseStat
 
 
 async def retry_pending(m: LeaseCore, actor: str = "agent") -> None:
-    """Retry detaches that the guest never acknowledged."""
-    for lease in [x for x in m.leases.values() if x.state is S.DETACH_PENDING]:
+    """Retry detaches that the guest never acknowledged, each lease's at most `libvirt.detach_retries` times (the
+    last one alerts the operator; see `detach_alert`)."""
+    for lease in [x for x in m.leases.values() if x.state is S.DETACH_PENDING and detach_retries_left(m.policy, x)]:
         async with m.lease_lock(lease.id):
             current = m.leases.get(lease.id)
-            if current is not None and current.state is S.DETACH_PENDING:
+            if current is not None and current.state is S.DETACH_PENDING and detach_retries_left(m.policy, current):
                 await finish_release(m, current, actor, S.RELEASED)
 
 

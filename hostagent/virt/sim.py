@@ -3,7 +3,11 @@
 It behaves like libvirt where leasing depends on it: hostdev XML is applied to a per-domain XML document
 (duplicate PCI sources, guest address and alias clashes are refused), a running domain gets live + persistent
 changes and a shut-off one persistent only, a live detach completes only when the "guest" acknowledges it
-(a DEVICE_REMOVED event after a delay) or never (refusal: the DETACH_PENDING case). With a path, its state is
+(a DEVICE_REMOVED event after a delay) or never (refusal: the DETACH_PENDING case). Faults to inject:
+`fail_attach_after` (an attach fails after that many hostdevs, and what it attached is undone), `refuse_detach`
+(the domain's guest never acknowledges a detach: a release's, or the undo of a failed attach, which is then
+reported unconfirmed as libvirt's adapter reports it: ``rollback_confirmed`` False in the error's details),
+`refuse_multifunction_unplug`, `refuse_nonzero_function_hotplug`. With a path, its state is
 written to a JSON file after every change (temp file + fsync + rename) so a killed agent finds, on restart,
 the same domains and devices, as it would find them in libvirtd.
 """
@@ -343,14 +347,39 @@ class SimulatedHypervisor:
             if missing:
                 raise HypervisorError(f"attached hostdevs missing from the domain XML: {[str(h.source) for h in missing]}",
                                       domain=dom.name)
-        except HypervisorError:
-            for hd in done:
-                for el in (dom.config, dom.live):
-                    if el is not None:
-                        _remove_source(el, hd)
+        except HypervisorError as exc:
+            if done:
+                # The undo is a detach, as libvirt's adapter makes it (and says whether it was confirmed): a guest
+                # that ignores detach requests (`refuse_detach`) keeps the devices it got in its live XML.
+                unconfirmed = self._undo_attach(dom, done)
+                exc.details["rollback_confirmed"] = not unconfirmed
+                if unconfirmed:
+                    exc.details["rollback_pending"] = [str(hd.source) for hd in unconfirmed]
             await self._save_async()
             raise
         await self._save_async()
+
+    def _undo_attach(self, dom: _Domain, done: Sequence[HostdevPci]) -> list[HostdevPci]:
+        """Remove what a failed attach added; return the hostdevs whose live removal the guest never confirms.
+
+        The persistent part goes at once (as in libvirt). A running guest that refuses detaches keeps each device
+        in its live XML as a pending detach that is never acknowledged (no DEVICE_REMOVED, until
+        `acknowledge_detaches` or the domain stops): the unconfirmed undo after which nothing may give the device
+        back to a host driver. Any other guest lets go at once."""
+        unconfirmed = []
+        for hd in done:
+            _remove_source(dom.config, hd)
+            if dom.live is None:
+                continue
+            el = _find_source(dom.live, hd)
+            if el is None:
+                continue
+            if dom.uuid in self.refuse_detach:
+                dom.pending[_alias_of(el)] = None
+                unconfirmed.append(hd)
+            else:
+                _remove_source(dom.live, hd)
+        return unconfirmed
 
     async def detach_hostdevs(self, uuid: str, hostdevs: Sequence[HostdevPci], timeout_s: float) -> DetachResult:
         """Detach; on a running domain wait up to timeout_s for the guest's acknowledgement of each."""

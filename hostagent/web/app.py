@@ -21,7 +21,7 @@ from hostagent.domain.errors import (Conflict, Forbidden, HostAgentError, Invali
 from hostagent.domain.lease import LeaseState, parse_lease_request
 from hostagent.services.leases import lease_view
 from hostagent.web.auth import Identity, bearer, require
-from hostagent.web.keys import IDENTITY, RUNTIME
+from hostagent.web.keys import IDENTITY, RUNTIME, SAMPLES_ACCEPTED
 from hostagent.web.lease_json import LeaseJson, listing_body
 from hostagent.web.openapi import MAX_PAGE, MAX_WORK_RATE, STATE_FILTER_PATTERN
 
@@ -466,6 +466,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     memory = {g: rt.manager.gpus[g].memory_bytes if g in rt.manager.gpus else None for g in lease.gpu_ids}
     samples = parse_samples(body, memory, time.time(), lease.granted_at or lease.created_at)
     accepted = await rt.accept_samples(lease, samples)  # 429 over its rate or share, 503 when the queue is full
+    request[SAMPLES_ACCEPTED] = accepted  # hostagent_heartbeat_samples_total (metrics_middleware)
     current = rt.manager.leases.get(lease.id, lease)
     view = lease_view(current, rt.manager)
     return web.json_response({"accepted": accepted, "state": current.state.value, "warnings": view["warnings"],

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 RUNTIME: web.AppKey[AgentServices] = web.AppKey("runtime")  # the running agent's services (see web.ports)
 
 IDENTITY: web.RequestKey[Identity] = web.RequestKey("hostagent.identity")  # set by the API's auth middleware
+SAMPLES_ACCEPTED: web.RequestKey[int] = web.RequestKey("hostagent.samples_accepted")  # a heartbeat's; metrics counts
 DASH_SESSION: web.RequestKey[Session] = web.RequestKey("hostagent.dash_session")
 DASH_IDENTITY: web.RequestKey[Identity] = web.RequestKey("hostagent.dash_identity")
 DASH_FORM: web.RequestKey[MultiDictProxy[str | bytes | web.FileField]] = web.RequestKey("hostagent.dash_form")

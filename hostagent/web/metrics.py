@@ -14,7 +14,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from hostagent.domain.inventory import GpuState
 from hostagent.domain.lease import Lease, LeaseState
 from hostagent.host.memory import read_memory
+from hostagent.services.lease_types import detach_retries_left
 from hostagent.web.app import hide_server_version, ident
+from hostagent.web.keys import SAMPLES_ACCEPTED
 
 if TYPE_CHECKING:
     from hostagent.web.ports import AgentServices
@@ -42,11 +44,11 @@ class Metrics:
                                           ["to_state"], registry=self.registry)
         self.reclaims = PCounter("hostagent_reclaims_total", "idle reclaims by outcome", ["outcome"],
                                  registry=self.registry)
-        self.samples = PCounter("hostagent_heartbeat_samples_total", "usage samples accepted", registry=self.registry)
-        self.registry.register(_Gauges(runtime))
         self.preemptions = PCounter("hostagent_preemptions_total", "leases reclaimed for a request of higher "
                                     "priority (leases.preempt_min_priority), by outcome", ["outcome"],
                                     registry=self.registry)
+        self.samples = PCounter("hostagent_heartbeat_samples_total", "usage samples accepted", registry=self.registry)
+        self.registry.register(_Gauges(runtime))
         self._seen_timings = 0
         self._last_state: dict[str, LeaseState] = {}
 
@@ -101,6 +103,11 @@ class _Gauges:
                 leases.add_metric([st.value], lc.get(st.value, 0))
         yield leases
         yield GaugeMetricFamily("hostagent_queue_depth", "requests waiting for GPUs", value=len(m.queue()))
+        yield GaugeMetricFamily("hostagent_detach_alerts", "DETACH_PENDING leases whose guest did not acknowledge the "
+                                "detach after libvirt.detach_retries retries: no more automatic retries, an operator "
+                                "must look (a detach-alert journal event names each)",
+                                value=sum(1 for x in m.leases.values() if x.state is LeaseState.DETACH_PENDING
+                                          and not detach_retries_left(m.policy, x)))
         yield GaugeMetricFamily("hostagent_leases_disputed", "leases whose guest reports busy while the host saw no "
                                 "vfio interrupts (reclaim.guest_busy_host_idle)",
                                 value=len(self.rt.reaper.disputed) if self.rt.reaper is not None else 0)
@@ -172,6 +179,8 @@ async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamRe
         metrics: Metrics | None = request.app.get(METRICS)
         if metrics is not None and not route.startswith("/static"):
             metrics.request_seconds.labels(request.method, route, str(status)).observe(time.perf_counter() - t0)
+            if request.get(SAMPLES_ACCEPTED):
+                metrics.samples.inc(request[SAMPLES_ACCEPTED])
 
 
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -139,12 +140,110 @@ def test_token_issue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert code == 1 and "vm-zzz" in err
 
 
-def test_help_is_useful(capsys: pytest.CaptureFixture[str]) -> None:
-    for cmd in ("serve", "demo", "doctor", "gpus", "vfio", "attach", "leases", "release", "db", "reaper", "token"):
-        with pytest.raises(SystemExit) as exc:
-            main([cmd, "--help"])
-        assert exc.value.code == 0
-        assert len(capsys.readouterr().out.splitlines()) > 4
+# Every command of `hostagent --help`, with the options its own --help must name; a command group maps each of its
+# actions to theirs (bench's benchmarks take the benchmark script's own arguments: listed only).
+HELP: dict[str, Any] = {
+    "serve": ("--config", "--sysfs-root", "--port", "--listen"),
+    "demo": ("--port", "--listen", "--state-dir", "--db", "--scenario", "--fast-reclaim"),
+    "doctor": ("--config", "--json", "--sysfs-root"),
+    "gpus": ("--config", "--json", "--sysfs-root"),
+    "leases": ("--url", "--token", "--token-file", "--timeout", "--state", "--since"),
+    "release": ("--url", "--token", "--timeout"),
+    "gpu": {"clear": ("--url", "--token")},
+    "token": {"issue": ("--domain", "--operator", "--state-dir")},
+    "vfio": {"bind": ("--sysfs-root", "--dry-run", "--force"), "release": ("--sysfs-root", "--dry-run", "--driver")},
+    "attach": ("--domain", "--gpu", "--dry-run", "--libvirt-uri"),
+    "detach": ("--domain", "--gpu", "--dry-run", "--libvirt-uri"),
+    "reaper": {"status": ("--url", "--token"), "pause": ("--url", "--token"), "resume": ("--url", "--token")},
+    "db": {"upgrade": ("--db", "--state-dir"), "status": ("--db", "--state-dir"),
+           "export": ("--db", "--host", "--since", "--until", "--all-hosts", "--output"),
+           "rejected": ("--db", "--payload"), "replay": ("--db", "--host"), "discard": ("--db", "--host")},
+    "model": {"train": ("--db", "--target", "--min-records"), "evaluate": ("--db",), "show": ("--db", "--limit"),
+              "rollback": ("--db",), "simulate": ("--throughputs", "--host", "--trace", "--policies")},
+    "topology": ("--url", "--token", "--local", "--sysfs-root"),
+    "probe": ("--url", "--token", "--timeout"),
+    "bench": {name: None for name in ("all", "load", "overhead", "restart", "ingest", "rollup", "place", "dashboard",
+                                      "tenants")},
+}
+
+
+def parse_help(text: str) -> tuple[dict[str, str], dict[str, str]]:
+    """An argparse help text's options and listed (sub)commands, each with its description ("" when none)."""
+    options: dict[str, str] = {}
+    listed: dict[str, str] = {}
+    lines = text.splitlines()
+    section = ""
+    for i, line in enumerate(lines):
+        if line and not line.startswith(" "):
+            section = line
+            continue
+        follow = lines[i + 1] if i + 1 < len(lines) else ""
+        wrapped = follow.strip() if follow.startswith(" " * 8) and not follow.lstrip().startswith("-") else ""
+        if section == "options:" and line.startswith("  -"):
+            head, _, desc = line.strip().partition("  ")
+            for name in re.findall(r"(?:^|, )(-{1,2}[a-z][a-z0-9-]*)", head):
+                options[name] = desc.strip() or wrapped
+        elif section == "positional arguments:" and re.match(r"^ {4}\S", line):
+            name, _, desc = line.strip().partition("  ")
+            listed[name] = desc.strip() or wrapped
+    return options, listed
+
+
+def help_of(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[dict[str, str], dict[str, str], str]:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0, argv
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: hostagent {' '.join(argv)}".rstrip()), out[:80]
+    return (*parse_help(out), out)
+
+
+def leaf_parsers() -> dict[tuple[str, ...], Any]:
+    """Every command line's own parser (commands and actions), from the real parser."""
+    import argparse
+
+    from hostagent.cli.parser import build_parser
+
+    out: dict[tuple[str, ...], Any] = {}
+
+    def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            out[path] = parser
+        for sub in subs:
+            for name, child in sub.choices.items():
+                walk(child, (*path, name))
+
+    walk(build_parser(), ())
+    return out
+
+
+def test_help_is_useful(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hostagent --help` lists every command with a one-line description; each command's --help (each action's,
+    for a command group) names its options, each with a description."""
+    monkeypatch.setenv("COLUMNS", "200")  # argparse wraps to the terminal: one line per entry, whatever runs this
+    _, commands, top = help_of(capsys)
+    assert set(HELP) <= set(commands), f"not listed: {set(HELP) - set(commands)}"
+    for name, desc in commands.items():
+        assert desc and "\n" not in desc, f"`hostagent --help` lists {name} without a one-line description"
+        assert re.search(rf"^ {{4}}{re.escape(name)} +{re.escape(desc)}$", top, re.M)
+    parsers = leaf_parsers()
+    for cmd, spec in HELP.items():
+        options, actions, _ = help_of(capsys, cmd)
+        if isinstance(spec, dict):
+            assert set(spec) <= set(actions), f"`hostagent {cmd} --help` does not list {set(spec) - set(actions)}"
+            assert all(actions.values()), f"`hostagent {cmd} --help` lists an action without a description"
+            runs = [((cmd, action), wanted) for action, wanted in spec.items() if wanted is not None]
+        else:
+            runs = [((cmd,), spec)]
+        for argv, wanted in runs:
+            options, _, _ = help_of(capsys, *argv)
+            missing = [o for o in ("--help", *wanted) if not options.get(o)]
+            assert not missing, f"`hostagent {' '.join(argv)} --help` does not name (and describe) {missing}"
+            if argv in parsers:  # every option the command takes is in its help, described
+                takes = {o for a in parsers[argv]._actions for o in a.option_strings if o.startswith("--")}
+                undescribed = sorted(o for o in takes if not options.get(o))
+                assert not undescribed, f"`hostagent {' '.join(argv)} --help`: no description for {undescribed}"
 
 
 @pytest.mark.parametrize("scenario", ["dgx8", "workstation", "shared-rootport", "iommu-off", "demo16"])

@@ -176,3 +176,56 @@ async def test_a_policy_that_believes_the_host_reclaims_a_busy_guest_on_a_quiet_
         "samples": [{"ts": time.time(), "gpu": gpu, "util_pct": 99, "mem_used_bytes": 0}]})
     assert r2.status == 200 and rig.runtime.manager.leases[lid].strike_at is not None, "the guest's word alone"
     assert await check(rig, lid, 121, util=90.0) is Action.RECLAIM
+
+
+# -- the reaper's own schedule ----------------------------------------------------------------------------------
+# The tests above call Reaper.check() themselves; the one below never does. The agent runs as `hostagent serve`
+# composes it, with short intervals set through [reclaim], and the reaper's scheduled job must find the idle
+# lease by itself while the test only moves the clock: a reaper that never schedules its check fails here, not
+# only in the slow crash matrix.
+SCHEDULED = dict(RECLAIM, check_interval_s=1.0, grace_s=1.0, notice_window_s=1.0)  # tick: every 0.25 s
+
+
+async def advance_until(rig: AgentRig, cond: Any, what: str, *, step: float = 0.5, timeout: float = 15.0) -> None:
+    """Move the clock on by `step` every 0.05 s (real time) until `cond()` holds; fail after `timeout` s."""
+    clock: Clock = rig.extra["clock"]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not reached within {timeout:g} s; the reaper never checked?"
+        clock.advance(step)
+        await asyncio.sleep(0.05)
+
+
+async def test_the_running_agent_reclaims_an_idle_lease_on_its_own_schedule(tmp_path: Path,
+                                                                            aiohttp_client: Any) -> None:
+    clock = Clock(time.time())
+    r = make_rig(tmp_path, clock=clock, reclaim=SCHEDULED)
+    r.extra["clock"] = clock
+    r.runtime.use_store = False
+    rig = await start_rig(r, aiohttp_client)
+    reaper, m = rig.runtime.reaper, rig.runtime.manager
+    assert (reaper.settings.check_interval_s, reaper.settings.grace_s, reaper.settings.tick_s) == (1.0, 1.0, 0.25)
+    body = await lease(rig)
+    lid, gpu, fn = body["id"], body["devices"][0]["gpu_id"], body["devices"][0]["functions"][0]
+    h = rig.auth("vm-a")
+
+    # no heartbeats and flat vfio interrupts: the first check reads the host's baseline, the next one strikes
+    await advance_until(rig, lambda: m.leases[lid].strike_at is not None, "strike one")
+    assert "host interrupts alone" in reaper.last_verdicts[lid][2]
+    view = await (await rig.client.get(f"/v1/leases/{lid}", headers=h)).json()
+    assert view["state"] == "ACTIVE" and view["warnings"][0]["code"] == "idle_strike_one"
+
+    await advance_until(rig, lambda: m.leases[lid].notice == "reclaim", "strike two (the reclaim notice)")
+    view = await (await rig.client.get(f"/v1/leases/{lid}", headers=h)).json()
+    assert view["state"] == "ACTIVE" and any(w["code"] == "reclaim_notice" for w in view["warnings"])
+
+    await advance_until(rig, lambda: lid not in m.leases or m.leases[lid].state.terminal, "the reclaim")
+    done = await (await rig.client.get(f"/v1/leases/{lid}", headers=h)).json()
+    assert done["state"] == "RELEASED" and done["end_reason"] == "reclaimed: idle"
+    assert rig.sysfs_driver(fn) == "nvidia"
+    gpu_view = await (await rig.client.get(f"/v1/gpus/{gpu}", headers=rig.auth("operator"))).json()
+    assert gpu_view["state"] == "free"
+    events = (await (await rig.client.get(f"/v1/events?lease_id={lid}", headers=rig.auth("operator"))).json())["events"]
+    kinds = [e["kind"] for e in events]
+    assert {"strike-one", "strike-two", "reclaim", "reclaim-outcome"} <= set(kinds), kinds
+    assert all(e["actor"] == "reaper" for e in events if e["kind"] in ("strike-one", "strike-two", "reclaim"))

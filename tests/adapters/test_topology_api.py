@@ -2,6 +2,12 @@
 
 Every expected set below is computed by hand from the tree: switches A,B on node 0 (root bus 00), C,D on node 1
 (root bus 80); distance 1 inside a switch, 2 across switches of one root complex, 4 across sockets.
+
+The rig is the production wiring (``make_app`` over ``build_runtime``): the lease driver places through the
+runtime's ``Placer`` (filters, scores, exploration), which hands the set choice to the topology placer that
+``make_app`` installs. Fakes only at the edges: the fake kernel's sysfs tree and the simulated hypervisor.
+Exploration is turned off through its setting (``placement.explore_epsilon = 0``): it would swap a one-GPU
+answer for a near-best one at random, and the answers here are computed by hand.
 """
 
 from __future__ import annotations
@@ -13,17 +19,29 @@ import pytest
 
 from hostagent.domain.errors import Conflict
 from hostagent.domain.lease import LeaseRequest
-from tests.support.agent import AgentRig
-from tests.support.topology import NODE0, NODE1, SWITCH_A, SWITCH_B, SWITCH_C, topology_rig
+from hostagent.services.placement import Placer
+from hostagent.services.topology import TopologyPlacer
+from tests.support.agent import AgentRig, make_rig, start_rig
+from tests.support.topology import NODE0, NODE1, SWITCH_A, SWITCH_B, SWITCH_C
 
 ADDR = {g: f"0000:{g[9:11]}:00.0" for g in NODE0 + NODE1}
 
 
+NO_EXPLORATION = {"explore_epsilon": 0.0}
+
+
+async def production_rig(tmp_path: Path, aiohttp_client: Any, **kw: Any) -> AgentRig:
+    """The agent as `hostagent serve` composes it, over dgx8; fails if the lease driver places any other way."""
+    rig = await start_rig(make_rig(tmp_path, placement=NO_EXPLORATION, **kw), aiohttp_client)
+    place = rig.runtime.manager.place
+    assert place is rig.runtime.placer and type(place) is Placer, place
+    assert isinstance(place.topology_place, TopologyPlacer), "make_app wires the topology placer into the Placer"
+    return rig
+
+
 @pytest.fixture
 async def rig(tmp_path: Path, aiohttp_client: Any) -> AgentRig:
-    rig, app, _ = topology_rig(tmp_path)
-    rig.client = await aiohttp_client(app)
-    return rig
+    return await production_rig(tmp_path, aiohttp_client)
 
 
 async def lease(rig: AgentRig, who: str, status: int = 201, **body: Any) -> dict[str, Any]:
@@ -87,8 +105,7 @@ async def test_topology_view_reports_free_blocks(rig: AgentRig) -> None:
 
 
 async def test_failed_attach_of_third_device_rolls_back_all_four(tmp_path: Path, aiohttp_client: Any) -> None:
-    rig, app, _ = topology_rig(tmp_path, hv_kwargs={"fail_attach_after": 2})
-    rig.client = await aiohttp_client(app)
+    rig = await production_rig(tmp_path, aiohttp_client, hv_kwargs={"fail_attach_after": 2})
     r = await rig.client.post("/v1/leases", json={"gpus": 4}, headers=rig.auth("vm-a"))
     body = await r.json()
     assert r.status == 500 and body["error"]["code"] == "lease_failed"
@@ -106,7 +123,8 @@ async def test_failed_attach_of_third_device_rolls_back_all_four(tmp_path: Path,
 
 
 async def test_required_policy_refuses_when_no_node_has_room(rig: AgentRig) -> None:
-    """Placer level: with 3 free on each node a 4-GPU request under `required` has no set; `preferred` spans."""
+    """Placer level (the lease driver's own PlaceFn, the production Placer): with 3 free on each node a 4-GPU
+    request under `required` has no set; `preferred` spans."""
     await lease(rig, "vm-a", gpus=1)  # 03
     await lease(rig, "vm-b", gpus=1, numa_policy="required")  # packing: 04 (switch A partly used)
     manager = rig.runtime.manager

@@ -1,6 +1,6 @@
 """Runs INSIDE the QEMU test guest: libvirtd + an inner QEMU domain, and a real live attach of vfio-pci devices.
 
-Three phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt.py to judge:
+Four phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt.py to judge:
 
   adapter     the two-function e1000e group behind the guest's root port: `hostagent vfio bind`, then
               LibvirtHypervisor.attach_hostdevs (LIVE, each function on its own inner root port) into a running
@@ -12,6 +12,11 @@ Three phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvir
               the domain -> the STOPPED event finishes the release -> RELEASED, back on e1000e.
   lease_pair  the same lifecycle for the two-function group with the default guest_layout=auto (libvirt places
               each function on its own hot-pluggable root port).
+  lease_undo  the same request for the two-function group with guest_layout=multifunction (one guest slot,
+              multifunction='on'), which libvirt hot-plugs only in part: function 0 attaches (QEMU opens the
+              group), function 1 is refused ("Only PCI device addresses with function=0 are supported"), and the
+              undo detach of function 0 is never confirmed (no OS; libvirt also refuses to hot-unplug a
+              multifunction address). Records how the agent leaves the group: it must not reach e1000e.
 Only facts are recorded here; the test decides.
 """
 
@@ -148,13 +153,15 @@ async def adapter_phase(conn: Any, hv: LibvirtHypervisor, pair: list[str], event
     return rec
 
 
-async def lease_phase(conn: Any, hv: LibvirtHypervisor, address: str, name: str) -> dict[str, Any]:
-    """The agent's own lease flow over the real host and libvirt, including DETACH_PENDING."""
+async def lease_phase(conn: Any, hv: LibvirtHypervisor, address: str, name: str,
+                      layout: str = "auto") -> dict[str, Any]:
+    """The agent's own lease flow over the real host and libvirt, including DETACH_PENDING; `layout`: the
+    policy's guest_layout."""
     inv = await asyncio.to_thread(discover, Sysfs("/sys"), vendors=())
     group = inv.group_of(address)
     assert group is not None, f"{address} has no IOMMU group"
     pair = [str(a) for a in group.addresses]
-    rec: dict[str, Any] = {"functions": pair, "drivers_before": drivers(pair)}
+    rec: dict[str, Any] = {"functions": pair, "drivers_before": drivers(pair), "layout": layout}
     # A NIC pair stands in for a GPU and its audio function: the lease code only cares about the group.
     gpu = Gpu(id=gpu_id_for(group.functions[0].address), primary=group.functions[0], functions=group.functions,
               group=group)
@@ -162,7 +169,8 @@ async def lease_phase(conn: Any, hv: LibvirtHypervisor, address: str, name: str)
     # (SysfsHost returns BindResult, duck-compatible with HostOpResult; runtime.py wires it the same way.)
     manager = LeaseManager(gpus=[gpu], host=SysfsHost(Sysfs("/sys")), hypervisor=hv,  # type: ignore[arg-type]
                            journal=Journal(Path(f"/tmp/{name}.db")),
-                           policy=LeasePolicy(guest_bus=GUEST_BUS, detach_timeout_s=DETACH_TIMEOUT_S))
+                           policy=LeasePolicy(guest_bus=GUEST_BUS, detach_timeout_s=DETACH_TIMEOUT_S,
+                                              guest_layout=layout))
     transitions: list[tuple[str, str | None]] = []
     manager.listeners.append(lambda lease, detail: transitions.append(
         (lease.state.value if lease is not None else "-", detail)))
@@ -186,6 +194,9 @@ async def lease_phase(conn: Any, hv: LibvirtHypervisor, address: str, name: str)
             # A failed grant: record where everything stands, then end the domain and see what follows.
             rec["gpu_state_failed"] = manager.gpu_state(gpu.id).value
             rec["quarantined_failed"] = dict(manager.quarantined)
+            rec["attention_failed"] = dict(manager.attention)
+            await asyncio.sleep(2)  # nothing may give the group back while QEMU still holds it
+            rec["drivers_failed_later"] = drivers(pair)
             await asyncio.to_thread(dom.destroy)
             await asyncio.sleep(3)
             rec["drivers_after_destroy"] = drivers(pair)
@@ -232,6 +243,7 @@ async def run(single: str, pair: list[str], out: Path) -> dict[str, Any]:
             ("adapter", lambda: adapter_phase(conn, hv, pair, events)),
             ("lease", lambda: lease_phase(conn, hv, single, "lease")),
             ("lease_pair", lambda: lease_phase(conn, hv, pair[0], "lease_pair")),
+            ("lease_undo", lambda: lease_phase(conn, hv, pair[0], "lease_undo", layout="multifunction")),
         ]
         for name, phase in phases:
             t0 = time.monotonic()

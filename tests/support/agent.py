@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hostagent.config import Settings, settings_from_dict
+from hostagent.config import Settings, load_settings, settings_from_dict
 from hostagent.host.fakesysfs import FakeHost, build_tree
 from hostagent.runtime import Runtime, build_runtime, make_app
 from hostagent.virt.sim import SimulatedHypervisor
@@ -103,3 +104,53 @@ async def start_rig(rig: AgentRig, aiohttp_client: Any) -> AgentRig:
     """Serve the rig's app through aiohttp's test client (runs the runtime's lifecycle)."""
     rig.client = await aiohttp_client(make_app(rig.runtime))
     return rig
+
+
+# -- an agent configured by a TOML file and composed as `hostagent serve` composes it ------------------------------
+
+
+def toml_value(value: Any) -> str:
+    """A TOML value for a str, bool, number, list or table (inline); JSON's escapes are TOML's for these."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def write_config(path: Path, sections: Mapping[str, Mapping[str, Any]]) -> Path:
+    """Write `sections` ({"agent": {"port": 0}, ...}) as the agent's TOML configuration file."""
+    lines: list[str] = []
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {toml_value(value)}" for key, value in values.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def rig_config(tmp: Path, tree: FakeHost, hv_path: Path, operator: str) -> dict[str, dict[str, Any]]:
+    """The sections of an agent over a fake tree (fake kernel) and a simulated hypervisor file, as `rig_settings`
+    sets them, less the host id (the hostname, as by default)."""
+    return {
+        "agent": {"state_dir": str(tmp / "state"), "port": 0, "log_format": "text", "gc_freeze": False},
+        "host": {"sysfs_root": str(tree.sys_root), "kernel": "fake", "step_timeout_s": 2.0},
+        "libvirt": {"uri": f"sim://{hv_path}", "detach_timeout_s": 0.5},
+        "reclaim": {"enabled": False},
+        "auth": {"operator_token_sha256": hash_token(operator)},
+    }
+
+
+def rig_from_file(config: Path, tree: FakeHost, operator: str, *, clock: Callable[[], float] | None = None) -> AgentRig:
+    """Settings loaded from the file (no environment), the runtime composed from them alone (the hypervisor is the
+    one `libvirt.uri` names), a token for each VM that hypervisor knows; not started."""
+    settings = load_settings(config, environ={})
+    runtime = build_runtime(settings, **({"clock": clock} if clock is not None else {}))
+    hv = runtime.hypervisor
+    tokens, uuids = {}, {}
+    for dom in (hv.domains_sync() if isinstance(hv, SimulatedHypervisor) else ()):
+        tok = new_token("vm")
+        runtime.journal.add_token(hash_token(tok), role="guest", domain_uuid=dom.uuid, domain_name=dom.name)
+        tokens[dom.name] = tok
+        uuids[dom.name] = dom.uuid
+    return AgentRig(settings, tree, hv, runtime, operator, tokens, uuids)
