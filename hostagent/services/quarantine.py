@@ -1,6 +1,6 @@
 """Quarantine: GPUs kept out of placement until an operator looks (a bind, rollback or give-back that could not be
-undone, a failed probe). It journals and announces a quarantine (`quarantine_gpu`) and clears one
-(`clear_quarantine`); a GPU that no lease holds is first given back from vfio-pci to its host drivers, and the clear
+undone, a failed probe). It journals and announces a quarantine (`quarantine_gpu`) and clears one, or an attention
+mark (`clear_quarantine`); a GPU that no lease holds is first given back from vfio-pci to its host drivers, and the clear
 is refused, the quarantine kept, while a domain has one of its functions attached, while the domains cannot be
 listed, or when the give-back fails (`give_back_unleased`, with `stranded_functions`, `attached_anywhere` and
 `give_back_to_host`, which the reconciler shares through LeaseManager).
@@ -31,23 +31,28 @@ async def quarantine_gpu(m: LeaseCore, gpu_id: str, reason: str, actor: str) -> 
 
 
 async def clear_quarantine(m: LeaseCore, gpu_id: str, *, actor: str) -> None:
-    """Operator: put a quarantined GPU back into placement.
+    """Operator: put a quarantined GPU, or one marked for attention (a failed grant whose undo the guest never
+    confirmed, a GPU found attached to a domain without a lease), back into placement.
 
     A GPU that no lease holds must not come back on vfio-pci (a hung or failed give-back leaves it there): the
-    clear first gives its group back to the host drivers, and refuses, keeping the quarantine, while a domain has
-    one of its functions attached, while the domains cannot be listed to tell, or when the give-back fails.
-    A GPU a live lease holds keeps its functions where they are (the lease gives them back when it ends).
+    clear first gives its group back to the host drivers, and refuses, keeping the quarantine or the mark, while a
+    domain has one of its functions attached, while the domains cannot be listed to tell, or when the give-back
+    fails. A GPU a live lease holds keeps its functions where they are (the lease gives them back when it ends).
     """
     gpu = m.gpus.get(gpu_id)
     if gpu is None:
         raise NotFound(f"no GPU {gpu_id!r}", field="id")
-    if gpu_id not in m.quarantined:
-        raise Conflict(f"GPU {gpu_id} is not quarantined", field="id")
+    if gpu_id not in m.quarantined and gpu_id not in m.attention:
+        raise Conflict(f"GPU {gpu_id} is not quarantined, nor waiting for an operator's attention", field="id")
     if gpu_id not in m.claims:
         await give_back_unleased(m, gpu, actor)
-    if not await m._run(m.journal.clear_quarantine, gpu_id, actor=actor):
-        raise Conflict(f"GPU {gpu_id} is not quarantined", field="id")
-    m.quarantined.pop(gpu_id, None)
+    if gpu_id in m.quarantined:
+        if not await m._run(m.journal.clear_quarantine, gpu_id, actor=actor):
+            raise Conflict(f"GPU {gpu_id} is not quarantined", field="id")
+        m.quarantined.pop(gpu_id, None)
+    why = m.attention.pop(gpu_id, None)
+    if why is not None:
+        await m._run(m.journal.event, "attention-cleared", actor=actor, gpu_id=gpu_id, detail=f"was: {why}")
     m._wake_queue.set()
 
 
@@ -65,7 +70,7 @@ async def give_back_unleased(m: LeaseCore, gpu: Gpu, actor: str) -> None:
         held = sorted({where[a] for a in drivers if a in where})
         if held:
             raise Conflict(f"GPU {gpu.id} is attached to {', '.join(held)} without a lease: detach it there "
-                           "first; quarantine kept", field="id")
+                           "first (or stop that VM); the GPU stays out of placement", field="id")
         res = await give_back_to_host(m, gpu, drivers)
         await m._run(m.journal.event, "repair", actor=actor, gpu_id=gpu.id,
                      detail=f"clearing the quarantine: {', '.join(on_vfio)} on vfio-pci without a lease; "

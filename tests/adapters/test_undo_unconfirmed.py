@@ -78,3 +78,38 @@ async def test_a_confirmed_undo_gives_every_device_back(tmp_path: Path, aiohttp_
         assert all(rig.sysfs_driver(a) == "nvidia" for a in d["functions"])
         assert rig.runtime.manager.gpu_state(d["gpu_id"]).value == "free"
     assert not rig.runtime.manager.attention
+
+
+async def test_the_operator_clears_the_mark_once_the_guest_lets_go(tmp_path: Path, aiohttp_client: Any) -> None:
+    """The way back without a restart: `hostagent gpu clear` (POST /v1/gpus/{id}/clear-quarantine) is refused while
+    the guest still holds the device; once it lets go, the clear gives the functions back to the host driver, the
+    GPU is placeable again, and the journal says who cleared what."""
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    hv, op = rig.hv, rig.auth("operator")
+    hv.set_refuse_detach("vm-a")
+    hv.fail_attach_after = hv.attach_count + 1
+    failed = (await (await rig.client.post("/v1/leases", json={"gpus": 2}, headers=rig.auth("vm-a"))).json())["lease"]
+    first, second = (d["gpu_id"] for d in failed["devices"])
+    fns = {d["gpu_id"]: d["functions"] for d in failed["devices"]}
+
+    r = await rig.client.post(f"/v1/gpus/{first}/clear-quarantine", headers=op)
+    body = await r.json()
+    assert r.status == 409 and "attached to vm-a" in body["error"]["message"], body
+    assert rig.runtime.manager.gpu_state(first).value == "unavailable"
+    assert all(rig.sysfs_driver(a) == VFIO for a in fns[first])
+    r = await rig.client.post(f"/v1/gpus/{first}/clear-quarantine", headers=rig.auth("vm-a"))
+    assert r.status == 403  # a guest cannot clear anything
+
+    hv.acknowledge_detaches("vm-a")  # the guest finally lets go
+    hv.fail_attach_after = None
+    for gpu in (first, second):
+        r = await rig.client.post(f"/v1/gpus/{gpu}/clear-quarantine", headers=op)
+        assert r.status == 200, await r.text()
+        assert all(rig.sysfs_driver(a) == "nvidia" for a in fns[gpu])
+        assert rig.runtime.manager.gpu_state(gpu).value == "free"
+    r = await rig.client.post(f"/v1/gpus/{first}/clear-quarantine", headers=op)
+    assert r.status == 409  # nothing left to clear
+    events = (await (await rig.client.get("/v1/events", headers=op)).json())["events"]
+    assert sorted(e["gpu_id"] for e in events if e["kind"] == "attention-cleared") == sorted([first, second])
+    r = await rig.client.post("/v1/leases", json={"gpus": 8}, headers=rig.auth("vm-b"))
+    assert r.status == 201, await r.text()
