@@ -628,8 +628,11 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
     return rt
 
 
-def make_app(runtime: Runtime) -> web.Application:
-    """The aiohttp application with the runtime's lifecycle attached."""
+def make_app(runtime: Runtime, *, probe_runners: list[Any] | None = None,
+             probe_settings: Any = None) -> web.Application:
+    """The aiohttp application with the runtime's lifecycle attached. `probe_runners`, `probe_settings`: the probe
+    service's runners to choose from and its settings (default: every runner over the host's sysfs, default
+    settings); the rest is composed as the agent runs it."""
     from hostagent.web import dashboard, metrics
     from hostagent.web.app import add_api_routes, auth_middleware, error_middleware
     from hostagent.web.keys import RUNTIME
@@ -648,8 +651,9 @@ def make_app(runtime: Runtime) -> web.Application:
     metrics.install(app, runtime)
     from hostagent.web import topology
 
-    parts = topology.install(app, runtime, wire_place=False, scorer=lambda: runtime.placer.scorer)
-    runtime.placer.topology_place = parts.placer
+    parts = topology.install(app, runtime, scorer=lambda: runtime.placer.scorer, runners=probe_runners,
+                             probe_settings=probe_settings)
+    runtime.placer.topology_place = parts.placer  # the learned placer picks sets through the topology placer
     dashboard.install(app, runtime)
     return app
 

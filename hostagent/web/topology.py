@@ -63,12 +63,11 @@ def build_parts(runtime: AgentServices, *, probe_settings: ProbeSettings | None 
     return TopologyParts(topology, probes, placer)
 
 
-def install(app: web.Application, runtime: AgentServices, *, wire_place: bool = True, **kwargs: Any) -> TopologyParts:
-    """Register the routes; with wire_place, the lease driver places through the topology placer."""
+def install(app: web.Application, runtime: AgentServices, **kwargs: Any) -> TopologyParts:
+    """Register the routes and build the parts (see build_parts); the composition (runtime.make_app) hands the
+    topology placer to the learned placer, which places every lease through it."""
     parts = build_parts(runtime, **kwargs)
     app[TOPOLOGY] = parts
-    if wire_place:
-        runtime.manager.place = parts.placer
 
     async def probes_lifecycle(app: web.Application) -> AsyncIterator[None]:
         parts.probes.store = runtime.store  # opened by the runtime's own lifecycle, which runs first

@@ -10,7 +10,7 @@ from hostagent.domain.inventory import Gpu
 from hostagent.host.probes import BANDWIDTH, MATMUL, RunnerResult
 from hostagent.runtime import make_app
 from hostagent.services.probes import ProbeSettings
-from hostagent.web.topology import TopologyParts, install
+from hostagent.web.topology import TOPOLOGY, TopologyParts
 from tests.support.agent import AgentRig, make_rig
 
 # dgx8's GPUs by switch, as the fake tree builds them (node 0: root bus 00, node 1: root bus 80)
@@ -65,7 +65,8 @@ def topology_rig(tmp: Path, *, runners: list[Any] | None = None, probe_settings:
                  **kw: Any) -> tuple[AgentRig, Any, TopologyParts]:
     """A rig over dgx8 (unless told) with the topology routes installed; returns (rig, app, parts)."""
     rig = make_rig(tmp, **kw)
-    app = make_app(rig.runtime)
-    parts = install(app, rig.runtime, runners=runners if runners is not None else [FakeHealthRunner()],
-                    probe_settings=probe_settings or ProbeSettings(enabled=False, period_s=0))
+    app = make_app(rig.runtime, probe_runners=runners if runners is not None else [FakeHealthRunner()],
+                   probe_settings=probe_settings or ProbeSettings(enabled=False, period_s=0))
+    parts = app[TOPOLOGY]
+    assert rig.runtime.manager.place is rig.runtime.placer and rig.runtime.placer.topology_place is parts.placer
     return rig, app, parts
