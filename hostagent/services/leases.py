@@ -296,8 +296,8 @@ class LeaseManager:
         """From DETACHING or DETACH_PENDING: detach and wait, then give back; else DETACH_PENDING (the reconciler)."""
         return await release_path.finish_release(self, lease, actor, final)
 
-    async def _detach(self, lease: Lease) -> bool:
-        """Detach every hostdev of the lease that is still attached; True once libvirt confirmed removal."""
+    async def _detach(self, lease: Lease) -> str | None:
+        """Detach every hostdev of the lease that is still attached: how it ended, or None while unacknowledged."""
         return await release_path.detach(self, lease)
 
     async def _give_back_all(self, lease: Lease, actor: str, final: LeaseState, rebind: str | None = None) -> Lease:

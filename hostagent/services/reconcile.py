@@ -110,8 +110,7 @@ class Reconciler:
         """A half-done grant: undo what is on vfio-pci (after detaching anything attached) and mark FAILED."""
         attached = await self._attached(lease)
         if attached:
-            confirmed = await self.m._detach(lease)
-            if not confirmed:
+            if await self.m._detach(lease) is None:
                 # Still attached and unacknowledged: the lease must hold the device until the guest lets go.
                 lease = await self.m._move(lease, S.ACTIVE, self.ACTOR, "reconcile: attach had completed")
                 lease = await self.m._move(lease, S.RELEASING, self.ACTOR, "reconcile: undo half-done grant")

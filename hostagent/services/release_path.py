@@ -55,8 +55,8 @@ async def finish_release(m: LeaseCore, lease: Lease, actor: str, final: LeaseSta
     """From DETACHING or DETACH_PENDING: detach and wait, then give back; else DETACH_PENDING."""
     if lease.state is S.DETACH_PENDING:
         lease = await m._move(lease, S.DETACHING, actor, f"detach retry {lease.detach_attempts + 1}")
-    confirmed = await detach(m, lease)
-    if not confirmed:
+    how = await detach(m, lease)
+    if how is None:
         pending = await m._move(
             lease, S.DETACH_PENDING, actor,
             "the guest did not acknowledge the detach (no DEVICE_REMOVED); GPU stays on vfio-pci",
@@ -66,7 +66,7 @@ async def finish_release(m: LeaseCore, lease: Lease, actor: str, final: LeaseSta
             await detach_alert(m, pending, actor)
         return pending
     crash_point("after-detach-confirmed")
-    return await give_back_all(m, lease, actor, final, rebind="detach confirmed by DEVICE_REMOVED")
+    return await give_back_all(m, lease, actor, final, rebind=f"detach ended: {how}")
 
 
 async def detach_alert(m: LeaseCore, lease: Lease, actor: str) -> None:
@@ -84,26 +84,34 @@ async def detach_alert(m: LeaseCore, lease: Lease, actor: str) -> None:
                  detail=detail)
 
 
-async def detach(m: LeaseCore, lease: Lease) -> bool:
-    """Detach every hostdev of the lease that is still attached; True once libvirt confirmed removal."""
+GONE = "the domain is gone: nothing holds the device"
+
+
+async def detach(m: LeaseCore, lease: Lease) -> str | None:
+    """Detach every hostdev of the lease that is still attached. How the detach ended, for the journal (the guest
+    acknowledged it with DEVICE_REMOVED; the domain had stopped or was gone; the device had already left), or None
+    while the guest has not acknowledged it."""
+    stopped = lease.end_reason if (lease.end_reason or "").startswith("domain ") else None
     try:
         attached = await m.hv.attached_hostdevs(lease.domain_uuid)
     except NotFound:
-        return True  # the domain is gone: nothing can use the device
+        return GONE
     mine = {a for d in lease.devices for a in d.functions}
     ours = [h for h in attached if str(h.source) in mine]
     if not ours:
-        return True
+        return f"nothing to detach ({stopped})" if stopped else "nothing to detach: the device had left the domain"
     asyncio.get_running_loop().call_soon(crash_point, "detach:sent")  # runs at the call's first wait: sent, unacked
     try:
         result = await m._timed_hv("detach", m.hv.detach_hostdevs(lease.domain_uuid, ours,
                                                                   m.policy.detach_timeout_s))
     except NotFound:
-        return True
+        return GONE
     except HypervisorError as exc:
         log.warning("detach for lease %s failed: %s", lease.id, exc.message, extra={"lease_id": lease.id})
-        return False
-    return bool(result.confirmed)
+        return None
+    if not result.confirmed:
+        return None
+    return f"{stopped}: removed from its configuration" if stopped else "confirmed by DEVICE_REMOVED"
 
 
 async def give_back_all(m: LeaseCore, lease: Lease, actor: str, final: LeaseState, rebind: str | None = None) -> Lease:
