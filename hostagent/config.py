@@ -120,6 +120,7 @@ class ReclaimSettings:
     min_lease_age_s: float = 600.0
     no_heartbeat: str = "host-signal"  # host-signal | never-idle
     guest_busy_host_idle: str = "flag"  # guest busy, host flat: flag (guest wins) | reclaim (host wins)
+    host_signal: str = "auto"  # auto (detect IRQ bypass) | trusted | untrusted
     notice_window_s: float = 60.0
     per_priority: dict[str, dict[str, float]] = field(default_factory=dict)  # "10" -> {check_interval_s=..}
 
@@ -201,6 +202,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "host.kernel": ("sysfs", "fake"),
     "reclaim.no_heartbeat": ("host-signal", "never-idle"),
     "reclaim.guest_busy_host_idle": ("flag", "reclaim"),
+    "reclaim.host_signal": ("auto", "trusted", "untrusted"),
     "placement.outcome": ("work_rate", "utilization", "completion"),
 }
 REMOVED = {  # keys older versions documented, and why a file that sets one must change

@@ -25,11 +25,12 @@ from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseState, Quota
 from hostagent.host.adapter import SysfsHost
 from hostagent.host.discovery import Inventory, discover
+from hostagent.host.interrupts import irq_bypass
 from hostagent.host.sysfs import Sysfs
 from hostagent.domain.placement import Exploration
 from hostagent.services.leases import LeaseManager, LeasePolicy, lease_view
 from hostagent.services.placement import Placer
-from hostagent.services.reaper import Reaper, reaper_settings
+from hostagent.services.reaper import Reaper, host_signal_untrusted, reaper_settings
 from hostagent.services.reconcile import Reconciler, Repair
 from hostagent.store.journal import Journal, read_boot_id
 from hostagent.web.auth import Identity, TokenBook
@@ -623,7 +624,11 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
     tokens = TokenBook(settings.auth.operator_token_sha256, journal.lookup_token)
     rt = Runtime(settings=settings, inventory=inventory, host=host, hypervisor=hypervisor, journal=journal,
                  manager=manager, tokens=tokens, clock=clock, placer=placer)
-    rt.reaper = Reaper(manager, reaper_settings(settings.reclaim), samples_since=rt.samples_since,
+    untrusted = host_signal_untrusted(settings.reclaim, lambda: irq_bypass(settings.host.sysfs_root))
+    if untrusted:
+        log.info("idle reclaim: vfio interrupt counters are not trusted to show a busy GPU (%s); with no guest "
+                 "heartbeats a lease is never judged idle", untrusted)
+    rt.reaper = Reaper(manager, reaper_settings(settings.reclaim, untrusted), samples_since=rt.samples_since,
                        read_interrupts=host.vfio_interrupts)
     return rt
 

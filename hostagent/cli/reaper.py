@@ -17,6 +17,10 @@ def cmd_reaper_status(args: argparse.Namespace) -> int:
     def human(b: dict[str, Any]) -> None:
         print(f"reaper {'on' if b['enabled'] else 'OFF'}: check every {b['check_interval_s']:g} s, "
               f"grace {b['grace_s']:g} s, notice window {b['notice_window_s']:g} s")
+        signal = b.get("host_signal") or {}
+        if signal and not signal.get("trusted"):
+            print(f"host interrupt counters NOT trusted ({signal.get('why_not')}): a lease without guest heartbeats "
+                  "is never judged idle")
         rows = [{"lease": x["lease_id"], "vm": x["domain"], "gpus": ",".join(x["gpus"]), "state": x["state"],
                  "strike": x["strike"] + (" (paused)" if x["paused"] else ""), "recheck": fmt_time(x["recheck_at"]),
                  "next": fmt_time(x["next_check"]),

@@ -26,6 +26,7 @@ class IdlePolicy:
     min_lease_age_s: float = 600.0
     no_heartbeat: str = "host-signal"  # host-signal | never-idle
     guest_busy_host_idle: str = "flag"  # flag: the guest's word wins, flagged | reclaim: the host's wins
+    host_signal_untrusted: str | None = None  # why flat host interrupt counters prove nothing here (IRQ bypass)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,10 @@ def judge(samples: Sequence[Sample], irq_delta: int | None, *, lease_age_s: floa
         return Verdict(Activity.EXEMPT, f"lease younger than {policy.min_lease_age_s:.0f} s")
     if irq_delta is not None and irq_delta > 0:
         return Verdict(Activity.BUSY, f"host: {irq_delta} vfio interrupts since the last check")
+    untrusted = ""
+    if irq_delta == 0 and policy.host_signal_untrusted:
+        # counted interrupts prove the device busy, but none counted proves nothing: they may bypass the host
+        irq_delta, untrusted = None, f"host interrupt counters not trusted ({policy.host_signal_untrusted})"
     claim = _guest_busy(samples, policy)
     if claim is not None:
         if irq_delta != 0:  # the host has no reading: the guest's word stands
@@ -81,10 +86,12 @@ def judge(samples: Sequence[Sample], irq_delta: int | None, *, lease_age_s: floa
                                           "reclaim.guest_busy_host_idle = reclaim)", disputed)
         return Verdict(Activity.BUSY, f"{claim} (the host saw no vfio interrupts: flagged for the operator)", disputed)
     if samples:
-        host = "no host interrupts" if irq_delta == 0 else "host interrupt counters unavailable"
+        host = "no host interrupts" if irq_delta == 0 else untrusted or "host interrupt counters unavailable"
         return Verdict(Activity.IDLE, f"guest: all {len(samples)} samples at or below {policy.idle_util_pct:g} %; {host}")
     if policy.no_heartbeat == "host-signal" and irq_delta == 0:
         return Verdict(Activity.IDLE, "no guest heartbeats in the window; judged by host interrupts alone: none")
+    if untrusted:
+        return Verdict(Activity.UNKNOWN, f"no guest heartbeats, and {untrusted}: not judged idle")
     return Verdict(Activity.UNKNOWN, "no guest heartbeats and no host interrupt reading: not judged idle")
 
 

@@ -265,8 +265,18 @@ class Reaper:
                                        "reclaim paused" if paused else "reclaim resumed")
 
 
-def reaper_settings(reclaim: Any) -> ReaperSettings:
-    """ReaperSettings from the [reclaim] config section."""
+def host_signal_untrusted(reclaim: Any, detected: Callable[[], str | None]) -> str | None:
+    """Why flat vfio interrupt counters prove nothing on this host (None: they are trusted): `reclaim.host_signal`
+    decides, or with `auto` what `detected` (host.interrupts.irq_bypass) finds."""
+    if reclaim.host_signal == "trusted":
+        return None
+    if reclaim.host_signal == "untrusted":
+        return "reclaim.host_signal = untrusted"
+    return detected()
+
+
+def reaper_settings(reclaim: Any, untrusted: str | None = None) -> ReaperSettings:
+    """ReaperSettings from the [reclaim] config section; `untrusted`: see host_signal_untrusted."""
     per = []
     for prio, vals in reclaim.per_priority.items():
         per.append((int(prio), float(vals.get("check_interval_s", reclaim.check_interval_s)),
@@ -276,9 +286,9 @@ def reaper_settings(reclaim: Any) -> ReaperSettings:
         notice_window_s=reclaim.notice_window_s,
         policy=IdlePolicy(idle_util_pct=reclaim.idle_util_pct, memory_counts_busy=reclaim.memory_counts_busy,
                           min_lease_age_s=reclaim.min_lease_age_s, no_heartbeat=reclaim.no_heartbeat,
-                          guest_busy_host_idle=reclaim.guest_busy_host_idle),
+                          guest_busy_host_idle=reclaim.guest_busy_host_idle, host_signal_untrusted=untrusted),
         per_priority=tuple(per),
     )
 
 
-__all__ = ["Activity", "Reaper", "ReaperSettings", "reaper_settings"]
+__all__ = ["Activity", "Reaper", "ReaperSettings", "host_signal_untrusted", "reaper_settings"]

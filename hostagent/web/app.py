@@ -493,7 +493,10 @@ async def reaper_status(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     s = rt.reaper.settings
     return web.json_response({"enabled": s.enabled, "check_interval_s": s.check_interval_s, "grace_s": s.grace_s,
-                              "notice_window_s": s.notice_window_s, "leases": rt.reaper.status()})
+                              "notice_window_s": s.notice_window_s,
+                              "host_signal": {"trusted": s.policy.host_signal_untrusted is None,
+                                              "why_not": s.policy.host_signal_untrusted},
+                              "leases": rt.reaper.status()})
 
 
 async def list_events(request: web.Request) -> web.Response:

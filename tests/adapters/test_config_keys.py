@@ -988,6 +988,14 @@ async def strike_without_heartbeats(v: Variant) -> str:
     return str((await check_after(v, rig, body, HOUR + 1))["strike"])
 
 
+async def strike_without_heartbeats_and_signal(v: Variant) -> tuple[str, bool]:
+    """As strike_without_heartbeats, and whether GET /v1/reaper says the host's counters are trusted."""
+    strike = await strike_without_heartbeats(v)
+    rig = await v.agent()
+    _, reaper = await call(rig, "GET", "/v1/reaper")
+    return strike, bool(reaper["host_signal"]["trusted"])
+
+
 async def strike_when_guest_busy_host_quiet(v: Variant) -> tuple[str, bool]:
     """The guest reports 80 % while the host's vfio counters stay flat, over two checks: strike and dispute."""
     rig = await v.agent()
@@ -1290,6 +1298,10 @@ TABLE: dict[str, Effect | Proven] = {
     "reclaim.no_heartbeat": Effect(
         "never-idle", "a lease without heartbeats, its host counters flat, is never judged idle",
         strike_without_heartbeats, base=RECLAIM_ON, clock_behind_s=6 * HOUR, default="one", changed="none"),
+    "reclaim.host_signal": Effect(
+        "untrusted", "flat vfio counters prove nothing (posted interrupts): a lease without heartbeats is never "
+        "judged idle, and GET /v1/reaper says the counters are not trusted", strike_without_heartbeats_and_signal,
+        base=RECLAIM_ON, clock_behind_s=6 * HOUR, default=("one", True), changed=("none", False)),
     "reclaim.guest_busy_host_idle": Effect(
         "reclaim", "the host's flat vfio counters win over a guest reporting busy (strike one; both flagged)",
         strike_when_guest_busy_host_quiet, base=RECLAIM_ON, clock_behind_s=6 * HOUR,

@@ -229,3 +229,40 @@ async def test_the_running_agent_reclaims_an_idle_lease_on_its_own_schedule(tmp_
     kinds = [e["kind"] for e in events]
     assert {"strike-one", "strike-two", "reclaim", "reclaim-outcome"} <= set(kinds), kinds
     assert all(e["actor"] == "reaper" for e in events if e["kind"] in ("strike-one", "strike-two", "reclaim"))
+
+
+async def test_the_agent_detects_posted_interrupts_and_stops_trusting_flat_counters(tmp_path: Path,
+                                                                                    aiohttp_client: Any) -> None:
+    """reclaim.host_signal = auto on a host whose IOMMU posts interrupts (VT-d PI, with APICv): GET /v1/reaper says
+    the counters are not trusted and why, and a lease without heartbeats whose counters stay flat is never struck."""
+    from hostagent.host.fakesysfs import build_tree
+    from hostagent.runtime import build_runtime, make_app
+    from hostagent.virt.sim import SimulatedHypervisor
+    from hostagent.web.auth import hash_token, new_token
+    from tests.support.agent import rig_settings
+
+    tree = build_tree(tmp_path / "host", "dgx8")
+    (tree.sys_root / "class/iommu/dmar0/intel-iommu/cap").write_text("8d2078c106f0466\n")  # bit 59: PI
+    hv = SimulatedHypervisor(path=tmp_path / "hv.json")
+    hv.define("vm-a", running=True)
+    hv.save()
+    operator = new_token("op")
+    settings = rig_settings(tmp_path, tree, tmp_path / "hv.json", operator,
+                            reclaim={"enabled": True, "min_lease_age_s": 0.0})
+    clock = Clock()
+    runtime = build_runtime(settings, hypervisor=hv, clock=clock)
+    token = new_token("vm")
+    (dom,) = hv.domains_sync()
+    runtime.journal.add_token(hash_token(token), role="guest", domain_uuid=dom.uuid, domain_name=dom.name)
+    client = await aiohttp_client(make_app(runtime))
+    op = {"Authorization": f"Bearer {operator}"}
+    status = await (await client.get("/v1/reaper", headers=op)).json()
+    assert status["host_signal"]["trusted"] is False and "dmar0" in status["host_signal"]["why_not"]
+    body = await (await client.post("/v1/leases", json={"gpus": 1},
+                                    headers={"Authorization": f"Bearer {token}"})).json()
+    reaper = runtime.reaper
+    for _ in range(3):  # flat counters, no heartbeats, hours apart
+        clock.advance(2 * 3600)
+        await reaper.check(body["id"], clock(), {a: 5 for a in body["devices"][0]["functions"]})
+    row = next(x for x in reaper.status() if x["lease_id"] == body["id"])
+    assert row["strike"] == "none" and "not trusted" in row["last_verdict"]["reason"], row

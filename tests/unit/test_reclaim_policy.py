@@ -134,3 +134,28 @@ def test_no_dispute_without_a_host_reading_or_with_host_activity() -> None:
         assert v.activity is Activity.BUSY and v.disputed is None
     quiet = judge([Sample(1, 1)], 0, lease_age_s=1e4, paused=False, policy=pol)
     assert quiet.activity is Activity.IDLE and quiet.disputed is None
+
+
+def test_an_untrusted_host_signal_never_makes_a_lease_idle_alone() -> None:
+    """With posted interrupts the host's counters stay flat while the GPU works: none counted proves nothing."""
+    from hostagent.domain.reclaim import Activity, IdlePolicy, judge
+
+    why = "VT-d posted interrupts"
+    untrusted = IdlePolicy(min_lease_age_s=0, host_signal_untrusted=why)
+    v = judge([], 0, lease_age_s=10_000, paused=False, policy=untrusted)
+    assert v.activity is Activity.UNKNOWN and why in v.reason
+    assert judge([], 0, lease_age_s=10_000, paused=False, policy=IdlePolicy(min_lease_age_s=0)).activity is Activity.IDLE
+    # counted interrupts still prove it busy
+    assert judge([], 7, lease_age_s=10_000, paused=False, policy=untrusted).activity is Activity.BUSY
+    # a busy guest is not disputed by counters that cannot see its interrupts
+    from hostagent.domain.reclaim import Sample
+
+    busy = [Sample(1.0, 90.0)]
+    v = judge(busy, 0, lease_age_s=10_000, paused=False, policy=untrusted)
+    assert v.activity is Activity.BUSY and v.disputed is None
+    v = judge(busy, 0, lease_age_s=10_000, paused=False,
+              policy=IdlePolicy(min_lease_age_s=0, host_signal_untrusted=why, guest_busy_host_idle="reclaim"))
+    assert v.activity is Activity.BUSY
+    # the guest's own idle samples still count, and the reason says the host could not be asked
+    v = judge([Sample(1.0, 0.0)], 0, lease_age_s=10_000, paused=False, policy=untrusted)
+    assert v.activity is Activity.IDLE and why in v.reason
