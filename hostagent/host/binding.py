@@ -220,6 +220,14 @@ class VfioBinder:
                        check=lambda a=addr: self.override_of(a) is None)
                 if want is not None and self.driver_of(addr) is None:
                     run.do("probe", addr, lambda a=addr: self._write(run, "probe", a, "bus/pci/drivers_probe", a))
+                    other = self.driver_of(addr)
+                    if want != ANY_HOST_DRIVER and other is not None and other != want:
+                        # Another loaded driver won the probe (nouveau over nvidia; vfio-pci again through its
+                        # ids= option): take the function from it, then ask the original driver by name.
+                        unbind = f"bus/pci/drivers/{other}/unbind"
+                        run.do("unbind-other", addr,
+                               lambda a=addr, u=unbind: self._write(run, "unbind-other", a, u, a),
+                               check=lambda a=addr: self.driver_of(a) is None)
                     if want != ANY_HOST_DRIVER and self.driver_of(addr) is None:
                         # The probe found no taker: ask the original driver by name.
                         run.do("bind", addr,
@@ -227,7 +235,10 @@ class VfioBinder:
                 run.do("read-back", addr, lambda: None,
                        check=lambda a=addr, w=want: self._holds(a, w),
                        explain=lambda a=addr, w=want: f"{a} is on {self.driver_of(a) or 'no driver'}, expected "
-                                                      f"{'a host driver' if w == ANY_HOST_DRIVER else w or 'no driver'}")
+                                                      f"{'a host driver' if w == ANY_HOST_DRIVER else w or 'no driver'}"
+                                                      + (" (vfio-pci took it back on probe: a vfio-pci ids= module "
+                                                         "option or new_id names it)"
+                                                         if self.driver_of(a) == VFIO_PCI else ""))
             except (_Failed, HostError) as exc:
                 errors.append(f"{run.stopped_at}: {exc.message if isinstance(exc, HostError) else exc}")
         drivers = self._drivers(addrs)

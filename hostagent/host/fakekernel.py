@@ -9,9 +9,12 @@ Semantics copied from drivers/base/bus.c, drivers/base/dd.c and drivers/pci/pci-
 - vfio-pci's probe fails for a device without an IOMMU group; binding the first member of a group creates
   /dev/vfio/<group>, unbinding the last removes it.
 Faults, read from files so another process sharing the tree sees them: `<sys>/.fault/<kind>/<addr>` with kind
-`hang_unbind` (content: seconds), `fail_unbind`, `fail_override`, `fail_bind` (vfio-pci probe fails) and
-`no_rebind` (a host driver's probe fails). While a hung unbind is blocked, `<sys>/.fault-hanging/<addr>` exists
-(see `FakeKernel.hanging`), so a test can wait until the hang has begun, or has ended, instead of guessing with sleeps.
+`hang_unbind` (content: seconds), `fail_unbind`, `fail_override`, `fail_bind` (vfio-pci probe fails),
+`no_rebind` (a host driver's probe fails) and `probe_winner` (content: a driver name; a probe with no override
+attaches that driver first, as the kernel does when two loaded drivers match, e.g. nouveau over nvidia, or vfio-pci
+through its `ids=` option; binding to a driver by name is unaffected). While a hung unbind is blocked,
+`<sys>/.fault-hanging/<addr>` exists (see `FakeKernel.hanging`), so a test can wait until the hang has begun, or has
+ended, instead of guessing with sleeps.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ VFIO_PCI = "vfio-pci"
 LOCK_FILE = ".fake-kernel.lock"
 NEW_ID_LOG = ".fake_new_id_log"
 FAULT_DIR = ".fault"
-FAULT_KINDS = ("hang_unbind", "fail_unbind", "fail_override", "fail_bind", "no_rebind")
+FAULT_KINDS = ("hang_unbind", "fail_unbind", "fail_override", "fail_bind", "no_rebind", "probe_winner")
 HANGING_DIR = ".fault-hanging"  # outside FAULT_DIR: clear_faults must not make an in-flight hang look finished
 
 # modprobe name -> modules it brings in (hard dependencies first), as modules.dep says.
@@ -239,6 +242,10 @@ class FakeKernel(Sysfs):
             candidates = [override]
         else:
             candidates = [(dev / NATIVE_DRIVER_FILE).read_text().strip()] + self.listdir("bus/pci/drivers")
+            winner = self._fault("probe_winner", address)
+            if winner and (self._root_real / "bus/pci/drivers" / winner).is_dir():
+                self._attach(winner, dev)  # matches the device (its ids= option, or its own id table)
+                return
         for driver in candidates:
             if driver and (self._root_real / "bus/pci/drivers" / driver).is_dir() and self._matches(driver, dev):
                 if self._attach(driver, dev):

@@ -200,3 +200,35 @@ def test_clear_faults_disarms_every_armed_fault(tmp_path: Path) -> None:
     k.set_fault("fail_bind", TURING[1], "EBUSY")
     k.clear_faults()
     assert k._fault("fail_unbind", TURING[0]) is None and k._fault("fail_bind", TURING[1]) is None  # noqa: SLF001
+
+
+@pytest.mark.parametrize("winner", ["nouveau", VFIO_PCI])
+def test_give_back_recovers_when_another_driver_wins_the_probe(tmp_path, winner: str) -> None:
+    """On real hosts nouveau can win the rebind over nvidia, or vfio-pci's ids= option grabs the device again: the
+    give-back takes the function from that driver and binds the one it had, and says so in its steps."""
+    from hostagent.host.fakesysfs import make_driver_dir
+
+    host, k, inv = fake_host(tmp_path, "workstation")
+    gpu = _turing(inv)
+    binder = VfioBinder(k, host.dev_root, step_timeout_s=5)
+    res = binder.bind_group(gpu.group)
+    assert res.ok, res.error
+    make_driver_dir(host.sys_root, winner)
+    k.set_fault("probe_winner", TURING[0], winner)
+    seen: list[tuple[str, str]] = []
+    back = binder.release_group(gpu.group, res.original_drivers, on_step=lambda s, a: seen.append((s, a)))
+    assert back.ok, back.error
+    assert drivers(k, TURING) == NATIVE
+    assert ("unbind-other", TURING[0]) in seen and ("unbind-other", TURING[1]) not in seen
+
+
+def test_give_back_to_any_host_driver_names_vfio_taking_it_back(tmp_path) -> None:
+    """With no original driver to ask by name ('*'), vfio-pci winning the probe is reported with its likely cause."""
+    host, k, inv = fake_host(tmp_path, "workstation")
+    gpu = _turing(inv)
+    binder = VfioBinder(k, host.dev_root, step_timeout_s=5)
+    assert binder.bind_group(gpu.group).ok
+    k.set_fault("probe_winner", TURING[0], VFIO_PCI)
+    back = binder.release_group(gpu.group, {a: "*" for a in TURING})
+    assert not back.ok and back.needs_attention
+    assert "vfio-pci took it back on probe" in back.error
