@@ -60,6 +60,8 @@ class HostSettings:
     guest_layout: str = "auto"  # auto (libvirt picks hot-pluggable addresses) | multifunction | per-function
     pinned: tuple[str, ...] = ()  # PCI addresses an operator keeps on vfio-pci outside any lease
     nvlink_hints: str = ""  # path of a file naming NVLink peers
+    allow_boot_vga: bool = False  # lease the firmware's boot display device too
+    no_reset: str = "warn"  # a GPU with no reset method: warn | refuse
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "leases.numa_policy": ("required", "preferred", "any"),
     "host.guest_layout": ("auto", "multifunction", "per-function"),
     "host.kernel": ("sysfs", "fake"),
+    "host.no_reset": ("warn", "refuse"),
     "reclaim.no_heartbeat": ("host-signal", "never-idle"),
     "reclaim.guest_busy_host_idle": ("flag", "reclaim"),
     "reclaim.host_signal": ("auto", "trusted", "untrusted"),

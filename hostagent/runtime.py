@@ -610,7 +610,8 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
     inventory = discover_host(settings)
     sysfs = open_kernel(settings)
     host = SysfsHost(sysfs, dev_root=settings.dev_root, proc_root=settings.proc_root,
-                     step_timeout_s=settings.host.step_timeout_s, inventory=inventory)
+                     step_timeout_s=settings.host.step_timeout_s, inventory=inventory,
+                     allow_boot_vga=settings.host.allow_boot_vga, no_reset=settings.host.no_reset)
     hypervisor = hypervisor if hypervisor is not None else open_hypervisor(settings)
     journal = Journal(settings.state_dir / "journal.sqlite3", clock=clock)
     holder: dict[str, LeaseManager] = {}

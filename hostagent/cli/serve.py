@@ -42,7 +42,9 @@ def register(sub: Any) -> None:
     p.add_argument("--listen", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--state-dir", type=Path, help="where to keep state (default: a new temporary directory)")
     p.add_argument("--db", help="usage store URL (default SQLite in the state directory)")
-    p.add_argument("--scenario", default="demo16", help="simulated host: demo16, dgx8, workstation (default demo16)")
+    p.add_argument("--scenario", default="demo16",
+                   help="simulated host: demo16, dgx8, workstation (as found), workstation-vfio (prepared); "
+                        "default demo16")
     p.add_argument("--fast-reclaim", action="store_true",
                    help="idle reclaim in seconds instead of an hour, to watch it happen")
     p.set_defaults(func=cmd_demo)

@@ -32,3 +32,5 @@ class HostOpResult:
     drivers: dict[str, str | None] = field(default_factory=dict)  # address -> driver after the operation
     original_drivers: dict[str, str | None] = field(default_factory=dict)  # address -> driver before
     stopped_at: str | None = None  # 'step address' where a failure or hang stopped the operation
+    refused: bool = False  # refused before any write (host.preflight): the host uses the device; nothing changed
+    warnings: tuple[str, ...] = ()  # what the preflight allowed but the operator should know (no reset method)

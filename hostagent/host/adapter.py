@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hostagent.domain.inventory import Gpu, IommuGroup
-from hostagent.host.binding import BindResult, Step, VfioBinder
+from hostagent.host import preflight
+from hostagent.host.binding import VFIO_PCI, BindResult, Step, VfioBinder
 from hostagent.host.interrupts import read_vfio_interrupts
 from hostagent.host.sysfs import Sysfs
 
@@ -20,9 +22,12 @@ class SysfsHost:
 
     def __init__(self, sysfs: Sysfs, *, dev_root: str | os.PathLike[str] = "/dev",
                  proc_root: str | os.PathLike[str] = "/proc", step_timeout_s: float = 10.0,
-                 inventory: Any = None, journal: Callable[[Step], None] | None = None) -> None:
+                 inventory: Any = None, journal: Callable[[Step], None] | None = None,
+                 allow_boot_vga: bool = False, no_reset: str = "warn") -> None:
         self.sysfs = sysfs
         self.proc_root = Path(proc_root)
+        self.allow_boot_vga = allow_boot_vga
+        self.no_reset = no_reset
         self.inventory = inventory
         self.binder = VfioBinder(sysfs, dev_root, step_timeout_s, journal=journal)
 
@@ -41,7 +46,19 @@ class SysfsHost:
             return BindResult(False, error=f"{gpu.id}: {gpu.unviable_reason}")
         if not group.viable:
             return BindResult(False, error=f"{gpu.id}: {group.reason}")
-        return self.binder.bind_group(group, on_step)
+        pre = self.preflight(gpu)
+        if pre.refusals:
+            return BindResult(False, error=f"{gpu.id} is in use by the host: " + "; ".join(pre.refusals),
+                              refused=True, drivers=self.current_drivers(gpu))
+        res = self.binder.bind_group(group, on_step)
+        return dataclasses.replace(res, warnings=pre.warnings) if pre.warnings else res
+
+    def preflight(self, gpu: Gpu) -> preflight.Preflight:
+        """What stops the host giving this GPU to a guest now (see host.preflight), touching nothing."""
+        if self.binder.driver_of(gpu.address) == VFIO_PCI:
+            return preflight.Preflight()  # already the guests' (a retried grant): the host has let go of it
+        return preflight.check(self.sysfs, self.proc_root, str(gpu.address), [str(f.address) for f in gpu.functions],
+                               allow_boot_vga=self.allow_boot_vga, no_reset=self.no_reset)
 
     def give_back(self, gpu: Gpu, original: Mapping[str, str | None], on_step: OnStep | None = None) -> BindResult:
         """Return every function to its original driver ('*' = any host driver, None = leave unbound)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hostagent.host.preflight import framebuffers, node_holders
 from hostagent.host.sysfs import Sysfs
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
@@ -133,63 +134,19 @@ def check_gpu_groups(inventory: Any) -> list[Check]:
     return out
 
 
-def _cmd(proc_root: Path, pid: str) -> str:
-    comm = _read(proc_root / pid / "comm")
-    return comm.strip() if comm else "?"
-
-
 def check_host_processes(proc_root: Path) -> Check:
     """Host processes with a GPU device node open (/dev/nvidia*, /dev/dri/*)."""
-    holders: list[str] = []
-    try:
-        pids = sorted((p for p in os.listdir(proc_root) if p.isdigit()), key=int)
-    except OSError:
-        pids = []
-    for pid in pids:
-        fd_dir = proc_root / pid / "fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue  # gone, or not ours to read
-        nodes = set()
-        for fd in fds:
-            try:
-                target = os.readlink(fd_dir / fd)
-            except OSError:
-                continue
-            if target.startswith("/dev/nvidia") or target.startswith("/dev/dri/"):
-                nodes.add(target)
-        if nodes:
-            holders.append(f"pid {pid} ({_cmd(proc_root, pid)}) holds {', '.join(sorted(nodes))}")
+    holders = [str(h) for h in node_holders(proc_root)]
     if not holders:
         return Check("host-processes", OK, "no host process holds a GPU device node")
     return Check("host-processes", WARN, "; ".join(holders),
                  "stop these processes (nvidia-persistenced, display managers, monitoring) before leasing")
 
 
-def _bars(sysfs: Sysfs, address: Any) -> list[tuple[int, int]]:
-    out = []
-    for line in (sysfs.read_str(f"bus/pci/devices/{address}/resource") or "").splitlines()[:6]:
-        parts = line.split()
-        if len(parts) >= 2 and int(parts[1], 16) > int(parts[0], 16):
-            out.append((int(parts[0], 16), int(parts[1], 16)))
-    return out
-
-
 def check_framebuffers(sysfs: Sysfs, proc_root: Path, inventory: Any) -> Check:
     """efifb / simplefb / BOOTFB claiming memory inside a GPU's BAR (the console owns the card)."""
-    claims = []
-    for line in (_read(proc_root / "iomem") or "").splitlines():
-        rng, _, owner = line.strip().partition(" : ")
-        if not re.search(r"efifb|simplefb|BOOTFB|vesafb", owner):
-            continue
-        try:
-            start, end = (int(x, 16) for x in rng.split("-"))
-        except ValueError:
-            continue
-        for gpu in inventory.gpus:
-            if any(s <= start and end <= e for s, e in _bars(sysfs, gpu.address)):
-                claims.append(f"{owner.strip()} uses {gpu.address}'s BAR")
+    claims = [f"{owner} uses {address}'s BAR"
+              for owner, address in framebuffers(sysfs, proc_root, [str(g.address) for g in inventory.gpus])]
     if not claims:
         return Check("framebuffer", OK, "no boot framebuffer on a GPU")
     return Check("framebuffer", WARN, "; ".join(claims),

@@ -43,7 +43,10 @@ _MEM64_PREF = 0x14220C
 _IO = 0x40101
 
 
-SCENARIOS = ("dgx8", "workstation", "shared-rootport", "iommu-off", "demo16")
+# "workstation" is a desktop as found (no iommu=pt, Xorg holding the NVIDIA card, efifb on the RTX 4090's BAR: the
+# agent refuses to lease that card); "workstation-vfio" is the same machine prepared for passthrough (booted with
+# iommu=pt and video=efifb:off, no display manager).
+SCENARIOS = ("dgx8", "workstation", "workstation-vfio", "shared-rootport", "iommu-off", "demo16")
 
 
 @dataclass
@@ -261,6 +264,7 @@ def _scenario_iommu_off() -> _Topo:
 _BUILDERS: dict[str, Callable[[], _Topo]] = {
     "dgx8": _scenario_dgx8,
     "workstation": _scenario_workstation,
+    "workstation-vfio": _scenario_workstation,
     "shared-rootport": _scenario_shared_rootport,
     "iommu-off": _scenario_iommu_off,
     "demo16": _scenario_demo16,
@@ -470,6 +474,11 @@ def build_tree(root: str | os.PathLike[str], scenario: str) -> FakeHost:
         bar1 = (sys_root / "bus/pci/devices/0000:01:00.0/resource").read_text().splitlines()[1].split()
         start = int(bar1[0], 16)
         iomem += f"{start:x}-{int(bar1[1], 16):x} : 0000:01:00.0\n  {start:x}-{start + 0x7FFFFF:x} : efifb\n"
+    # The NVIDIA driver's view: each GPU it drives and its /dev/nvidia<minor>, numbered in address order.
+    nvidia = sorted((d.address for d in topo.devices if d.driver == "nvidia"), key=PciAddress.parse)
+    for minor, address in enumerate(nvidia):
+        _write(proc_root / "driver/nvidia/gpus" / address / "information",
+               f"Model: \t\t NVIDIA GPU\nDevice Minor: \t {minor}\nBus Location: \t {address}\n")
     _write(proc_root / "cmdline", cmdline + "\n")
     _write(proc_root / "modules", "".join(_proc_modules_line(m) for m in modules))
     _write(proc_root / "interrupts", _interrupts_text())

@@ -320,6 +320,7 @@ async def bind_all(m: LeaseCore, lease: Lease, attaching: Lease, bound: list[Lea
     detail = "all functions on vfio-pci; guest addresses chosen"
     devs = [(dev, m.gpus[dev.gpu_id]) for dev in lease.devices]
     timings: list[float] = []
+    warned: list[tuple[str, str]] = []  # (gpu, what the host preflight let pass but the operator should know)
 
     def work() -> tuple[tuple[Gpu, HostOpResult] | None, Exception | None]:  # worker thread: (failed bind, error)
         try:
@@ -327,6 +328,7 @@ async def bind_all(m: LeaseCore, lease: Lease, attaching: Lease, bound: list[Lea
                 res = clocked(timings, m.host.bind, gpu, step_hook("bind"))
                 if not res.ok:
                     return (gpu, res), None
+                warned.extend((gpu.id, w) for w in res.warnings)
                 bound.append(dev)
                 crash_point("bind-device-done")
             m.journal.record(attaching, from_state=lease.state, actor=actor, detail=detail)
@@ -339,12 +341,20 @@ async def bind_all(m: LeaseCore, lease: Lease, attaching: Lease, bound: list[Lea
         failed, exc = await m._run(work)
     for seconds in timings:
         m._timing("bind", seconds)
+    for gpu_id, warning in warned:
+        log.warning("lease %s: %s", lease.id, warning, extra={"lease_id": lease.id})
+        await m._run(m.journal.event, "host-warning", actor=actor, lease_id=lease.id, gpu_id=gpu_id, detail=warning)
     if exc is not None:
         raise exc
     if failed is not None:
         gpu, res = failed
         if res.needs_attention:
             await quarantine_gpu(m, gpu.id, f"bind failed and could not be undone: {res.error}", actor)
+        if res.refused:  # the host uses it: out of placement until an operator has fixed that and cleared it
+            m.attention[gpu.id] = res.error or "refused by the host preflight"
+            await m._run(m.journal.event, "attention", actor=actor, lease_id=lease.id, gpu_id=gpu.id,
+                         detail=m.attention[gpu.id])
+            raise HostError(f"{res.error}", gpu=gpu.id)
         raise HostError(f"binding {gpu.id} to vfio-pci failed: {res.error}", gpu=gpu.id)
     m._publish(attaching, detail)
     crash_point("after-attaching")

@@ -675,6 +675,24 @@ async def state_after_release(v: Variant) -> str:
     return str(done["state"])
 
 
+def first_gpu_is_boot_vga(v: Variant) -> None:
+    """The firmware booted on the host's first GPU (its boot_vga attribute reads 1)."""
+    (v.tree.sys_root / "bus/pci/devices" / v.tree.gpus[0] / "boot_vga").write_text("1\n")
+
+
+def first_gpu_has_no_reset(v: Variant) -> None:
+    """The host's first GPU has no reset method (reset_method reads empty)."""
+    (v.tree.sys_root / "bus/pci/devices" / v.tree.gpus[0] / "reset_method").write_text("\n")
+
+
+async def lease_of_every_gpu(v: Variant) -> tuple[int, int]:
+    """A lease of all eight GPUs: its status, and how many host-warning events the agent journaled."""
+    rig = await v.agent()
+    status, body = await lease(rig, gpus=8)
+    _, evs = await call(rig, "GET", "/v1/events")
+    return status, len(events(evs, "host-warning"))
+
+
 def vm_a_refuses_detach(v: Variant) -> None:
     edit_hypervisor(v, lambda hv: hv.set_refuse_detach("vm-a"))
 
@@ -1171,7 +1189,7 @@ TABLE: dict[str, Effect | Proven] = {
         default=True, changed=False),
     "host.guest_layout": Effect(
         "multifunction", "a GPU's functions share one guest slot (libvirt's choice: a slot each)",
-        guest_slots_of_4090, scenario="workstation",
+        guest_slots_of_4090, scenario="workstation-vfio",
         default=lambda a: len({x.rsplit(".", 1)[0] for x in a}) == 2,
         changed=lambda a: len({x.rsplit(".", 1)[0] for x in a}) == 1),
     "host.pinned": Effect(
@@ -1179,6 +1197,12 @@ TABLE: dict[str, Effect | Proven] = {
         "a GPU an operator bound with `hostagent vfio bind` stays on vfio-pci through the start's reconcile (by "
         "default it is given back)", driver_of_first_gpu_after_start, prepare=bind_first_gpu_with_cli,
         default="nvidia", changed="vfio-pci"),
+    "host.allow_boot_vga": Effect(
+        True, "the boot VGA device may be leased (by default a lease that needs it fails and the GPU waits for the "
+        "operator)", lease_of_every_gpu, prepare=first_gpu_is_boot_vga, default=(500, 0), changed=(201, 0)),
+    "host.no_reset": Effect(
+        "refuse", "a GPU without a reset method is refused (by default leased, with a host-warning event)",
+        lease_of_every_gpu, prepare=first_gpu_has_no_reset, default=(201, 1), changed=(500, 0)),
     "host.nvlink_hints": Effect(
         "{tmp}/nvlink.txt", "GET /v1/topology shows the NVLink clique this file names", nvlink_cliques,
         prepare=nvlink_file, default=[], changed=lambda c: len(c) == 1 and len(c[0]) == 2),

@@ -216,12 +216,12 @@ def test_crash_during_release(tmp_path: Path, point: str) -> None:
 
 @pytest.mark.parametrize("point", WORKSTATION_GRANT_POINTS)
 def test_crash_mid_group_during_grant(tmp_path: Path, point: str) -> None:
-    _run_point(make_agent_process(tmp_path, scenario="workstation"), Row(point, "grant", "workstation", gpus=3))
+    _run_point(make_agent_process(tmp_path, scenario="workstation-vfio"), Row(point, "grant", "workstation", gpus=3))
 
 
 @pytest.mark.parametrize("point", WORKSTATION_RELEASE_POINTS)
 def test_crash_mid_group_during_give_back(tmp_path: Path, point: str) -> None:
-    _run_point(make_agent_process(tmp_path, scenario="workstation"), Row(point, "release", "workstation", gpus=3))
+    _run_point(make_agent_process(tmp_path, scenario="workstation-vfio"), Row(point, "release", "workstation", gpus=3))
 
 
 @pytest.mark.parametrize("point", ["detach:sent", "after-detach_pending"])
@@ -263,7 +263,7 @@ def test_crash_during_release_on_libvirtd(tmp_path: Path, libvirtd: PrivateLibvi
 def test_the_checks_see_a_split_group_and_a_lease_without_its_device(tmp_path: Path) -> None:
     """The invariants are not vacuous: a workstation group half on vfio-pci, a lease claiming a device that is not
     attached, and a GPU claimed twice are each reported (the matrix rows then prove the restart mends them)."""
-    ap = make_agent_process(tmp_path, scenario="workstation")
+    ap = make_agent_process(tmp_path, scenario="workstation-vfio")
     world = read_world(ap)
     assert not find_violations(world, [])
     group = next(a for a in world.groups.values() if len(a) == 4)

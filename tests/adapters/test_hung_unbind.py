@@ -82,7 +82,7 @@ async def settled(kernel: FakeKernel, address: str) -> None:
 
 @pytest.fixture
 async def rig(tmp_path: Path, aiohttp_client: Any) -> AgentRig:
-    return await start_rig(make_rig(tmp_path, scenario="workstation", host={"step_timeout_s": STEP_S}),
+    return await start_rig(make_rig(tmp_path, scenario="workstation-vfio", host={"step_timeout_s": STEP_S}),
                            aiohttp_client)
 
 

@@ -65,7 +65,7 @@ def uids(url: str, host: str) -> list[str]:
 async def scenario(tmp: Path, url: str, vm_name: str, shapes: list[dict[str, Any]], workstation: bool) -> None:
     host = f"parity-{uuid.uuid4().hex[:10]}"
     clock = Clock(time.time())
-    rig = make_rig(tmp, scenario="workstation" if workstation else "dgx8", vms=(vm_name,), clock=clock,
+    rig = make_rig(tmp, scenario="workstation-vfio" if workstation else "dgx8", vms=(vm_name,), clock=clock,
                    store={"url": url}, reclaim=RECLAIM, agent={"host_id": host})
     client = TestClient(TestServer(make_app(rig.runtime)))
     await client.start_server()
