@@ -22,8 +22,8 @@ from tests.support.store import (
     MariaDBServer,
     TcpProxy,
     mariadb_server,  # noqa: F401 (a fixture)
-    mysql_admin,
     mysql_database,
+    mysql_query,
     mysql_url,
 )
 from tests.support.waits import until
@@ -74,16 +74,7 @@ class Ledger:
             self.util[key[:2]] += smp["util_pct"]
 
 
-def query(db: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-    """Ask MariaDB directly (not through the agent's store, nor a proxy)."""
-    admin = mysql_admin()
-    try:
-        admin.select_db(db)
-        with admin.cursor() as cur:
-            cur.execute(sql, args)
-            return list(cur.fetchall())
-    finally:
-        admin.close()
+query = mysql_query  # ask MariaDB directly, bypassing the proxy and the store
 
 
 def assert_mysql_holds(db: str, ledger: Ledger) -> None:

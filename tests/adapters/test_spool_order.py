@@ -19,7 +19,8 @@ import pytest
 from hostagent.store.aio import AsyncUsageStore
 from hostagent.store.migrate import upgrade
 from hostagent.store.repo import UsageStore
-from tests.support.store import MYSQL_HOST, MYSQL_PORT, TcpProxy, lease_doc, mysql_admin, mysql_database, mysql_url
+from tests.adapters.test_store_outage import proxy  # noqa: F401  (the fixture: a TCP proxy in front of MariaDB)
+from tests.support.store import TcpProxy, lease_doc, mysql_database, mysql_query, mysql_url
 from tests.support.waits import wait_until
 
 T0 = int(time.time()) - 3600
@@ -35,23 +36,9 @@ def db() -> Iterator[str]:
         yield name
 
 
-@pytest.fixture
-def proxy() -> Iterator[TcpProxy]:
-    p = TcpProxy(MYSQL_HOST, MYSQL_PORT).start()
-    yield p
-    p.close()
 
 
-def query(db: str, sql: str, *args: object) -> list[tuple[object, ...]]:
-    """Ask MariaDB directly, bypassing the proxy and the store."""
-    conn = mysql_admin()
-    try:
-        conn.select_db(db)
-        with conn.cursor() as cur:
-            cur.execute(sql, args)
-            return list(cur.fetchall())
-    finally:
-        conn.close()
+query = mysql_query  # ask MariaDB directly, bypassing the proxy and the store
 
 
 def state_in_db(db: str, lease_id: str) -> object:

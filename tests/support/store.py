@@ -42,6 +42,18 @@ def mysql_admin() -> pymysql.connections.Connection:
         pytest.fail(START_HINT.format(host=MYSQL_HOST, port=MYSQL_PORT, user=MYSQL_USER, err=exc), pytrace=False)
 
 
+def mysql_query(db: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    """Ask MariaDB directly (not through the agent's store, nor a proxy)."""
+    admin = mysql_admin()
+    try:
+        admin.select_db(db)
+        with admin.cursor() as cur:
+            cur.execute(sql, args)
+            return list(cur.fetchall())
+    finally:
+        admin.close()
+
+
 def mysql_url(database: str, *, host: str = MYSQL_HOST, port: int = MYSQL_PORT) -> str:
     """SQLAlchemy URL for a database on the test server (optionally through a proxy's host/port)."""
     auth = MYSQL_USER + (f":{MYSQL_PASSWORD}" if MYSQL_PASSWORD else "")
