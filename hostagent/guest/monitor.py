@@ -225,7 +225,9 @@ class Monitor:
         codes = {w.get("code"): w for w in reply.get("warnings") or ()}
         if "reclaim_notice" in codes or reclaim.get("notice") == "reclaim":
             if not t.reclaiming:
-                await self.reclaim(t, reclaim.get("notice_deadline"))
+                why = "preempted" if reclaim.get("preempted_by") else str((codes.get("reclaim_notice") or {}).get(
+                    "reason") or "idle")
+                await self.reclaim(t, reclaim.get("notice_deadline"), why)
             return
         if "idle_strike_one" in codes or reclaim.get("notice") == "warning":
             strike = reclaim.get("strike_at") or "warning"
@@ -262,9 +264,11 @@ class Monitor:
         t.lease["expires_at"] = body.get("expires_at")
         log.info("lease %s renewed until %s", t.id, body.get("expires_at"))
 
-    def _hook_env(self, t: Tracked, notice: str, deadline: float | None) -> dict[str, str]:
+    def _hook_env(self, t: Tracked, notice: str, deadline: float | None, reason: str | None = None) -> dict[str, str]:
         env = {"HOSTAGENT_LEASE_ID": t.id, "HOSTAGENT_GPU_IDS": ",".join(t.gpu_ids), "HOSTAGENT_NOTICE": notice,
                "HOSTAGENT_URL": self.client.url}
+        if reason is not None:
+            env["HOSTAGENT_NOTICE_REASON"] = reason
         if deadline is not None:
             env["HOSTAGENT_DEADLINE"] = f"{deadline:.3f}"
         idx = [self.map.index_of(g) for g in t.gpu_ids]
@@ -277,14 +281,17 @@ class Monitor:
         pids = {p for r in self.last_readings if r.index in mine for p in (r.processes or ())}
         return sorted(pids | set(self.extra_gpu_users()))
 
-    async def reclaim(self, t: Tracked, deadline: float | None) -> None:
-        """The reclaim notice: pre-release hook, stop GPU users if configured, flush, release cooperatively."""
+    async def reclaim(self, t: Tracked, deadline: float | None, reason: str = "idle") -> None:
+        """The reclaim notice (`reason`: idle, or preempted by a request of higher priority): pre-release hook, stop
+        GPU users if configured, flush, release cooperatively."""
         t.reclaiming = True
         left = (deadline - self.clock()) if deadline is not None else self.cfg.hook_timeout_s
-        log.warning("lease %s: reclaim notice, releasing cooperatively (%.0f s before the host detaches)", t.id, left)
+        log.warning("lease %s: reclaim notice (%s), releasing cooperatively (%.0f s before the host detaches)", t.id,
+                    reason, left)
         if self.cfg.on_reclaim:
             budget = min(self.cfg.hook_timeout_s, max(1.0, left - 2.0))
-            await run_hook(self.cfg.on_reclaim, self._hook_env(t, "reclaim", deadline), budget, "pre-release")
+            await run_hook(self.cfg.on_reclaim, self._hook_env(t, "reclaim", deadline, reason), budget,
+                           "pre-release")
         if self.cfg.stop_gpu_users:
             left = (deadline - self.clock()) if deadline is not None else self.cfg.stop_grace_s
             stopped = await stop_processes(self.gpu_users(t), min(self.cfg.stop_grace_s, max(0.5, left - 1.0)))

@@ -129,19 +129,23 @@ async def released(live: LiveAgent) -> bool:
     return (await leases_of(live))[0].state.value == "RELEASED"
 
 
-async def force_notice(live: LiveAgent, lease_id: str, notice: str, *, in_s: float = 30.0) -> None:
+async def force_notice(live: LiveAgent, lease_id: str, notice: str, *, in_s: float = 30.0,
+                       preempted_by: str | None = None) -> None:
     m = live.runtime.manager
     lease = m.leases[lease_id]
     now = m.clock()
     if notice == "warning":
-        changes = {"notice": "warning", "strike_at": now, "recheck_at": now + in_s}
+        changes: dict[str, Any] = {"notice": "warning", "strike_at": now, "recheck_at": now + in_s}
+    elif preempted_by:  # as the queue's preemption writes it
+        changes = {"notice": "reclaim", "notice_deadline": now + in_s, "preempted_by": preempted_by}
     else:
         changes = {"notice": "reclaim", "strike_at": now - 60, "notice_deadline": now + in_s}
     await m._write(lease.with_changes(**changes), lease.state, "test")
 
 
+@pytest.mark.parametrize("reason", ["idle", "preempted"])
 async def test_reclaim_notice_runs_hook_stops_command_and_releases(live: LiveAgent, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                   monkeypatch: pytest.MonkeyPatch, reason: str) -> None:
     FakeNvml(attached_gpus(live.rig)).install(monkeypatch)
     hook_out = tmp_path / "hook.txt"
     cfg = config(tmp_path, live, on_reclaim=f"env | grep ^HOSTAGENT_ > {hook_out}", stop_gpu_users=True,
@@ -149,11 +153,12 @@ async def test_reclaim_notice_runs_hook_stops_command_and_releases(live: LiveAge
     task = asyncio.create_task(amain(["--config", str(cfg), "run", "--settle", "0", "--", "sleep", "30"]))
     lease = await wait_for(lambda: active_lease(live))
     await wait_for(lambda: live.runtime.last_heartbeat.get(lease.id))
-    await force_notice(live, lease.id, "reclaim")
+    await force_notice(live, lease.id, "reclaim", preempted_by="l-higher" if reason == "preempted" else None)
     rc = await asyncio.wait_for(task, 15)
     assert rc == 128 + signal.SIGTERM  # stop_gpu_users stopped the command holding the GPU
     env = dict(line.split("=", 1) for line in hook_out.read_text().splitlines())
     assert env["HOSTAGENT_LEASE_ID"] == lease.id and env["HOSTAGENT_NOTICE"] == "reclaim"
+    assert env["HOSTAGENT_NOTICE_REASON"] == reason
     assert env["HOSTAGENT_GPU_IDS"] == lease.gpu_ids[0] and float(env["HOSTAGENT_DEADLINE"]) > time.time()
     final = (await leases_of(live))[0]
     # Released by the guest (cooperatively), before the reaper's deadline: not "reclaimed: idle".
