@@ -145,7 +145,8 @@ async def force_notice(live: LiveAgent, lease_id: str, notice: str, *, in_s: flo
 
 @pytest.mark.parametrize("reason", ["idle", "preempted"])
 async def test_reclaim_notice_runs_hook_stops_command_and_releases(live: LiveAgent, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch, reason: str) -> None:
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   reason: str) -> None:
     FakeNvml(attached_gpus(live.rig)).install(monkeypatch)
     hook_out = tmp_path / "hook.txt"
     cfg = config(tmp_path, live, on_reclaim=f"env | grep ^HOSTAGENT_ > {hook_out}", stop_gpu_users=True,
