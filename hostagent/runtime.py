@@ -41,6 +41,7 @@ MIRROR_SETTLE_S = 0.002  # ... and a moment counts once it has lasted this long
 SET_ASIDE_KIND = "store-set-aside"  # journal event: the usage store refused a write, kept for `hostagent db rejected`
 RECLAIM_KINDS = frozenset({"strike-one", "strike-two", "strike-cleared", "reclaim", "reclaim-outcome"})
 REREAD_RETRY_S = 5.0  # a domain whose state could not be re-read after a reconnect is read again after this long...
+DRIVERS_MAX_AGE_S = 5.0  # the views' function drivers are re-read at least this often (a change made outside the agent)
 REREAD_RETRY_MAX_S = 60.0  # ... doubling up to this, until it answers or a newer reconnect re-reads everything
 SAMPLE_BURST_S = 60.0  # a lease may send this many seconds of store.samples_per_lease_per_s at once
 MISSED_WHILE_AWAY = "missed while disconnected from libvirt; found on reconnect"  # end_reason suffix of such stops
@@ -147,6 +148,7 @@ class Runtime:
     _mirror_lock: threading.Lock = field(default_factory=threading.Lock)
     mirror_backlog: tuple[int, float | None] = (0, None)  # journal events not yet in the store; the oldest's time
     mirror_error: str | None = None  # why the last mirror batch failed (None once one succeeds)
+    drivers_read: tuple[Any, float, dict[str, str | None]] | None = None  # (change key, when, address -> driver)
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a blocking call in a worker thread."""
@@ -163,6 +165,19 @@ class Runtime:
         return str(self.placer.rule) if self.placer is not None else "cold-start"
 
     # -- views ---------------------------------------------------------------------------------------------------
+    async def refresh_drivers(self) -> None:
+        """Read every GPU function's driver from sysfs (a worker thread) when the agent changed anything since the
+        last reading (a journaled step, a quarantine, an attention mark), or DRIVERS_MAX_AGE_S ago for a change made
+        outside the agent; the views then show the drivers as they are, not as discovery found them at start."""
+        m = self.manager
+        key = (m.step_count, len(m.quarantined), len(m.attention))
+        cached = self.drivers_read
+        if cached is not None and cached[0] == key and time.monotonic() - cached[1] < DRIVERS_MAX_AGE_S:
+            return
+        drivers = await self.run(lambda: {a: d for g in list(m.gpus.values())
+                                          for a, d in self.host.current_drivers(g).items()})
+        self.drivers_read = (key, time.monotonic(), drivers)
+
     def gpu_view_for(self, gpu_id: str, identity: Identity | None) -> dict[str, Any]:
         """A GPU as a caller may see it: another VM's lease shows only its state, never its id or VM."""
         body = self.gpu_view(gpu_id)
@@ -176,8 +191,13 @@ class Runtime:
         """The API's JSON for a GPU (operator's view)."""
         g: Gpu = self.manager.gpus[gpu_id]
         lease = self.manager.lease_of(gpu_id)
+        body = g.to_dict()
+        if self.drivers_read is not None:  # as sysfs said at the last refresh_drivers (the inventory is from start)
+            live = self.drivers_read[2]
+            for f in body["functions"]:
+                f["driver"] = live.get(f["address"], f["driver"])
         return {
-            **g.to_dict(),
+            **body,
             "state": self.manager.gpu_state(gpu_id).value,
             "quarantine_reason": self.manager.quarantined.get(gpu_id),
             "attention": self.manager.attention.get(gpu_id),
@@ -186,11 +206,8 @@ class Runtime:
 
     async def gpu_detail(self, gpu_id: str, identity: Identity | None) -> dict[str, Any]:
         """GPU view plus history summary (operators also get recent events)."""
+        await self.refresh_drivers()
         body = self.gpu_view_for(gpu_id, identity)
-        # Live drivers, re-read: the inventory is a snapshot from start.
-        drivers = await self.run(self.host.current_drivers, self.manager.gpus[gpu_id])
-        for f in body["functions"]:
-            f["driver"] = drivers.get(f["address"], f["driver"])
         # the GPU's own index rows, however long the journal: the counts and the newest lease's id
         history = await self.run(self.journal.gpu_history, gpu_id)
         last_id = history.pop("last_lease_id")

@@ -253,6 +253,7 @@ async def list_gpus(request: web.Request) -> web.Response:
     """Every GPU on this host with its state (any token may read the inventory)."""
     rt = request.app[RUNTIME]
     who = ident(request)
+    await rt.refresh_drivers()
     return web.json_response({"gpus": [rt.gpu_view_for(g, who) for g in sorted(rt.manager.gpus)]})
 
 
@@ -272,6 +273,7 @@ async def clear_quarantine(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     gpu_id = request.match_info["gpu_id"]
     await rt.manager.clear_quarantine(gpu_id, actor=who.subject)
+    await rt.refresh_drivers()
     return web.json_response(rt.gpu_view_for(gpu_id, who))
 
 

@@ -62,6 +62,7 @@ class DashboardData(DashboardSource):
         m = self.rt.manager
         gpus = []
         counts: collections.Counter[str] = collections.Counter()
+        await self.rt.refresh_drivers()
         for gid in sorted(m.gpus):
             v = self.rt.gpu_view(gid)
             counts[v["state"]] += 1
@@ -131,6 +132,7 @@ class DashboardData(DashboardSource):
         name, span = parse_range(range_name)
         now = self.clock()
         since = now - span
+        await self.rt.refresh_drivers()
         view = self.rt.gpu_view(gpu_id)
         leases = [x for x in await self.all_leases(since=since) if gpu_id in x.gpu_ids]
         bars = timeline_bars(leases, since, now)
