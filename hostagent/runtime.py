@@ -165,14 +165,18 @@ class Runtime:
         return str(self.placer.rule) if self.placer is not None else "cold-start"
 
     # -- views ---------------------------------------------------------------------------------------------------
-    async def refresh_drivers(self) -> None:
+    async def refresh_drivers(self, gpu_id: str | None = None) -> None:
         """Read every GPU function's driver from sysfs (a worker thread) when the agent changed anything since the
         last reading (a journaled step, a quarantine, an attention mark), or DRIVERS_MAX_AGE_S ago for a change made
-        outside the agent; the views then show the drivers as they are, not as discovery found them at start."""
+        outside the agent; the views then show the drivers as they are, not as discovery found them at start.
+        With `gpu_id` (one GPU's page: cheap), that GPU's are read now whatever the age (a hung write may have
+        returned since)."""
         m = self.manager
         key = (m.step_count, len(m.quarantined), len(m.attention))
         cached = self.drivers_read
         if cached is not None and cached[0] == key and time.monotonic() - cached[1] < DRIVERS_MAX_AGE_S:
+            if gpu_id is not None:
+                cached[2].update(await self.run(self.host.current_drivers, m.gpus[gpu_id]))
             return
         drivers = await self.run(lambda: {a: d for g in list(m.gpus.values())
                                           for a, d in self.host.current_drivers(g).items()})
@@ -192,7 +196,7 @@ class Runtime:
         g: Gpu = self.manager.gpus[gpu_id]
         lease = self.manager.lease_of(gpu_id)
         body = g.to_dict()
-        if self.drivers_read is not None:  # as sysfs said at the last refresh_drivers (the inventory is from start)
+        if self.drivers_read is not None:  # as sysfs said at the last refresh_drivers, not discovery's
             live = self.drivers_read[2]
             for f in body["functions"]:
                 f["driver"] = live.get(f["address"], f["driver"])
@@ -206,7 +210,7 @@ class Runtime:
 
     async def gpu_detail(self, gpu_id: str, identity: Identity | None) -> dict[str, Any]:
         """GPU view plus history summary (operators also get recent events)."""
-        await self.refresh_drivers()
+        await self.refresh_drivers(gpu_id)
         body = self.gpu_view_for(gpu_id, identity)
         # the GPU's own index rows, however long the journal: the counts and the newest lease's id
         history = await self.run(self.journal.gpu_history, gpu_id)

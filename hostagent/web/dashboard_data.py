@@ -132,7 +132,7 @@ class DashboardData(DashboardSource):
         name, span = parse_range(range_name)
         now = self.clock()
         since = now - span
-        await self.rt.refresh_drivers()
+        await self.rt.refresh_drivers(gpu_id)
         view = self.rt.gpu_view(gpu_id)
         leases = [x for x in await self.all_leases(since=since) if gpu_id in x.gpu_ids]
         bars = timeline_bars(leases, since, now)

@@ -40,8 +40,9 @@ class AgentServices(Protocol):
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a blocking call in a worker thread."""
 
-    async def refresh_drivers(self) -> None:
-        """Re-read the GPU functions' drivers for the views (when anything changed, or they are a few seconds old)."""
+    async def refresh_drivers(self, gpu_id: str | None = None) -> None:
+        """Re-read the GPU functions' drivers for the views (when anything changed, or they are a few seconds old;
+        one GPU's always)."""
 
     def gpu_view(self, gpu_id: str) -> dict[str, Any]:
         """A GPU's JSON as an operator sees it."""
