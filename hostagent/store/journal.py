@@ -8,6 +8,7 @@ mirror afterwards. On start the journal says what was intended; sysfs and libvir
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import json
 import math
@@ -21,6 +22,9 @@ from typing import Any
 
 from hostagent.domain.errors import InvalidInput
 from hostagent.domain.lease import Lease, LeaseState, Step
+
+ENDED_PARSED_KEPT = 4096  # ended leases kept parsed for lease_page (each never changes again)
+_TERMINAL_STATES = frozenset(st.value for st in LeaseState if st.terminal)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -104,6 +108,9 @@ class Journal:
         self.path = path
         self._clock = clock
         self._lock = threading.Lock()
+        # Ended leases never change again: a page parses each one once (listings of a long history are re-read
+        # often, and parsing holds the GIL the event loop needs); the oldest parsed fall out past the bound.
+        self._ended: collections.OrderedDict[str, Lease] = collections.OrderedDict()
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
@@ -218,6 +225,7 @@ class Journal:
                  json.dumps(lease.to_dict()), now, lease.created_at, lease.ended_at),
             )
             self._index_lease_gpus(lease.id, lease.gpu_ids, lease.created_at, lease.end_reason)
+            self._ended.pop(lease.id, None)  # a parsed copy must never outlive a rewrite (under the lock)
             for frm, to, det, err in events:
                 seq = self._db.execute(
                     "INSERT INTO events(lease_id, gpu_id, ts, kind, from_state, to_state, actor, detail, error)"
@@ -280,7 +288,7 @@ class Journal:
         cursor is a position in the order (creation time, then rowid), not an offset: leases journaled while a
         caller pages neither shift nor repeat the leases that were there when it started.
         """
-        sql = "SELECT doc, created_at, rowid FROM leases WHERE 1=1"
+        sql = "SELECT doc, created_at, rowid, id, state FROM leases WHERE 1=1"
         args: list[Any] = []
         if states is not None:
             st = [s.value for s in states]
@@ -300,9 +308,25 @@ class Journal:
         args.append(limit + 1)  # one more than asked: whether there is a next page
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()
-        page = rows[:limit]
+            page = rows[:limit]
+            known = {lid: self._ended[lid] for _, _, _, lid, _ in page if lid in self._ended}
         following = _cursor(page[-1][1], page[-1][2]) if page and len(rows) > limit else None
-        return [Lease.from_dict(json.loads(doc)) for doc, _, _ in page], following
+        out = []
+        parsed: list[Lease] = []
+        for doc, _, _, lid, state in page:
+            lease = known.get(lid)
+            if lease is None:
+                lease = Lease.from_dict(json.loads(doc))
+                if state in _TERMINAL_STATES:
+                    parsed.append(lease)
+            out.append(lease)
+        if parsed:
+            with self._lock:
+                for lease in parsed:
+                    self._ended[lease.id] = lease
+                while len(self._ended) > ENDED_PARSED_KEPT:
+                    self._ended.popitem(last=False)
+        return out, following
 
     def gpu_history(self, gpu_id: str) -> dict[str, Any]:
         """A GPU's lease history from its index rows: how many leases it had, the newest one's creation time and id
