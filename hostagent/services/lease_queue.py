@@ -149,6 +149,8 @@ async def preempt_for_head(m: LeaseCore) -> tuple[str, ...]:
     GPUs already being freed (a notice out, a release under way) count towards it, so a head is never given more
     victims than it needs however often the queue drains. Runs under the decide lock; returns the victims."""
     threshold = m.policy.preempt_min_priority
+    if threshold <= 0:  # preemption is off (see may_preempt): no head to find, no leases to scan at every drain
+        return ()
     hs = head_shadow(m, m.clock())
     if hs is None or not may_preempt(hs[0].request.priority, threshold):
         return ()
