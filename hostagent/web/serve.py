@@ -10,6 +10,7 @@ import ipaddress
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -32,6 +33,9 @@ log = logging.getLogger("hostagent.serve")
 
 SHED_GRACE_S = 1.0  # a connection answered 408/503 by the guard gets this long to read it before it is closed hard
 CONNECTION_TARPIT_S = 1.0  # a connection refused for its address's share is answered after this long (see admit)
+TARPIT_MAX = 16384  # refused connections waiting in one server's tarpit at most, whatever the fd limit allows
+FD_RESERVE = 256  # file descriptors kept out of the tarpit's reach: the store, libvirt, sysfs, logs, worker threads
+FD_LIMIT_WANTED = 65536  # `hostagent serve` raises its soft RLIMIT_NOFILE towards this (never past the hard limit)
 CAP_LOG_INTERVAL_S = 60.0  # "connection cap reached" is logged at most this often (a flood would flood the log)
 
 
@@ -132,6 +136,36 @@ def _refusal(status: int) -> str:
             "too many connections from your address; close some, or retry shortly")
 
 
+def fd_limit() -> int:
+    """The process's soft limit on open file descriptors."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def raise_fd_limit(wanted: int = FD_LIMIT_WANTED) -> int:
+    """Raise the soft RLIMIT_NOFILE to `wanted` (at most the hard limit; never lowered) and return the soft limit
+    now in force. A server's tarpit holds one descriptor per refused connection (see tarpit_bound): the default
+    soft limit of 1024 would leave it little room."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+    return soft
+
+
+def tarpit_bound(agent: AgentSettings, nofile: int) -> int:
+    """How many refused connections one server may hold in its tarpit, given the soft fd limit `nofile`: half of
+    what is left after FD_RESERVE, less the admitted connections (the API's listener and the metrics listener each
+    get this much), at most TARPIT_MAX. A refusal past the bound is answered at once, and a client that reconnects
+    the moment it is answered costs the agent thousands of accepts a second, so the bound is as large as the
+    descriptors allow."""
+    room = (nofile - FD_RESERVE) // 2 - agent.max_connections
+    return max(0, min(TARPIT_MAX, room))
+
+
 class GuardedServer(web.Server):
     """aiohttp's low-level server, making GuardedRequestHandler connections and counting them against the caps:
     agent.max_connections in all, agent.max_connections_per_source from one client address (so one client cannot
@@ -143,7 +177,8 @@ class GuardedServer(web.Server):
         self.refused = 0  # connections refused because the agent was full (503)
         self.refused_source = 0  # connections refused because their address held its share (429)
         self.per_source: dict[str, int] = {}  # open connections by client address
-        self.tarpitted = 0  # refused connections waiting CONNECTION_TARPIT_S for their 429 (at most max_connections)
+        self.tarpitted = 0  # refused connections waiting CONNECTION_TARPIT_S for their 429 (at most tarpit_bound)
+        self.tarpit_bound = tarpit_bound(agent, fd_limit())
         self._cap_logged_at = -CAP_LOG_INTERVAL_S
         self._source_logged_at = -CAP_LOG_INTERVAL_S
 
@@ -215,12 +250,12 @@ class GuardedRequestHandler(RequestHandler):
         if status is not None:
             self._refused = True  # never registered with the server, never parsed: it does not count against a cap
             server = cast(GuardedServer, self._manager)
-            if status == 429 and server.tarpitted < self._agent.max_connections:
+            if status == 429 and server.tarpitted < server.tarpit_bound:
                 # A client over its address's share that reconnects the moment it is answered would make the agent
                 # accept and refuse thousands of connections a second, costing the other tenants as much as serving
                 # them: its 429 waits CONNECTION_TARPIT_S (a timer costs nothing), so it reconnects at most once a
-                # second per connection it tries to hold. The waiting connections are bounded by max_connections;
-                # past that they are answered at once.
+                # second per connection it tries to hold. The waiting connections are bounded by the descriptors
+                # the process may open (tarpit_bound); past that they are answered at once.
                 server.tarpitted += 1
                 self._tarpit = True
                 self._shed_timer = self._loop.call_later(CONNECTION_TARPIT_S, self._tarpit_done,
@@ -414,6 +449,9 @@ def serve(settings: Settings, make_app: Callable[[], web.Application], *, banner
 
     setup_logging(settings.agent.log_format, settings.agent.log_level)
     limit_arenas()  # before any worker thread exists: see hostagent.host.memory
+    nofile = raise_fd_limit()
+    log.info("open-file limit %d: up to %d refused connections wait in the tarpit", nofile,
+             tarpit_bound(settings.agent, nofile))
     ctx = ssl_context(settings)
     try:
         asyncio.run(_serve(settings, make_app, ctx, banner))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -45,6 +46,24 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
     yield start
     for runner in reversed(runners):
         await runner.cleanup()
+
+
+def test_the_tarpit_is_as_large_as_the_open_file_limit_allows() -> None:
+    """The tarpit's bound follows the soft fd limit: half of it past FD_RESERVE, less the admitted connections, capped
+    at TARPIT_MAX; nothing when the limit leaves no room. `hostagent serve` raises the soft limit towards
+    FD_LIMIT_WANTED, never past the hard limit and never down."""
+    agent = settings_from_dict({"agent": {"max_connections": 256}}).agent
+    assert serve.tarpit_bound(agent, 20000) == (20000 - serve.FD_RESERVE) // 2 - 256
+    assert serve.tarpit_bound(agent, 10**7) == serve.TARPIT_MAX
+    assert serve.tarpit_bound(agent, 1024) == 128
+    assert serve.tarpit_bound(agent, 600) == 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(512, hard), hard))
+        assert serve.raise_fd_limit(min(4096, hard)) == min(4096, hard) == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert serve.raise_fd_limit(256) == min(4096, hard)  # never lowered
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 async def get(port: int, path: str, token: str, *, source: str = "127.0.0.1") -> tuple[int, dict[str, str], bytes]:
@@ -103,15 +122,19 @@ async def test_one_address_holds_only_its_share_of_the_connections(served: Serve
 
 
 async def test_refused_connections_wait_in_a_bounded_tarpit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Connections over an address's share wait CONNECTION_TARPIT_S for their 429, at most max_connections of them at
-    once; one more is answered at once, and a client that hangs up leaves the tarpit."""
+    """Connections over an address's share wait CONNECTION_TARPIT_S for their 429, at most tarpit_bound of them at
+    once (what the open-file limit leaves); one more is answered at once, and a client that hangs up leaves the
+    tarpit."""
     monkeypatch.setattr(serve, "CONNECTION_TARPIT_S", 30.0)
+    # 3 admitted connections per listener, and room for 3 more in its tarpit
+    monkeypatch.setattr(serve, "fd_limit", lambda: serve.FD_RESERVE + 2 * (3 + 3))
     rig = make_rig(tmp_path, agent={"listen": "127.0.0.1", "port": 0, "max_connections": 3,
                                     "max_connections_per_source": 1, "header_timeout_s": 30.0})
     runner, url = await start_server(make_app(rig.runtime), rig.settings)
     port = int(url.rsplit(":", 1)[1])
     server = runner.server
     assert isinstance(server, serve.GuardedServer)
+    assert server.tarpit_bound == 3
     opened = []
     try:
         for _ in range(4):  # one admitted, three refused into the tarpit

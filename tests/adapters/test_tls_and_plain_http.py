@@ -12,6 +12,7 @@ import http.client
 import json
 import queue
 import re
+import resource
 import shutil
 import signal
 import ssl
@@ -21,7 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from hostagent.domain.errors import ConfigError
 from hostagent.host.fakesysfs import build_tree
 from hostagent.virt.sim import SimulatedHypervisor
 from hostagent.web.auth import new_token
+from hostagent.web import serve
 from hostagent.web.serve import ssl_context
 from tests.support.agent import VMS, rig_settings
 from tests.support.cli import settings_toml
@@ -110,10 +112,14 @@ def test_serve_refuses_plain_http_off_loopback_at_start(tmp_path: Path) -> None:
 
 
 @contextmanager
-def agent(argv: list[str], log: Path, timeout: float = 60.0) -> Iterator[str]:
-    """Run `hostagent serve`; yield the URL it serves on; SIGTERM it at the end (it must exit 0)."""
+def agent(argv: list[str], log: Path, timeout: float = 60.0, *,
+          preexec: Callable[[], None] | None = None, procs: list[subprocess.Popen[str]] | None = None) -> Iterator[str]:
+    """Run `hostagent serve` (`preexec` run in the child before it; the process appended to `procs`); yield the URL it
+    serves on; SIGTERM it at the end (it must exit 0)."""
     with log.open("w") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, preexec_fn=preexec)
+    if procs is not None:
+        procs.append(proc)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout or ()], daemon=True).start()
     try:
@@ -167,6 +173,24 @@ def test_serve_with_tls_answers_https_only(tmp_path: Path) -> None:
                 plain.getresponse()
         finally:
             plain.close()
+
+
+def test_serve_raises_its_open_file_limit_for_the_tarpit(tmp_path: Path) -> None:
+    """Started with the usual soft limit of 1024 open files, `hostagent serve` raises it towards FD_LIMIT_WANTED (at
+    most the hard limit), so its tarpit can hold thousands of refused connections."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard open-file limit here is {hard}: nothing to raise")
+    wanted = serve.FD_LIMIT_WANTED if hard == resource.RLIM_INFINITY else min(serve.FD_LIMIT_WANTED, hard)
+    config, _ = host_config(tmp_path)
+    procs: list[subprocess.Popen[str]] = []
+    with agent(serve_cmd(config), tmp_path / "agent.log", procs=procs,
+               preexec=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))) as url:
+        assert get(url + "/healthz")[0] == 200
+        limits = Path(f"/proc/{procs[0].pid}/limits").read_text()
+        soft = int(next(line for line in limits.splitlines() if line.startswith("Max open files")).split()[3])
+        assert soft == wanted, limits
+    assert f"open-file limit {wanted}" in (tmp_path / "agent.log").read_text()
 
 
 # ---- off loopback, in a network namespace ----------------------------------------------------------------------
