@@ -54,7 +54,9 @@ def open_hypervisor(settings: Settings) -> Any:
         from hostagent.virt.sim import SimulatedHypervisor
 
         path = uri[len("sim://"):] or None
-        return SimulatedHypervisor.load(Path(path)) if path else SimulatedHypervisor()
+        # the simulator checks a live attach against the host's sysfs, as libvirt and QEMU do
+        root = settings.host.sysfs_root
+        return SimulatedHypervisor.load(Path(path), sysfs_root=root) if path else SimulatedHypervisor(sysfs_root=root)
     from hostagent.virt.libvirt_adapter import LibvirtHypervisor
 
     return LibvirtHypervisor(uri)

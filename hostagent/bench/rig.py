@@ -88,7 +88,7 @@ def build_agent(tmp: Path, *, scenario: str = "demo16", vms: tuple[str, ...] = (
     """Fake host tree + simulated hypervisor + runtime with timed host, hypervisor and journal ports."""
     tree = build_tree(tmp / "host", scenario)
     hv_path = tmp / "hv.json"
-    hv = SimulatedHypervisor(path=hv_path, **(hv_kwargs or {}))
+    hv = SimulatedHypervisor(path=hv_path, **{"sysfs_root": tree.sys_root, **(hv_kwargs or {})})
     for name in vms:
         hv.define(name, running=True)
     hv.save()

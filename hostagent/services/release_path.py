@@ -15,7 +15,9 @@ from collections.abc import Awaitable
 from typing import Any
 
 from hostagent.domain.errors import Conflict, HostAgentError, HypervisorError, NotFound
+from hostagent.domain.hostdev import alias_for
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseState, Step
+from hostagent.domain.pci import PciAddress
 from hostagent.services.admission import queue_deadline
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import LOGGER, LeaseCore, clocked, detach_retries_left, step_hook
@@ -26,6 +28,7 @@ log = logging.getLogger(LOGGER)
 
 S = LeaseState
 DETACH_ALERT = "detach-alert"  # journal event: a detach still unacknowledged after libvirt.detach_retries retries
+DETACH_REJECTED = "detach-rejected"  # journal event: the guest rejected an unplug (libvirt's DEVICE_REMOVAL_FAILED)
 
 
 async def release_lease(m: LeaseCore, lease_id: str, *, actor: str, reason: str = "released",
@@ -200,6 +203,9 @@ async def on_domain_event(m: LeaseCore, kind: str, domain_uuid: str, detail: str
     reconnect passes its own, so the journal and the lease's end_reason tell a stop missed while disconnected
     from one libvirt reported as it happened.
     """
+    if kind == "device_removal_failed":
+        await detach_rejected(m, domain_uuid, detail)
+        return
     if kind == "device_removed":
         for lease in [x for x in m.leases.values() if x.domain_uuid == domain_uuid
                       and x.state is S.DETACH_PENDING]:
@@ -214,6 +220,24 @@ async def on_domain_event(m: LeaseCore, kind: str, domain_uuid: str, detail: str
         return
     for lease in [x for x in m.leases.values() if x.domain_uuid == domain_uuid]:
         await safe(m.release(lease.id, actor=actor, reason=reason or f"domain {kind}"))
+
+
+async def detach_rejected(m: LeaseCore, domain_uuid: str, alias: str | None) -> None:
+    """The guest rejected the unplug of `alias` (QEMU's DEVICE_UNPLUG_GUEST_ERROR, libvirt's DEVICE_REMOVAL_FAILED):
+    journal it on the lease detaching that device, so the lease's history says why it stays DETACH_PENDING. The
+    device stays in the guest, on vfio-pci, held by the lease; the next retry asks again."""
+    for lease in m.leases.values():
+        if lease.domain_uuid != domain_uuid or lease.state not in (S.DETACHING, S.DETACH_PENDING):
+            continue
+        functions = [a for d in lease.devices for a in d.functions]
+        if alias is not None and alias not in {alias_for(PciAddress.parse(a)) for a in functions}:
+            continue
+        detail = (f"the guest of {lease.domain_name} rejected the unplug of {alias or 'a device'} "
+                  "(DEVICE_REMOVAL_FAILED); the GPU stays on vfio-pci, held by the lease, and the next detach retry "
+                  "asks again")
+        log.warning("lease %s: %s", lease.id, detail, extra={"lease_id": lease.id})
+        await m._run(m.journal.event, DETACH_REJECTED, actor="libvirt", lease_id=lease.id,
+                     gpu_id=",".join(lease.gpu_ids), detail=detail)
 
 
 async def safe(aw: Awaitable[Any]) -> Any:

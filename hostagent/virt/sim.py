@@ -7,7 +7,16 @@ changes and a shut-off one persistent only, a live detach completes only when th
 `fail_attach_after` (an attach fails after that many hostdevs, and what it attached is undone), `refuse_detach`
 (the domain's guest never acknowledges a detach: a release's, or the undo of a failed attach, which is then
 reported unconfirmed as libvirt's adapter reports it: ``rollback_confirmed`` False in the error's details),
-`refuse_multifunction_unplug`, `refuse_nonzero_function_hotplug`. With a path, its state is
+`fail_detach` (the domain's guest rejects unplug requests: DEVICE_REMOVAL_FAILED after the acknowledgement delay).
+
+It is as strict as libvirt and QEMU where they are strict (see hostagent.virt.sim_rules, which cites the sources):
+errors carry libvirt's codes (``libvirt_code`` in the details, as the real adapter gives them); with a sysfs root
+(the agent's composition passes host.sysfs_root) a live attach of an unmanaged function not on vfio-pci, or of a
+group that is not viable or is held by another domain, is refused; a running domain has only so many hot-pluggable
+slots (``hotplug_slots``, else the free slots of an i440fx bus 0); a guest acknowledges an unplug after
+DETACH_ACK_DELAY_S unless told otherwise; a second unplug request for a device whose unplug is pending fails as
+QEMU's device_del does; libvirt's refusals to hot-plug a function other than 0 and to hot-unplug a multifunction
+slot are on (both can be turned off, for a test of the agent against an older libvirt). With a path, its state is
 written to a JSON file after every change (temp file + fsync + rename) so a killed agent finds, on restart,
 the same domains and devices, as it would find them in libvirtd.
 """
@@ -33,10 +42,16 @@ from lxml import etree
 from hostagent.domain.errors import Conflict, HypervisorError, InvalidInput, NotFound
 from hostagent.domain.hostdev import HostdevPci, free_guest_slots, parse_domain_hostdevs
 from hostagent.virt.port import DetachResult, DomainEvent, DomainInfo, DomainState, EventCallback, EventKind
+from hostagent.virt.sim_rules import (VIR_ERR_CONFIG_UNSUPPORTED, VIR_ERR_INTERNAL_ERROR, VIR_ERR_OPERATION_FAILED,
+                                      VIR_ERR_OPERATION_INVALID, VIR_ERR_XML_ERROR, HostDevices, libvirt_error,
+                                      qemu_error)
 
 log = logging.getLogger("hostagent.virt.sim")
 
 STATE_VERSION = 1
+# A real guest takes about 5 s to let go of a device (ACPI or PCIe native hot-unplug, the driver's remove); a
+# test that wants a faster guest says so (detach_ack_delay_s).
+DETACH_ACK_DELAY_S = 1.0
 _PARSER = etree.XMLParser(resolve_entities=False, no_network=True, remove_blank_text=True)
 
 
@@ -84,23 +99,35 @@ class SimulatedHypervisor:
         domains: Iterable[str | DomainInfo] = (),
         *,
         attach_latency_s: float = 0.0,
-        detach_ack_delay_s: float = 0.0,
+        detach_ack_delay_s: float = DETACH_ACK_DELAY_S,
         refuse_detach: Iterable[str] = (),
+        fail_detach: Iterable[str] = (),
         fail_attach_after: int | None = None,
-        refuse_multifunction_unplug: bool = False,
-        refuse_nonzero_function_hotplug: bool = False,
+        refuse_multifunction_unplug: bool = True,
+        refuse_nonzero_function_hotplug: bool = True,
+        hotplug_slots: int | None = None,
+        sysfs_root: str | os.PathLike[str] | None = None,
         path: Path | str | None = None,
     ) -> None:
         self.attach_latency_s = attach_latency_s
         self.detach_ack_delay_s = detach_ack_delay_s
         self.refuse_detach: set[str] = set(refuse_detach)
+        # Guests that reject unplug requests (QEMU's DEVICE_UNPLUG_GUEST_ERROR, libvirt's DEVICE_REMOVAL_FAILED):
+        # the request fails after the acknowledgement delay and the device stays.
+        self.fail_detach: set[str] = set(fail_detach)
+        # How many hostdevs a running domain can hold: a q35 guest hot-plugs into its free pcie-root-ports, and
+        # libvirt adds none while it runs ("No more available PCI slots"). None: the free slots of bus 0.
+        self.hotplug_slots = hotplug_slots
+        # The host's sysfs, where a live attach checks what libvirt and QEMU check (sim_rules.HostDevices)
+        self.host = HostDevices(sysfs_root) if sysfs_root is not None else None
         # Every single-hostdev attach counts; once `attach_count` reaches this, attaches fail (until reset).
         self.fail_attach_after = fail_attach_after
         self.attach_count = 0
-        # libvirt (9.x) refuses to hot-unplug a device whose guest address is multifunction; off by default so
-        # the demo can give multi-function GPUs back, on to reproduce libvirt exactly.
+        # libvirt refuses to hot-unplug a device whose guest address is multifunction (qemuIsMultiFunctionDevice,
+        # src/qemu/qemu_hotplug.c)
         self.refuse_multifunction_unplug = refuse_multifunction_unplug
-        # libvirt 9 refuses a live attach whose guest address has function != 0 (seen on real libvirtd)
+        # libvirt refuses a live attach whose guest address has function != 0 (virDomainPCIAddressReserveAddr...,
+        # src/conf/domain_addr.c; seen on the real nested libvirtd)
         self.refuse_nonzero_function_hotplug = refuse_nonzero_function_hotplug
         self.path = Path(path) if path is not None else None
         self._domains: dict[str, _Domain] = {}
@@ -132,7 +159,11 @@ class SimulatedHypervisor:
                 "attach_latency_s": float(settings["attach_latency_s"]),
                 "detach_ack_delay_s": float(settings["detach_ack_delay_s"]),
                 "refuse_detach": settings["refuse_detach"],
+                "fail_detach": settings.get("fail_detach", ()),
                 "fail_attach_after": settings["fail_attach_after"],
+                "refuse_multifunction_unplug": bool(settings.get("refuse_multifunction_unplug", True)),
+                "refuse_nonzero_function_hotplug": bool(settings.get("refuse_nonzero_function_hotplug", True)),
+                "hotplug_slots": settings.get("hotplug_slots"),
             }, **overrides})
             hv.attach_count = int(doc.get("attach_count", 0))
             for d in doc["domains"]:
@@ -145,8 +176,10 @@ class SimulatedHypervisor:
         # The "guest" kept running while nobody watched: detaches it would acknowledge are done by now.
         for dom in hv._domains.values():
             for alias, due in list(dom.pending.items()):
-                if due is not None and dom.uuid not in hv.refuse_detach:
+                if due is not None and dom.uuid not in hv.refuse_detach | hv.fail_detach:
                     hv._remove_live(dom, alias)
+                elif due is not None:
+                    dom.pending.pop(alias, None)  # rejected meanwhile: the device stays
         return hv
 
     def _snapshot(self) -> tuple[int, str]:
@@ -154,7 +187,11 @@ class SimulatedHypervisor:
         doc = {
             "version": STATE_VERSION,
             "settings": {"attach_latency_s": self.attach_latency_s, "detach_ack_delay_s": self.detach_ack_delay_s,
-                         "refuse_detach": sorted(self.refuse_detach), "fail_attach_after": self.fail_attach_after},
+                         "refuse_detach": sorted(self.refuse_detach), "fail_detach": sorted(self.fail_detach),
+                         "fail_attach_after": self.fail_attach_after,
+                         "refuse_multifunction_unplug": self.refuse_multifunction_unplug,
+                         "refuse_nonzero_function_hotplug": self.refuse_nonzero_function_hotplug,
+                         "hotplug_slots": self.hotplug_slots},
             "attach_count": self.attach_count,
             "domains": [
                 {"uuid": d.uuid, "name": d.name, "state": d.state.value,
@@ -242,12 +279,11 @@ class SimulatedHypervisor:
         dom = self._find(name_or_uuid)
         if dom.state is DomainState.RUNNING:
             raise HypervisorError(f"domain {dom.name} is already running", domain=dom.name)
-        # libvirt would refuse to start a domain whose hostdev is in use by another running domain.
+        # libvirt refuses to start a domain whose hostdev cannot be assigned (virHostdevPreparePCIDevices): in use by
+        # another running domain, or (with the host's sysfs) not on a stub driver, or its group not viable.
         busy = self._sources_in_use(exclude=dom.uuid)
         for hd in parse_domain_hostdevs(etree.tostring(dom.config)):
-            if hd.source in busy:
-                raise HypervisorError(f"PCI device {hd.source} is in use by domain {busy[hd.source]}",
-                                      domain=dom.name, address=str(hd.source))
+            self._check_host(dom, hd, busy)
         dom.state, dom.live = DomainState.RUNNING, copy.deepcopy(dom.config)
         self.save()
         self._emit(DomainEvent(dom.uuid, dom.name, EventKind.STARTED))
@@ -273,6 +309,7 @@ class SimulatedHypervisor:
         """The guest finally lets go: complete every pending detach of the domain now; returns how many."""
         dom = self._find(name_or_uuid)
         self.refuse_detach.discard(dom.uuid)
+        self.fail_detach.discard(dom.uuid)
         aliases = list(dom.pending)
         for alias in aliases:
             self._complete(dom.uuid, alias)
@@ -283,6 +320,12 @@ class SimulatedHypervisor:
         """Make the domain's guest ignore (or again honour) detach requests."""
         dom = self._find(name_or_uuid)
         (self.refuse_detach.add if refuse else self.refuse_detach.discard)(dom.uuid)
+        self.save()
+
+    def set_fail_detach(self, name_or_uuid: str, fail: bool = True) -> None:
+        """Make the domain's guest reject (or again accept) unplug requests: DEVICE_REMOVAL_FAILED, device kept."""
+        dom = self._find(name_or_uuid)
+        (self.fail_detach.add if fail else self.fail_detach.discard)(dom.uuid)
         self.save()
 
     def domains_sync(self) -> list[DomainInfo]:
@@ -329,24 +372,21 @@ class SimulatedHypervisor:
         try:
             for hd in hostdevs:
                 if self.fail_attach_after is not None and self.attach_count >= self.fail_attach_after:
-                    raise HypervisorError(f"simulated failure attaching {hd.source} to {dom.name}",
-                                          domain=dom.name, address=str(hd.source))
+                    raise qemu_error("device_add", f"simulated failure attaching {hd.source} to {dom.name}",
+                                     domain=dom.name, address=str(hd.source))
                 targets = [dom.config] + ([dom.live] if dom.live is not None else [])
                 for el in targets:
                     self._check_attach(dom, el, hd, live=el is dom.live)
                 if dom.live is not None:
-                    busy = self._sources_in_use(exclude=dom.uuid)
-                    if hd.source in busy:
-                        raise HypervisorError(f"PCI device {hd.source} is in use by domain {busy[hd.source]}",
-                                              domain=dom.name, address=str(hd.source))
+                    self._check_host(dom, hd, self._sources_in_use(exclude=dom.uuid))
                 for el in targets:
                     self._insert(el, hd)
                 self.attach_count += 1
                 done.append(hd)
             missing = [hd for hd in hostdevs if not _contains(dom.current(), hd)]
             if missing:
-                raise HypervisorError(f"attached hostdevs missing from the domain XML: {[str(h.source) for h in missing]}",
-                                      domain=dom.name)
+                raise libvirt_error(f"attached hostdevs missing from the domain XML: {[str(h.source) for h in missing]}",
+                                    VIR_ERR_INTERNAL_ERROR, domain=dom.name)
         except HypervisorError as exc:
             if done:
                 # The undo is a detach, as libvirt's adapter makes it (and says whether it was confirmed): a guest
@@ -399,15 +439,19 @@ class SimulatedHypervisor:
                 waits.append((hd, None))  # not attached (any more): nothing to wait for
                 continue
             if self.refuse_multifunction_unplug and _multifunction(dom.live, el):
-                errors.append(f"cannot hot unplug hostdev device with multifunction PCI guest address ({hd.source})")
+                errors.append(libvirt_error(f"cannot hot unplug hostdev device with multifunction PCI guest address: "
+                                            f"{hd.source}", VIR_ERR_OPERATION_FAILED).message)
                 waits.append((hd, _never_removed(loop)))
                 continue
             alias = _alias_of(el)
             fut: asyncio.Future[bool] = loop.create_future()
             self._waiters.setdefault((dom.uuid, alias), []).append(fut)
             waits.append((hd, fut))
-            if alias in dom.pending and dom.pending[alias] is None:
-                continue  # already refused once; asking again changes nothing
+            if alias in dom.pending:
+                # QEMU refuses a second device_del while the first is pending (qmp_device_del, softmmu/qdev-monitor.c:
+                # "is already in the process of unplug"); libvirt then still waits for the device's DEVICE_REMOVED.
+                errors.append(qemu_error("device_del", f"Device {alias} is already in the process of unplug").message)
+                continue
             if dom.uuid in self.refuse_detach:
                 dom.pending[alias] = None
             elif (dom.uuid, alias) not in self._timers:
@@ -463,26 +507,54 @@ class SimulatedHypervisor:
                     busy[hd.source] = d.name
         return busy
 
+    def _check_host(self, dom: _Domain, hd: HostdevPci, busy: dict[Any, str]) -> None:
+        """What libvirt checks of the host side before a hostdev goes into a running domain."""
+        if hd.source in busy:
+            raise libvirt_error(f"PCI device {hd.source} is in use by driver QEMU, domain {busy[hd.source]}",
+                                VIR_ERR_OPERATION_INVALID, domain=dom.name, address=str(hd.source))
+        if self.host is not None:
+            self.host.check_assignable(str(hd.source), managed=hd.managed, domain=dom.name,
+                                       in_use={str(src): name for src, name in busy.items()})
+
     def _check_attach(self, dom: _Domain, el: Any, hd: HostdevPci, *, live: bool) -> None:
         where = "live" if live else "persistent"
         existing = parse_domain_hostdevs(etree.tostring(el))
         if any(h.source == hd.source for h in existing):
-            raise HypervisorError(f"PCI device {hd.source} is already in the {where} definition of {dom.name}",
-                                  domain=dom.name, address=str(hd.source))
+            # qemuDomainAttachDeviceConfig ("device is already in the domain configuration"); a live one is in use
+            raise libvirt_error(f"PCI device {hd.source} is already in the {where} definition of {dom.name}",
+                                VIR_ERR_OPERATION_INVALID, domain=dom.name, address=str(hd.source))
         # Compared in Python, not by an XPath predicate built from the alias: ElementPath has no concat(), so no
         # literal can hold both quote characters, and an alias is the caller's text.
         if hd.alias is not None and any(a.get("name") == hd.alias for a in el.iterfind("devices/*/alias")):
-            raise HypervisorError(f"non unique alias detected: {hd.alias}", domain=dom.name, alias=hd.alias)
+            # virDomainDeviceDefValidateAliasesIterator, src/conf/domain_validate.c
+            raise libvirt_error(f"non unique alias detected: {hd.alias}", VIR_ERR_CONFIG_UNSUPPORTED,
+                                domain=dom.name, alias=hd.alias)
         if live and hd.guest is not None and hd.guest.function != 0 and self.refuse_nonzero_function_hotplug:
-            raise HypervisorError("Only PCI device addresses with function=0 are supported", domain=dom.name,
-                                  address=str(hd.source))
+            raise libvirt_error("Only PCI device addresses with function=0 are supported", VIR_ERR_INTERNAL_ERROR,
+                                domain=dom.name, address=str(hd.source))
         if hd.guest is not None:
             g = hd.guest
             for addr in el.iterfind("devices/*/address[@type='pci']"):
                 if (int(addr.get("domain", "0"), 16), int(addr.get("bus", "0"), 16), int(addr.get("slot", "0"), 16),
                         int(addr.get("function", "0"), 16)) == (g.domain, g.bus, g.slot, g.function):
-                    raise HypervisorError(f"Attempted double use of PCI Address {g.pci} in {dom.name}",
-                                          domain=dom.name, guest_address=str(g.pci))
+                    # virDomainPCIAddressReserveAddrInternal: XML error for the definition, internal error live
+                    raise libvirt_error(f"Attempted double use of PCI Address {g.pci} in {dom.name}",
+                                        VIR_ERR_INTERNAL_ERROR if live else VIR_ERR_XML_ERROR, domain=dom.name,
+                                        guest_address=str(g.pci))
+        if live:
+            held = len(existing)
+            if hd.guest is None:
+                try:
+                    free_guest_slots(etree.tostring(el), 0, 1)
+                    free = True
+                except Conflict:
+                    free = False
+            else:
+                free = True  # its own address: checked for clashes above
+            if (self.hotplug_slots is not None and held >= self.hotplug_slots) or not free:
+                # qemuDomainPCIAddressSetNextAddr / virDomainPCIAddressGetNextAddr, src/conf/domain_addr.c
+                raise libvirt_error("No more available PCI slots", VIR_ERR_INTERNAL_ERROR, domain=dom.name,
+                                    address=str(hd.source), hotplug_slots=self.hotplug_slots)
 
     def _insert(self, el: Any, hd: HostdevPci) -> None:
         node = hd.to_element()
@@ -498,10 +570,18 @@ class SimulatedHypervisor:
         el.find("devices").append(node)
 
     def _complete(self, uuid: str, alias: str) -> None:
-        """The guest acknowledged: the device leaves the live XML and DEVICE_REMOVED fires."""
+        """The guest acknowledged: the device leaves the live XML and DEVICE_REMOVED fires. A guest that rejects
+        unplugs (`fail_detach`) answers instead with DEVICE_REMOVAL_FAILED (QEMU's DEVICE_UNPLUG_GUEST_ERROR), the
+        device stays, and a later request may try again."""
         self._timers.pop((uuid, alias), None)
         dom = self._domains.get(uuid)
         if dom is None or alias not in dom.pending:
+            return
+        if uuid in self.fail_detach:
+            dom.pending.pop(alias, None)
+            self._save_soon()
+            self._resolve(uuid, alias, False)
+            self._emit(DomainEvent(dom.uuid, dom.name, EventKind.DEVICE_REMOVAL_FAILED, alias))
             return
         self._remove_live(dom, alias)
         self._save_soon()

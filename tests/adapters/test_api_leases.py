@@ -205,6 +205,29 @@ async def test_detach_never_acknowledged_stays_on_vfio(rig: AgentRig) -> None:
     assert done["state"] == "RELEASED" and not funcs & vfio_functions(rig)
 
 
+async def test_a_rejected_unplug_is_journaled_and_the_retry_asks_again(rig: AgentRig) -> None:
+    """A guest that rejects the unplug (libvirt's DEVICE_REMOVAL_FAILED) keeps the device: the lease stays
+    DETACH_PENDING on vfio-pci, its history says the guest rejected it, and a retry once the guest accepts ends it."""
+    body = await lease(rig)
+    funcs = set(body["devices"][0]["functions"])
+    rig.hv.set_fail_detach("vm-a")
+    r = await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
+    assert r.status == 202 and (await r.json())["state"] == "DETACH_PENDING"
+    assert funcs <= vfio_functions(rig)
+    op = rig.auth("operator")
+    for _ in range(100):
+        events = (await (await rig.client.get("/v1/events?kind=detach-rejected", headers=op)).json())["events"]
+        if events:
+            break
+        await asyncio.sleep(0.02)
+    assert events and all(e["lease_id"] == body["id"] for e in events)
+    assert "rejected the unplug" in events[0]["detail"] and "DEVICE_REMOVAL_FAILED" in events[0]["detail"]
+    rig.hv.set_fail_detach("vm-a", False)
+    await rig.runtime.manager.retry_pending()
+    done = await wait_state(rig, body["id"], "vm-a", "RELEASED")
+    assert not funcs & vfio_functions(rig) and done["state"] == "RELEASED"
+
+
 async def test_renew(rig: AgentRig) -> None:
     body = await lease(rig, duration_s=60)
     r = await rig.client.post(f"/v1/leases/{body['id']}/renew", json={"duration_s": 3600}, headers=rig.auth("vm-a"))

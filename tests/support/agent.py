@@ -76,12 +76,17 @@ def rig_settings(tmp: Path, tree: FakeHost, hv_path: Path, operator: str, **sect
     return settings_from_dict(raw)
 
 
+# The rig's guests acknowledge an unplug after 20 ms, not the simulator's realistic second: the tests' detach
+# deadlines are short (libvirt.detach_timeout_s 0.5). A test of a slow or silent guest says so in hv_kwargs.
+RIG_HV: dict[str, Any] = {"detach_ack_delay_s": 0.02}
+
+
 def make_rig(tmp: Path, *, scenario: str = "dgx8", vms: tuple[str, ...] = VMS, clock: Callable[[], float] | None = None,
              hv_kwargs: dict[str, Any] | None = None, **sections: dict[str, Any]) -> AgentRig:
     """Build tree, hypervisor, runtime and tokens (not started)."""
     tree = build_tree(tmp / "host", scenario)
     hv_path = tmp / "hv.json"
-    hv = SimulatedHypervisor(path=hv_path, **(hv_kwargs or {}))
+    hv = SimulatedHypervisor(path=hv_path, **{**RIG_HV, "sysfs_root": tree.sys_root, **(hv_kwargs or {})})
     for name in vms:
         hv.define(name, running=True)
     hv.save()

@@ -119,7 +119,7 @@ class AgentProcess:
 
 
 def make_agent_process(tmp: Path, *, scenario: str = "dgx8", reclaim: dict[str, Any] | None = None,
-                       detach_ack_delay_s: float = 0.0, refuse_detach: bool = False) -> AgentProcess:
+                       detach_ack_delay_s: float = 0.02, refuse_detach: bool = False) -> AgentProcess:
     """Write the tree, hypervisor state, config and a VM token. `refuse_detach`: the guest never acknowledges a
     detach (it keeps the device), so a release can only end in DETACH_PENDING."""
     tree = build_tree(tmp / "host", scenario)

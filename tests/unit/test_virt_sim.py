@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from hostagent.domain.errors import HypervisorError, NotFound
-from hostagent.domain.hostdev import HostdevPci, free_guest_slots, hostdevs_for_gpu, parse_domain_hostdevs
+from hostagent.domain.hostdev import (GuestPciAddress, HostdevPci, alias_for, free_guest_slots, hostdevs_for_gpu,
+                                      parse_domain_hostdevs)
 from hostagent.domain.pci import PciAddress
 from hostagent.virt.port import DomainEvent, DomainInfo, DomainState, EventKind, Hypervisor
 from hostagent.virt.sim import SimulatedHypervisor
@@ -24,6 +25,13 @@ GPU = [A("0000:3b:00.0"), A("0000:3b:00.1")]
 
 
 def _gpu(slot: int = 5, funcs: list[PciAddress] = GPU) -> tuple[HostdevPci, ...]:
+    """Each function in a guest slot of its own, at function 0 (what libvirt hot-plugs), from `slot` on."""
+    return tuple(HostdevPci(source=f, guest=GuestPciAddress(0, 0, slot + i, 0), alias=alias_for(f))
+                 for i, f in enumerate(funcs))
+
+
+def _multi(slot: int = 5, funcs: list[PciAddress] = GPU) -> tuple[HostdevPci, ...]:
+    """The functions as one multifunction device on one guest slot (cold-plugged only: libvirt hot-plugs function 0)."""
     return hostdevs_for_gpu(funcs, 0, slot)
 
 
@@ -56,7 +64,7 @@ async def test_attach_to_running_domain_changes_live_and_persistent_xml() -> Non
     assert parse_domain_hostdevs(await hv.domain_xml(uuid, live=True)) == hds
     assert parse_domain_hostdevs(await hv.domain_xml(uuid, live=False)) == hds
     assert await hv.attached_hostdevs(uuid) == hds
-    assert free_guest_slots(await hv.domain_xml(uuid), 0, 1) == (5,)
+    assert free_guest_slots(await hv.domain_xml(uuid), 0, 1) == (6,)
 
 
 async def test_attach_to_shut_off_domain_is_persistent_only_and_follows_a_start() -> None:
@@ -78,7 +86,7 @@ async def test_clashes_are_refused_like_libvirt_and_nothing_changes() -> None:
         await hv.attach_hostdevs(uuid, _gpu(6))  # same PCI sources again
     with pytest.raises(HypervisorError, match="double use of PCI Address"):
         await hv.attach_hostdevs(uuid, _gpu(5, [A("0000:af:00.0")]))  # guest slot 5 function 0 is taken
-    with pytest.raises(HypervisorError, match="in use by domain vm"):
+    with pytest.raises(HypervisorError, match="in use by driver QEMU, domain vm"):
         await hv.attach_hostdevs(other, _gpu(5))  # another running domain holds the device
     assert await hv.domain_xml(uuid) == before
     assert await hv.attached_hostdevs(other) == ()
@@ -263,12 +271,13 @@ def test_kill_9_during_churn_always_leaves_a_loadable_consistent_state(tmp_path:
 
 
 async def test_libvirt_like_refusal_to_unplug_multifunction_devices() -> None:
-    hv = SimulatedHypervisor(["vm"], refuse_multifunction_unplug=True)
-    uuid = (await hv.get_domain("vm")).uuid
-    await hv.attach_hostdevs(uuid, _gpu())
-    result = await hv.detach_hostdevs(uuid, _gpu(), timeout_s=1)
-    assert not result.confirmed and result.pending == _gpu()
-    assert all("multifunction" in e for e in result.errors) and len(result.errors) == 2
+    hv = SimulatedHypervisor(detach_ack_delay_s=0.01)  # libvirt's refusals are the default
+    uuid = hv.define("vm").uuid
+    await hv.attach_hostdevs(uuid, _multi())  # cold-plugged: a multifunction slot is fine in the definition
+    hv.start("vm")
+    result = await hv.detach_hostdevs(uuid, _multi(), timeout_s=1)
+    assert not result.confirmed and result.pending == _multi()
+    assert all("multifunction" in e and "(libvirt error 9)" in e for e in result.errors) and len(result.errors) == 2
     single = _gpu(6, [A("0000:af:00.0")])  # one function alone on its slot: unplug works
     await hv.attach_hostdevs(uuid, single)
     assert (await hv.detach_hostdevs(uuid, single, timeout_s=1)).confirmed
