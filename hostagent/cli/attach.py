@@ -15,7 +15,7 @@ from hostagent.domain.errors import InvalidInput, NotFound
 
 def cmd_attach(args: argparse.Namespace) -> int:
     """Attach (or detach) a GPU's functions to a domain directly, outside the lease flow (operator tool)."""
-    from hostagent.domain.hostdev import free_guest_slots, hostdevs_for_gpu
+    from hostagent.domain.hostdev import free_guest_slots, guest_slots_needed, hostdevs_for_layout
     from hostagent.runtime import discover_host, open_hypervisor
 
     settings = settings_for(args)
@@ -45,10 +45,13 @@ def cmd_attach(args: argparse.Namespace) -> int:
                 if f.driver != "vfio-pci" and not args.dry_run:
                     raise InvalidInput(f"{f.address} is on {f.driver or 'no driver'}, not vfio-pci: run "
                                        f"`hostagent vfio bind {gpu.address}` first", field="gpu")
-            slot = free_guest_slots(await hv.domain_xml(dom.uuid, live=dom.state == "running"),
-                                    settings.libvirt.guest_bus, 1)[0]
-            hds = hostdevs_for_gpu([f.address for f in gpu.functions], settings.libvirt.guest_bus, slot,
-                                   rom_bar_off=settings.host.rom_bar_off, driver_vfio=settings.host.driver_vfio)
+            # host.guest_layout, as for a lease: `auto` (the default) is what libvirt can hot-plug and unplug
+            layout = settings.host.guest_layout
+            needed = guest_slots_needed(layout, len(gpu.functions))
+            slots = free_guest_slots(await hv.domain_xml(dom.uuid, live=dom.state == "running"),
+                                     settings.libvirt.guest_bus, needed) if needed else ()
+            hds = hostdevs_for_layout([f.address for f in gpu.functions], layout, settings.libvirt.guest_bus, slots,
+                                      rom_bar_off=settings.host.rom_bar_off, driver_vfio=settings.host.driver_vfio)
             xml = [h.to_xml() for h in hds]
             if args.dry_run:
                 return {"dry_run": True, "domain": dom.name, "xml": xml}

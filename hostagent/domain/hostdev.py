@@ -151,6 +151,33 @@ def hostdevs_for_gpu(
     return tuple(out)
 
 
+GUEST_LAYOUTS = ("auto", "multifunction", "per-function")
+
+
+def guest_slots_needed(layout: str, functions: int) -> int:
+    """How many free guest slots a GPU of `functions` functions needs in `layout` (auto: none, libvirt picks)."""
+    return 0 if layout == "auto" else 1 if layout == "multifunction" else functions
+
+
+def hostdevs_for_layout(functions: Sequence[PciAddress], layout: str, guest_bus: int, slots: Sequence[int], *,
+                        rom_bar_off: bool = False, driver_vfio: bool = True) -> list[HostdevPci]:
+    """Hostdevs for one GPU in a guest layout (host.guest_layout): `auto` leaves the guest addresses to libvirt
+    (a hot-pluggable slot each, function 0, which is what libvirt can hot-plug and unplug); `multifunction` puts
+    every function on slots[0] (libvirt hot-plugs only function 0 and cannot hot-unplug such a slot: for shut-off
+    domains); `per-function` gives each function its own slot of `slots` on `guest_bus`."""
+    if layout not in GUEST_LAYOUTS:
+        raise InvalidInput(f"unknown guest layout {layout!r}; known: {', '.join(GUEST_LAYOUTS)}", field="guest_layout")
+    if layout == "auto":
+        return [HostdevPci(source=a, guest=None, alias=alias_for(a), driver_vfio=driver_vfio, rom_bar_off=rom_bar_off)
+                for a in functions]
+    if layout == "multifunction":
+        return list(hostdevs_for_gpu(functions, guest_bus, slots[0], rom_bar_off=rom_bar_off, driver_vfio=driver_vfio))
+    out: list[HostdevPci] = []
+    for addr, slot in zip(functions, slots, strict=True):
+        out.extend(hostdevs_for_gpu([addr], guest_bus, slot, rom_bar_off=rom_bar_off, driver_vfio=driver_vfio))
+    return out
+
+
 def parse_domain_hostdevs(domain_xml: str | bytes) -> tuple[HostdevPci, ...]:
     """Every PCI subsystem hostdev in a domain XML, in document order."""
     root = _parse(domain_xml)

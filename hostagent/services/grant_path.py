@@ -19,7 +19,7 @@ from typing import Any
 
 from hostagent.domain.admission import Shadow, may_backfill, shadow
 from hostagent.domain.errors import Conflict, HostAgentError, HostError, InvalidInput
-from hostagent.domain.hostdev import HostdevPci, free_guest_slots
+from hostagent.domain.hostdev import HostdevPci, free_guest_slots, guest_slots_needed
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import (
     Arbitration,
@@ -283,8 +283,7 @@ async def bind_and_attach(m: LeaseCore, lease: Lease, actor: str) -> Lease:
             # the guest slots first (binding does not change the domain), so that the binds and the ATTACHING
             # write share one worker hop
             layout = m.policy.guest_layout
-            per_dev = [0 if layout == "auto" else 1 if layout == "multifunction" else len(d.functions)
-                       for d in lease.devices]
+            per_dev = [guest_slots_needed(layout, len(d.functions)) for d in lease.devices]
             slots: list[int] = []
             if sum(per_dev):
                 xml_live = await m._timed_hv("domain_xml", m.hv.domain_xml(lease.domain_uuid, live=True))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hostagent.domain.admission import Ledger
-from hostagent.domain.hostdev import HostdevPci, alias_for, hostdevs_for_gpu
+from hostagent.domain.hostdev import HostdevPci, hostdevs_for_layout
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Quota, Step
 from hostagent.domain.pci import PciAddress
@@ -180,18 +180,9 @@ def step_hook(prefix: str) -> Callable[[str, str], None]:
 
 
 def render_hostdevs(functions: Sequence[str], bus: int, slots: Sequence[int], policy: LeasePolicy) -> list[HostdevPci]:
-    """Hostdevs for one GPU: guest addresses left to libvirt (auto), one multifunction slot, or a slot each."""
-    addrs = [PciAddress.parse(a) for a in functions]
-    if policy.guest_layout == "auto":
-        return [HostdevPci(source=a, guest=None, alias=alias_for(a), driver_vfio=policy.driver_vfio,
-                           rom_bar_off=policy.rom_bar_off) for a in addrs]
-    if policy.guest_layout == "multifunction":
-        return list(hostdevs_for_gpu(addrs, bus, slots[0], rom_bar_off=policy.rom_bar_off,
-                                     driver_vfio=policy.driver_vfio))
-    out: list[HostdevPci] = []
-    for addr, slot in zip(addrs, slots, strict=True):
-        out.extend(hostdevs_for_gpu([addr], bus, slot, rom_bar_off=policy.rom_bar_off, driver_vfio=policy.driver_vfio))
-    return out
+    """Hostdevs for one GPU in the policy's guest layout (see hostdev.hostdevs_for_layout)."""
+    return hostdevs_for_layout([PciAddress.parse(a) for a in functions], policy.guest_layout, bus, slots,
+                               rom_bar_off=policy.rom_bar_off, driver_vfio=policy.driver_vfio)
 
 
 def guest_addr(h: HostdevPci) -> str:
