@@ -95,10 +95,16 @@ async def detach(m: LeaseCore, lease: Lease) -> str | None:
     acknowledged it with DEVICE_REMOVED; the domain had stopped or was gone; the device had already left), or None
     while the guest has not acknowledged it."""
     stopped = lease.end_reason if (lease.end_reason or "").startswith("domain ") else None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + m.policy.detach_timeout_s  # the whole detach, its first read included
     try:
-        attached = await m.hv.attached_hostdevs(lease.domain_uuid)
+        attached = await asyncio.wait_for(m.hv.attached_hostdevs(lease.domain_uuid), m.policy.detach_timeout_s)
     except NotFound:
         return GONE
+    except TimeoutError:
+        log.warning("detach for lease %s: the hypervisor did not say what the domain holds within %gs",
+                    lease.id, m.policy.detach_timeout_s, extra={"lease_id": lease.id})
+        return None
     mine = {a for d in lease.devices for a in d.functions}
     ours = [h for h in attached if str(h.source) in mine]
     if not ours:
@@ -106,7 +112,7 @@ async def detach(m: LeaseCore, lease: Lease) -> str | None:
     asyncio.get_running_loop().call_soon(crash_point, "detach:sent")  # runs at the call's first wait: sent, unacked
     try:
         result = await m._timed_hv("detach", m.hv.detach_hostdevs(lease.domain_uuid, ours,
-                                                                  m.policy.detach_timeout_s))
+                                                                  max(0.0, deadline - loop.time())))
     except NotFound:
         return GONE
     except HypervisorError as exc:

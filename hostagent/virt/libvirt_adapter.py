@@ -4,24 +4,27 @@ This is the only module that catches `libvirt.libvirtError`; it re-raises NotFou
 HypervisorUnavailable (the connection is down) or HypervisorError (anything else, with libvirt's code and
 message). A dropped connection is re-opened with backoff, callbacks are registered again, and subscribers get a
 `reconnected` event so the services layer re-reads what it may have missed.
+
+Deadlines: a blocking call runs in a worker thread, and a caller with a deadline stops waiting for it when the
+deadline comes (a thread cannot be cancelled: libvirt finishes the call by itself, and its late result or error is
+logged when it comes, never dropped). A detach runs under one deadline, its timeout, from lookup to final re-read.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import functools
 import logging
-import threading
 import uuid as uuidlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import libvirt  # type: ignore[import-untyped]
-import libvirtaio  # type: ignore[import-untyped]
 
 from hostagent.domain.errors import HostAgentError, HypervisorError, HypervisorUnavailable, NotFound
 from hostagent.domain.hostdev import HostdevPci, parse_domain_hostdevs
+from hostagent.virt.libvirt_events import ensure_event_impl
 from hostagent.virt.port import DetachResult, DomainEvent, DomainInfo, DomainState, EventCallback, EventKind
 
 log = logging.getLogger("hostagent.virt.libvirt")
@@ -43,117 +46,10 @@ _STATES = {
     libvirt.VIR_DOMAIN_CRASHED: DomainState.CRASHED,
 }
 
-
-# -- event loop integration -------------------------------------------------------------------------------------
-class _ThreadSafeAsyncIOImpl(libvirtaio.virEventAsyncIOImpl):  # type: ignore[misc]
-    """libvirtaio's implementation, safe to call from worker threads.
-
-    libvirt calls the event implementation from whichever thread runs its client code: a thread blocked in an
-    RPC reads incoming event messages and re-arms the dispatch timer from there. libvirtaio touches the asyncio
-    loop directly, which is only safe on the loop's thread (asyncio debug mode raises). Here ids are allocated
-    at once and the loop-side work is queued, in call order, to the loop thread. Never block the calling
-    thread waiting for the loop: libvirt holds its client lock while it calls us, and the loop thread may be
-    waiting for that same lock inside a libvirt callback.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(loop=loop)
-        self._ops: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
-        self._ops_lock = threading.Lock()
-
-    def _on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            here = asyncio.get_running_loop() is self.loop
-        except RuntimeError:
-            here = False
-        with self._ops_lock:
-            self._ops.append((fn, args))
-        if here:
-            self._drain_ops()
-        elif not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._drain_ops)
-
-    def _drain_ops(self) -> None:
-        while True:
-            with self._ops_lock:
-                if not self._ops:
-                    return
-                fn, args = self._ops.popleft()
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("libvirt event loop operation failed")
-
-    def _add_handle(self, fd: int, event: int, cb: Any, opaque: Any) -> int:
-        callback = libvirtaio.FDCallback(self, cb, opaque, descriptor=None, event=event)
-        self.callbacks[callback.iden] = callback
-        self._on_loop(self._install_handle, fd, callback)
-        return int(callback.iden)
-
-    def _install_handle(self, fd: int, callback: Any) -> None:
-        self._pending_inc()
-        callback.descriptor = self.descriptors[fd]
-        callback.descriptor.add_handle(callback)
-
-    def _update_handle(self, watch: int, event: int) -> None:
-        callback = self.callbacks.get(watch)
-        if callback is not None:
-            self._on_loop(callback.update, event)
-
-    def _remove_handle(self, watch: int) -> int:
-        callback = self.callbacks.pop(watch, None)
-        if callback is None:
-            return -1
-        self._on_loop(self._uninstall_handle, callback)
-        return 0
-
-    def _uninstall_handle(self, callback: Any) -> None:
-        fd = callback.descriptor.fd
-        self.descriptors[fd].remove_handle(callback.iden)
-        if not self.descriptors[fd].callbacks:
-            del self.descriptors[fd]
-        callback.close()
-
-    def _add_timeout(self, timeout: int, cb: Any, opaque: Any) -> int:
-        callback = libvirtaio.TimeoutCallback(self, cb, opaque)
-        self.callbacks[callback.iden] = callback
-        self._on_loop(self._install_timeout, callback, timeout)
-        return int(callback.iden)
-
-    def _install_timeout(self, callback: Any, timeout: int) -> None:
-        self._pending_inc()
-        callback.update(timeout=timeout)
-
-    def _update_timeout(self, timer: int, timeout: int) -> None:
-        callback = self.callbacks.get(timer)
-        if callback is not None:
-            self._on_loop(callback.update, timeout)
-
-    def _remove_timeout(self, timer: int) -> int:
-        callback = self.callbacks.pop(timer, None)
-        if callback is None:
-            return -1
-        self._on_loop(callback.close)
-        return 0
-
-
-_impl_lock = threading.Lock()
-
-
-def _ensure_event_impl(loop: asyncio.AbstractEventLoop) -> None:
-    """Register libvirt's asyncio event implementation once per process, before any connection is opened."""
-    with _impl_lock:
-        current = libvirtaio.getCurrentImpl()
-        if current is None:
-            # libvirt prints every error to stderr by default; we raise them as our own errors instead.
-            libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
-            impl = _ThreadSafeAsyncIOImpl(loop).register()
-            libvirtaio._current_impl = impl  # so getCurrentImpl() reports the one libvirt calls
-            return
-        if current.loop is not loop:
-            # libvirt accepts one event implementation per process, bound to one loop for good.
-            raise HypervisorError("libvirt events are bound to another asyncio event loop in this process",
-                                  field="libvirt")
+# The final XML re-read of a detach may run this long past the detach's deadline (so a detach returns within
+# timeout_s + _LAST_READ_S): a read that waits for no domain job answers in milliseconds, and without this slack a
+# detach whose calls used up its whole budget would have only the events to go by, never the domain's XML.
+_LAST_READ_S = 0.25
 
 
 # -- error translation ------------------------------------------------------------------------------------------
@@ -192,6 +88,11 @@ def probe(uri: str) -> str | None:
             conn.close()
 
 
+def _timed_out(exc: HostAgentError) -> bool:
+    """True for the error `LibvirtHypervisor._call` raises when a call's deadline came before libvirt answered."""
+    return bool(exc.details.get("timed_out"))
+
+
 def _domain_info(dom: Any) -> DomainInfo:
     """Blocking: name, UUID, state and persistence of a virDomain."""
     state, _reason = dom.state()
@@ -218,6 +119,10 @@ class LibvirtHypervisor:
         self._subscribers: list[EventCallback] = []
         self._waiters: dict[tuple[str, str], list[asyncio.Future[bool]]] = {}
         self._reconnect_task: asyncio.Task[None] | None = None
+        # Detach sequences (the detach calls of one _detach, in order) that may outlive the detach that started them:
+        # the newest per domain (the next one for that domain waits for it), and all of them (close() stops them).
+        self._detach_tail: dict[str, asyncio.Task[None]] = {}
+        self._detach_tasks: set[asyncio.Task[None]] = set()
         self._had_connection = False
         self._closed = False
 
@@ -246,7 +151,7 @@ class LibvirtHypervisor:
 
     async def _open(self) -> None:
         loop = asyncio.get_running_loop()
-        _ensure_event_impl(loop)
+        ensure_event_impl(loop)
         self._loop = loop
         try:
             conn = await asyncio.to_thread(libvirt.open, self.uri)
@@ -306,25 +211,91 @@ class LibvirtHypervisor:
             await asyncio.sleep(delay)
             delay = min(self.reconnect_max_s, delay * 2)
 
-    async def _call(self, what: str, fn: Callable[..., T], *args: Any, **details: Any) -> T:
-        """Run a blocking libvirt call in a thread; translate its errors."""
-        try:
-            return await asyncio.to_thread(fn, *args)
-        except libvirt.libvirtError as exc:
-            err = translate(exc, what, **details)
-            if isinstance(err, HypervisorUnavailable) and self._conn is not None:
-                # Do not wait for the close callback: start reconnecting now.
-                self._connection_lost(self._generation, -1)
-            raise err from exc
+    async def _call(self, what: str, fn: Callable[..., T], *args: Any, deadline: float | None = None,
+                    **details: Any) -> T:
+        """Run a blocking libvirt call in a worker thread; translate its errors.
 
-    async def _lookup(self, name_or_uuid: str) -> Any:
-        conn = await self._connection()
+        `deadline` (the loop's clock, absolute; None: wait as long as libvirt takes): when it comes first, the
+        caller stops waiting and gets HypervisorError with details `timed_out=True` (no call is started once the
+        deadline has passed). The thread cannot be cancelled: libvirt finishes the call by itself, and its result
+        or error is taken and logged when it comes (a connection error then still starts the reconnect). The same
+        holds when the caller is cancelled while it waits.
+        """
+        loop = asyncio.get_running_loop()
+        if deadline is not None and loop.time() >= deadline:
+            raise HypervisorError(f"{what}: not started, its deadline had passed", timed_out=True, **details)
+        generation, started = self._generation, loop.time()
+        task = loop.create_task(asyncio.to_thread(fn, *args))
+        late = functools.partial(self._late_answer, what, details, generation, started)
+        try:
+            await asyncio.wait({task}, timeout=None if deadline is None else max(0.0, deadline - started))
+        except asyncio.CancelledError:
+            task.add_done_callback(late)
+            raise
+        if not task.done():
+            task.add_done_callback(late)
+            raise HypervisorError(f"{what}: libvirt did not answer within {loop.time() - started:.1f}s (the call goes "
+                                  "on in libvirt; its outcome is logged)", timed_out=True, **details)
+        try:
+            return task.result()
+        except libvirt.libvirtError as exc:
+            raise self._failed(exc, what, details, generation) from exc
+
+    def _failed(self, exc: libvirt.libvirtError, what: str, details: dict[str, Any], generation: int) -> HostAgentError:
+        """The project's error for a failed call; a lost connection starts the reconnect at once."""
+        err = translate(exc, what, **details)
+        if isinstance(err, HypervisorUnavailable) and self._conn is not None:
+            # Do not wait for the close callback: start reconnecting now (unless it is a connection since replaced).
+            self._connection_lost(generation, -1)
+        return err
+
+    def _late_answer(self, what: str, details: dict[str, Any], generation: int, started: float,
+                     task: asyncio.Task[Any]) -> None:
+        """Take the outcome of a call whose caller stopped waiting (runs on the loop when the thread is done)."""
+        if task.cancelled():  # the loop is shutting down: its tasks are cancelled, the thread is not ours to wait for
+            return
+        took = asyncio.get_running_loop().time() - started
+        exc = task.exception()
+        if exc is None:
+            log.info("%s: libvirt answered after %.1fs, after its caller had stopped waiting", what, took)
+        elif isinstance(exc, libvirt.libvirtError):
+            err = self._failed(exc, what, details, generation)
+            log.warning("%s (after %.1fs, after its caller had stopped waiting)", err.message, took)
+        else:
+            log.error("%s: raised after %.1fs, after its caller had stopped waiting", what, took, exc_info=exc)
+
+    async def _connection_by(self, deadline: float | None, what: str) -> Any:
+        """The connection; with a deadline, stop waiting for a (re)connect still under way when it comes."""
+        if deadline is None or self._conn is not None:
+            return await self._connection()
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._connection())
+
+        def late(t: asyncio.Task[Any]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.info("%s: connecting to %s failed after its caller had stopped waiting: %s", what, self.uri,
+                         t.exception())
+
+        try:
+            await asyncio.wait({task}, timeout=max(0.0, deadline - loop.time()))
+        except asyncio.CancelledError:
+            task.add_done_callback(late)
+            raise
+        if not task.done():
+            task.add_done_callback(late)
+            raise HypervisorError(f"{what}: no connection to {self.uri} before the deadline", timed_out=True,
+                                  uri=self.uri)
+        return task.result()
+
+    async def _lookup(self, name_or_uuid: str, *, deadline: float | None = None) -> Any:
+        conn = await self._connection_by(deadline, f"looking up domain {name_or_uuid!r}")
         try:
             uid = str(uuidlib.UUID(name_or_uuid))
         except ValueError:
             return await self._call(f"looking up domain {name_or_uuid!r}", conn.lookupByName, name_or_uuid,
-                                    domain=name_or_uuid)
-        return await self._call(f"looking up domain {uid}", conn.lookupByUUIDString, uid, domain=uid)
+                                    deadline=deadline, domain=name_or_uuid)
+        return await self._call(f"looking up domain {uid}", conn.lookupByUUIDString, uid, deadline=deadline,
+                                domain=uid)
 
     # -- the port ------------------------------------------------------------------------------------------------
     async def list_domains(self) -> list[DomainInfo]:
@@ -359,7 +330,12 @@ class LibvirtHypervisor:
         return parse_domain_hostdevs(await self.domain_xml(uuid, live=True))
 
     async def attach_hostdevs(self, uuid: str, hostdevs: Sequence[HostdevPci]) -> None:
-        """Attach live + persistent (running) or persistent (shut off); verify in XML; undo on failure."""
+        """Attach live + persistent (running) or persistent (shut off); verify in XML; undo on failure.
+
+        The attach and its verification run without a deadline (the port gives none, and an attach whose outcome
+        is unknown cannot be undone safely: one that lands after the undo would leave a device in the guest). The
+        undo is a detach under `rollback_timeout_s`: what it could not confirm by then is in the error's details.
+        """
         dom = await self._lookup(uuid)
         info = await self._call(f"reading domain {uuid}", _domain_info, dom, domain=uuid)
         live = info.state is not DomainState.SHUT_OFF and info.state is not DomainState.CRASHED
@@ -374,7 +350,8 @@ class LibvirtHypervisor:
             await self._verify_attached(dom, info, hostdevs, live, flags)
         except HostAgentError as exc:
             if done and not isinstance(exc, (NotFound, HypervisorUnavailable)):
-                undo = await self._detach(dom, info, done, self.rollback_timeout_s, live, flags)
+                by = asyncio.get_running_loop().time() + max(0.0, self.rollback_timeout_s)
+                undo = await self._detach(dom, info, done, by, live, flags)
                 exc.details["rollback_confirmed"] = undo.confirmed
                 if not undo.confirmed:
                     exc.details["rollback_pending"] = [str(h.source) for h in undo.pending]
@@ -399,23 +376,49 @@ class LibvirtHypervisor:
                                       domain=info.name, missing=missing)
 
     async def detach_hostdevs(self, uuid: str, hostdevs: Sequence[HostdevPci], timeout_s: float) -> DetachResult:
-        """Detach; for a running domain wait up to timeout_s for DEVICE_REMOVED of each hostdev."""
-        dom = await self._lookup(uuid)
-        info = await self._call(f"reading domain {uuid}", _domain_info, dom, domain=uuid)
+        """Detach; for a running domain wait for DEVICE_REMOVED of each hostdev.
+
+        timeout_s bounds the whole detach, every libvirt call in it included (the lookup, the detach calls, the wait
+        for the events, the final re-read; this returns within timeout_s + _LAST_READ_S). Running out of time is
+        never an error here: what libvirt has not confirmed removed by then is in `pending`, and the detach calls
+        go on in the background (see _detach).
+        """
+        deadline = asyncio.get_running_loop().time() + max(0.0, timeout_s)
+        try:
+            dom = await self._lookup(uuid, deadline=deadline)
+            info = await self._call(f"reading domain {uuid}", _domain_info, dom, deadline=deadline, domain=uuid)
+        except HypervisorError as exc:
+            if not _timed_out(exc):
+                raise
+            return DetachResult(removed=(), pending=tuple(hostdevs), errors=(exc.message,))
         live = info.state is not DomainState.SHUT_OFF and info.state is not DomainState.CRASHED
         flags = (libvirt.VIR_DOMAIN_AFFECT_LIVE if live else 0) | (
             libvirt.VIR_DOMAIN_AFFECT_CONFIG if info.persistent or not live else 0)
-        return await self._detach(dom, info, hostdevs, timeout_s, live, flags)
+        return await self._detach(dom, info, hostdevs, deadline, live, flags)
 
-    async def _detach(self, dom: Any, info: DomainInfo, hostdevs: Sequence[HostdevPci], timeout_s: float,
+    async def _detach(self, dom: Any, info: DomainInfo, hostdevs: Sequence[HostdevPci], deadline: float,
                       live: bool, flags: int) -> DetachResult:
+        """Detach `hostdevs` and wait for their removal until `deadline` (the loop's clock).
+
+        libvirt's detachDeviceFlags itself blocks (the qemu driver waits up to 5 s per device for QEMU's
+        DEVICE_DELETED), so the calls run, one after the other as libvirt wants them per domain, in a background task
+        that this stops waiting for at the deadline. That task goes on: every hostdev asked for gets its request
+        (its DEVICE_REMOVED then reaches the subscribers), outcomes that come after this returned are logged, and
+        the next detach of the same domain sends its calls only after it. A hostdev is `removed` only when the final
+        re-read of the domain XML shows it gone (or, if that read cannot finish within _LAST_READ_S past the
+        deadline, when its DEVICE_REMOVED came, or its call returned for a device without a live part to wait for);
+        every other one is `pending`. Running out of time raises nothing: NotFound and HypervisorUnavailable from a
+        call answered in time do, as before.
+        """
         loop = asyncio.get_running_loop()
-        # timeout_s bounds the whole detach: libvirt itself blocks up to ~5 s per unacknowledged device.
-        deadline = loop.time() + max(0.0, timeout_s)
-        xml = await self._call(f"reading XML of {info.name}", dom.XMLDesc, 0, domain=info.name)
+        try:
+            xml = await self._call(f"reading XML of {info.name}", dom.XMLDesc, 0, deadline=deadline, domain=info.name)
+        except HypervisorError as exc:
+            if not _timed_out(exc):
+                raise
+            return DetachResult(removed=(), pending=tuple(hostdevs), errors=(exc.message,))
         current = {h.source: h for h in parse_domain_hostdevs(xml)}
-        errors: list[str] = []
-        waits: list[tuple[HostdevPci, asyncio.Future[bool] | None]] = []
+        plan: list[tuple[HostdevPci, HostdevPci | None, asyncio.Future[bool] | None]] = []
         for hd in hostdevs:
             attached = current.get(hd.source)
             fut: asyncio.Future[bool] | None = None
@@ -423,37 +426,95 @@ class LibvirtHypervisor:
                 # Wait for the event before asking: DEVICE_REMOVED may arrive before detachDeviceFlags returns.
                 fut = loop.create_future()
                 self._waiters.setdefault((info.uuid, attached.alias), []).append(fut)
-            try:
-                # libvirt matches a hostdev by its source address; send what is in the domain when we know it.
-                await self._call(f"detaching {hd.source} from {info.name}", dom.detachDeviceFlags,
-                                 (attached or hd).to_xml(), flags, domain=info.name, address=str(hd.source))
-            except (NotFound, HypervisorUnavailable):
-                if fut is not None:
-                    fut.cancel()
-                    self._prune_waiters()
-                raise
-            except HypervisorError as exc:
-                if attached is not None or exc.details.get("libvirt_code") != libvirt.VIR_ERR_DEVICE_MISSING:
-                    errors.append(exc.message)
-            waits.append((hd, fut))
-        futures = [f for _, f in waits if f is not None]
-        if futures:
-            await asyncio.wait(futures, timeout=max(0.0, deadline - loop.time()))
-        # Re-read: a device gone from the live XML is removed even if its event was missed (e.g. reconnecting).
+            plan.append((hd, attached, fut))
+        errors: list[str] = []
+        answered: set[int] = set()  # plan indexes whose detach call returned without an error that counts
+        returned = False  # set when the result is built: later outcomes are logged instead
+        prev = self._detach_tail.get(info.uuid)
+
+        async def sequence() -> None:
+            if prev is not None and not prev.done():
+                await asyncio.wait({prev})  # the previous detach of this domain first: one call at a time
+            for i, (hd, attached, _fut) in enumerate(plan):
+                what = f"detaching {hd.source} from {info.name}"
+                try:
+                    # libvirt matches a hostdev by its source address; send what is in the domain when we know it.
+                    await self._call(what, dom.detachDeviceFlags, (attached or hd).to_xml(), flags, domain=info.name,
+                                     address=str(hd.source))
+                except (NotFound, HypervisorUnavailable) as exc:
+                    if returned:
+                        log.warning("%s (after the detach had returned)", exc.message)
+                    raise  # the domain or the connection is gone: the rest would fail the same way
+                except HypervisorError as exc:
+                    if attached is not None or exc.details.get("libvirt_code") != libvirt.VIR_ERR_DEVICE_MISSING:
+                        if returned:
+                            log.warning("%s (after the detach had returned)", exc.message)
+                        else:
+                            errors.append(exc.message)
+                        continue
+                answered.add(i)
+                if returned:
+                    log.info("%s: libvirt answered after the detach had returned (its deadline had come)", what)
+
+        seq = loop.create_task(sequence(), name=f"detach from {info.name}")
+        self._detach_tail[info.uuid] = seq
+        self._detach_tasks.add(seq)
+
+        def sequence_done(task: asyncio.Task[None]) -> None:
+            self._detach_tasks.discard(task)
+            if self._detach_tail.get(info.uuid) is task:
+                del self._detach_tail[info.uuid]
+            # Taken here in any case (so asyncio has nothing "never retrieved" to report); before the result is
+            # built the detach itself looks at it.
+            exc = None if task.cancelled() else task.exception()
+            if exc is not None and returned and not isinstance(exc, HostAgentError):  # those were logged above
+                log.error("detach from %s failed after the detach had returned", info.name, exc_info=exc)
+
+        seq.add_done_callback(sequence_done)
+
+        def confirmed(i: int, f: asyncio.Future[bool] | None) -> bool:
+            """By the events alone: DEVICE_REMOVED came (or, with nothing live to wait for, the call returned)."""
+            if f is None:
+                return i in answered
+            return f.done() and not f.cancelled() and f.result()
+
+        def settle() -> None:  # the result is being built (or the caller left): stop waiting for the events
+            nonlocal returned
+            returned = True
+            for _hd, _attached, f in plan:
+                if f is not None and not f.done():
+                    f.cancel()
+            self._prune_waiters()
+
         try:
-            xml_now = await self._call(f"reading XML of {info.name}", dom.XMLDesc, 0, domain=info.name)
-            still = {h.source for h in parse_domain_hostdevs(xml_now)}
-        except NotFound:
-            still = set()  # the domain is gone, and its devices with it
-        except HostAgentError:
-            still = {hd.source for hd, f in waits if f is not None and not (f.done() and not f.cancelled() and f.result())}
+            waiting: set[asyncio.Future[Any]] = {seq, *(f for _, _, f in plan if f is not None)}
+            while waiting and loop.time() < deadline:
+                _done, waiting = await asyncio.wait(waiting, timeout=deadline - loop.time(),
+                                                    return_when=asyncio.FIRST_COMPLETED)
+                if seq.done() and not seq.cancelled() and seq.exception() is not None:
+                    break
+            failure = seq.exception() if seq.done() and not seq.cancelled() else None
+            if failure is not None:
+                raise failure  # NotFound or HypervisorUnavailable (other libvirt errors are in `errors`)
+            # Re-read: a device gone from the live XML is removed even if its event was missed (e.g. reconnecting).
+            try:
+                xml_now = await self._call(f"reading XML of {info.name}", dom.XMLDesc, 0,
+                                           deadline=max(deadline, loop.time() + _LAST_READ_S), domain=info.name)
+                still = {h.source for h in parse_domain_hostdevs(xml_now)}
+            except NotFound:
+                still = set()  # the domain is gone, and its devices with it
+            except HostAgentError:  # the read failed or did not finish in time: go by what the events said
+                still = {hd.source for i, (hd, _attached, f) in enumerate(plan) if not confirmed(i, f)}
+        except BaseException:
+            settle()
+            raise
+        if seq.done() and not seq.cancelled() and seq.exception() is not None:  # it stopped during the re-read
+            errors.append(str(seq.exception()))
         removed: list[HostdevPci] = []
         pending: list[HostdevPci] = []
-        for hd, fut in waits:
-            if fut is not None and not fut.done():
-                fut.cancel()
+        for hd, _attached, _f in plan:
             (removed if hd.source not in still else pending).append(hd)
-        self._prune_waiters()
+        settle()
         return DetachResult(removed=tuple(removed), pending=tuple(pending), errors=tuple(errors))
 
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
@@ -474,6 +535,11 @@ class LibvirtHypervisor:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        detaching = list(self._detach_tasks)
+        for seq in detaching:
+            seq.cancel()  # no further detach calls; one in flight finishes in its thread and is logged
+        if detaching:
+            await asyncio.wait(detaching)
         conn, ids = self._conn, self._callback_ids
         self._conn, self._callback_ids = None, []
         if conn is None:

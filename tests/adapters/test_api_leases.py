@@ -228,6 +228,26 @@ async def test_a_rejected_unplug_is_journaled_and_the_retry_asks_again(rig: Agen
     assert not funcs & vfio_functions(rig) and done["state"] == "RELEASED"
 
 
+async def test_a_hypervisor_that_does_not_answer_leaves_the_lease_detach_pending_on_time(
+        rig: AgentRig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """libvirt.detach_timeout_s bounds the whole detach, the read of what the domain holds included: a hypervisor
+    that hangs there moves the lease to DETACH_PENDING (GPU on vfio-pci) within the timeout, not when it answers."""
+    body = await lease(rig)
+    funcs = set(body["devices"][0]["functions"])
+
+    async def hangs(_uuid: str) -> tuple[Any, ...]:
+        await asyncio.sleep(30)
+        return ()
+
+    monkeypatch.setattr(rig.hv, "attached_hostdevs", hangs)
+    started = time.monotonic()
+    r = await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
+    took = time.monotonic() - started
+    assert r.status == 202 and (await r.json())["state"] == "DETACH_PENDING", await r.text()
+    assert took < rig.settings.libvirt.detach_timeout_s + 2.0, took
+    assert funcs <= vfio_functions(rig)
+
+
 async def test_renew(rig: AgentRig) -> None:
     body = await lease(rig, duration_s=60)
     r = await rig.client.post(f"/v1/leases/{body['id']}/renew", json={"duration_s": 3600}, headers=rig.auth("vm-a"))

@@ -10,7 +10,8 @@ import libvirt
 import pytest
 
 from hostagent.domain.errors import HypervisorError, HypervisorUnavailable, NotFound
-from hostagent.virt.libvirt_adapter import _ThreadSafeAsyncIOImpl, translate
+from hostagent.virt.libvirt_adapter import translate
+from hostagent.virt.libvirt_events import _ThreadSafeAsyncIOImpl
 
 
 def _error(code: int, domain: int, message: str) -> libvirt.libvirtError:
