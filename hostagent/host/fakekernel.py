@@ -15,6 +15,14 @@ attaches that driver first, as the kernel does when two loaded drivers match, e.
 through its `ids=` option; binding to a driver by name is unaffected). While a hung unbind is blocked,
 `<sys>/.fault-hanging/<addr>` exists (see `FakeKernel.hanging`), so a test can wait until the hang has begun, or has
 ended, instead of guessing with sleeps.
+
+A device its user holds open blocks its unbind from vfio-pci, as in Linux: vfio_unregister_group_dev waits until the
+last open file is closed, and meanwhile the driver signals the user's request notifier ("Relaying device request to
+user", drivers/vfio/pci/vfio_pci_core.c), on which QEMU asks the guest to unplug the device. Here the user is the
+simulated hypervisor: it marks the functions a running domain holds in `<sys>/.vfio-open/<addr>` and answers the
+requests this kernel leaves in `<sys>/.vfio-request/<addr>` (hostagent.virt.sim_rules keeps the same names). The
+unbind waits until the device is closed, at most VFIO_RELEASE_WAIT_S (the real kernel waits for ever), then fails
+with EBUSY; while it waits, `.fault-hanging/<addr>` says so.
 """
 
 from __future__ import annotations
@@ -43,6 +51,10 @@ NEW_ID_LOG = ".fake_new_id_log"
 FAULT_DIR = ".fault"
 FAULT_KINDS = ("hang_unbind", "fail_unbind", "fail_override", "fail_bind", "no_rebind", "probe_winner")
 HANGING_DIR = ".fault-hanging"  # outside FAULT_DIR: clear_faults must not make an in-flight hang look finished
+VFIO_OPEN_DIR = ".vfio-open"  # <addr>: the holder (a domain's name) has the function's vfio device open
+VFIO_REQUEST_DIR = ".vfio-request"  # <addr>: this kernel asked the holder to let go (vfio's request notifier)
+VFIO_RELEASE_WAIT_S = 30.0  # a blocked unbind of a held device gives up (EBUSY) after this long
+VFIO_RELEASE_POLL_S = 0.01
 
 # modprobe name -> modules it brings in (hard dependencies first), as modules.dep says.
 MODULE_DEPS: dict[str, tuple[str, ...]] = {
@@ -110,6 +122,27 @@ class FakeKernel(Sysfs):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
 
+    def holder(self, address: str) -> str | None:
+        """Who holds the function's vfio device open (a running domain's name), or None."""
+        try:
+            return (self._root_real / VFIO_OPEN_DIR / address).read_text().strip() or "?"
+        except OSError:
+            return None
+
+    def _wait_released(self, address: str, holder: str, target: Path) -> None:
+        """Ask the holder to let go, then wait until it has (see the module docstring)."""
+        request = self._root_real / VFIO_REQUEST_DIR / address
+        request.parent.mkdir(parents=True, exist_ok=True)
+        request.write_text(holder)
+        deadline = time.monotonic() + VFIO_RELEASE_WAIT_S
+        while self.holder(address) is not None:
+            if time.monotonic() >= deadline:
+                with contextlib.suppress(FileNotFoundError):
+                    request.unlink()
+                raise self._err(errno.EBUSY, f"vfio-pci: {address} is still held by {holder} after "
+                                f"{VFIO_RELEASE_WAIT_S:g} s", target)
+            time.sleep(VFIO_RELEASE_POLL_S)
+
     def new_id_writes(self) -> list[str]:
         """Every write to some driver's new_id so far ('driver: ids'); our binder must never make one."""
         try:
@@ -156,6 +189,10 @@ class FakeKernel(Sysfs):
                     # until the write has had its effect, so once it is gone the device's end state is readable.
                     blocked.enter_context(self._blocked(arg, f"{parent.name}/unbind"))
                     time.sleep(float(hang or "3600"))
+                holder = self.holder(arg) if parent.name == VFIO_PCI else None
+                if holder is not None:
+                    blocked.enter_context(self._blocked(arg, f"{parent.name}/unbind (held by {holder})"))
+                    self._wait_released(arg, holder, target)
             with self._locked():
                 if parent == self._root_real / "bus/pci" and attr == "drivers_probe":
                     self._probe(arg)

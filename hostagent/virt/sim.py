@@ -52,6 +52,7 @@ STATE_VERSION = 1
 # A real guest takes about 5 s to let go of a device (ACPI or PCIe native hot-unplug, the driver's remove); a
 # test that wants a faster guest says so (detach_ack_delay_s).
 DETACH_ACK_DELAY_S = 1.0
+RELEASE_POLL_S = 0.05  # how often the simulator answers the fake kernel's requests to let go of a held device
 _PARSER = etree.XMLParser(resolve_entities=False, no_network=True, remove_blank_text=True)
 
 
@@ -134,6 +135,7 @@ class SimulatedHypervisor:
         self._subscribers: list[EventCallback] = []
         self._waiters: dict[tuple[str, str], list[asyncio.Future[bool]]] = {}
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self._release_timer: asyncio.TimerHandle | None = None
         self._seq = 0
         self._written_seq = 0
         self._write_lock = threading.Lock()
@@ -180,6 +182,7 @@ class SimulatedHypervisor:
                     hv._remove_live(dom, alias)
                 elif due is not None:
                     dom.pending.pop(alias, None)  # rejected meanwhile: the device stays
+            hv._hold(dom)
         return hv
 
     def _snapshot(self) -> tuple[int, str]:
@@ -285,6 +288,7 @@ class SimulatedHypervisor:
         for hd in parse_domain_hostdevs(etree.tostring(dom.config)):
             self._check_host(dom, hd, busy)
         dom.state, dom.live = DomainState.RUNNING, copy.deepcopy(dom.config)
+        self._hold(dom)
         self.save()
         self._emit(DomainEvent(dom.uuid, dom.name, EventKind.STARTED))
 
@@ -335,6 +339,9 @@ class SimulatedHypervisor:
     def _stop(self, dom: _Domain, state: DomainState, kind: EventKind) -> None:
         if dom.live is None:
             raise HypervisorError(f"domain {dom.name} is not running", domain=dom.name)
+        if self.host is not None:  # QEMU exits: every vfio device it held is closed
+            for hd in parse_domain_hostdevs(etree.tostring(dom.live)):
+                self.host.close(str(hd.source))
         dom.state, dom.live = state, None
         for alias in list(dom.pending):
             self._cancel_timer(dom.uuid, alias)
@@ -381,6 +388,8 @@ class SimulatedHypervisor:
                     self._check_host(dom, hd, self._sources_in_use(exclude=dom.uuid))
                 for el in targets:
                     self._insert(el, hd)
+                if dom.live is not None and self.host is not None:
+                    self.host.open(str(hd.source), dom.name)
                 self.attach_count += 1
                 done.append(hd)
             missing = [hd for hd in hostdevs if not _contains(dom.current(), hd)]
@@ -419,6 +428,8 @@ class SimulatedHypervisor:
                 unconfirmed.append(hd)
             else:
                 _remove_source(dom.live, hd)
+                if self.host is not None:
+                    self.host.close(str(hd.source))
         return unconfirmed
 
     async def detach_hostdevs(self, uuid: str, hostdevs: Sequence[HostdevPci], timeout_s: float) -> DetachResult:
@@ -452,12 +463,7 @@ class SimulatedHypervisor:
                 # "is already in the process of unplug"); libvirt then still waits for the device's DEVICE_REMOVED.
                 errors.append(qemu_error("device_del", f"Device {alias} is already in the process of unplug").message)
                 continue
-            if dom.uuid in self.refuse_detach:
-                dom.pending[alias] = None
-            elif (dom.uuid, alias) not in self._timers:
-                dom.pending[alias] = time.time() + self.detach_ack_delay_s
-                self._timers[(dom.uuid, alias)] = loop.call_later(self.detach_ack_delay_s, self._complete,
-                                                                  dom.uuid, alias)
+            self._request_unplug(dom, alias, loop)
         await self._save_async()
         futures = [f for _, f in waits if f is not None]
         if futures:
@@ -475,6 +481,10 @@ class SimulatedHypervisor:
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
         """Call `callback` for every DomainEvent; returns an unsubscribe function."""
         self._subscribers.append(callback)
+        if self.host is not None and self._release_timer is None:
+            with contextlib.suppress(RuntimeError):  # no running loop (set-up code): nothing to answer yet
+                self._release_timer = asyncio.get_running_loop().call_later(RELEASE_POLL_S,
+                                                                            self._watch_release_requests)
 
         def unsubscribe() -> None:
             with contextlib.suppress(ValueError):
@@ -487,6 +497,9 @@ class SimulatedHypervisor:
         for handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._release_timer = None
         await self._save_async()
 
     # -- internals -----------------------------------------------------------------------------------------------
@@ -594,6 +607,42 @@ class SimulatedHypervisor:
             for node in dom.live.iterfind("devices/hostdev"):
                 if _alias_of(node) == alias:
                     node.getparent().remove(node)
+                    if self.host is not None:
+                        self.host.close(str(HostdevPci.from_xml(node).source))
+
+    def _hold(self, dom: _Domain) -> None:
+        """QEMU of a running domain holds the vfio device of every hostdev in its live XML (see sim_rules)."""
+        if self.host is not None and dom.live is not None:
+            for hd in parse_domain_hostdevs(etree.tostring(dom.live)):
+                self.host.open(str(hd.source), dom.name)
+
+    def _watch_release_requests(self) -> None:
+        """Answer the kernel's requests to let go of a held vfio device (an unbind of vfio-pci under a running
+        guest) as QEMU does: it asks the guest to unplug the device; a guest that acknowledges lets go (then
+        DEVICE_REMOVED, and the blocked unbind completes), one that refuses keeps it, and the unbind stays blocked.
+        Runs every RELEASE_POLL_S on the event loop while subscribers exist."""
+        self._release_timer = None
+        if self.host is None or not self._subscribers:
+            return
+        loop = asyncio.get_running_loop()
+        for address in self.host.take_requests():
+            for dom in self._domains.values():
+                if dom.live is None:
+                    continue
+                for node in dom.live.iterfind("devices/hostdev[@type='pci']"):
+                    if str(HostdevPci.from_xml(node).source) == address:
+                        self._request_unplug(dom, _alias_of(node), loop)
+        self._release_timer = loop.call_later(RELEASE_POLL_S, self._watch_release_requests)
+
+    def _request_unplug(self, dom: _Domain, alias: str, loop: asyncio.AbstractEventLoop) -> None:
+        """Ask the guest to let go of `alias` (a device_del): acknowledged after the delay, refused, or rejected."""
+        if alias in dom.pending:
+            return
+        if dom.uuid in self.refuse_detach:
+            dom.pending[alias] = None
+        elif (dom.uuid, alias) not in self._timers:
+            dom.pending[alias] = time.time() + self.detach_ack_delay_s
+            self._timers[(dom.uuid, alias)] = loop.call_later(self.detach_ack_delay_s, self._complete, dom.uuid, alias)
 
     def _resolve(self, uuid: str, alias: str, value: bool) -> None:
         for fut in self._waiters.pop((uuid, alias), []):

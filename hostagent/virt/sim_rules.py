@@ -9,6 +9,7 @@ libvirtd, and the real adapter's ``libvirt_code`` detail is set the same way.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -60,6 +61,15 @@ def qemu_error(command: str, message: str, **details: Any) -> HypervisorError:
     return libvirt_error(f"unable to execute QEMU command '{command}': {message}", VIR_ERR_INTERNAL_ERROR, **details)
 
 
+# Who holds a function's vfio device open, and the kernel's requests to let go, as files in the sysfs tree the fake
+# kernel reads (hostagent.host.fakekernel keeps the same names): QEMU holds /dev/vfio/N while the device is in a
+# running guest; unbinding vfio-pci from it blocks in vfio_unregister_group_dev until QEMU lets go, and meanwhile the
+# kernel signals QEMU's request notifier, which asks the guest to unplug the device (vfio_req_notifier_handler,
+# hw/vfio/pci.c; "Relaying device request to user" in drivers/vfio/pci/vfio_pci_core.c).
+VFIO_OPEN_DIR = ".vfio-open"
+VFIO_REQUEST_DIR = ".vfio-request"
+
+
 class HostDevices:
     """The host side of a hot-plug, read from a sysfs tree (the fake kernel's or the real one): which driver holds a
     function, and which functions share its IOMMU group."""
@@ -90,6 +100,30 @@ class HostDevices:
             return sorted(os.listdir(self.root / "kernel/iommu_groups" / group / "devices"))
         except OSError:
             return [address]
+
+    def open(self, address: str, holder: str) -> None:
+        """QEMU of `holder` opened the function's vfio device (it is in that domain's live XML)."""
+        p = self.root / VFIO_OPEN_DIR / address
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(holder)
+
+    def close(self, address: str) -> None:
+        """QEMU let go of the function (it left the live XML, or the domain stopped)."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / VFIO_OPEN_DIR / address).unlink()
+
+    def take_requests(self) -> list[str]:
+        """The functions the kernel asked their holder to release (vfio's request notifier), each taken once."""
+        try:
+            names = os.listdir(self.root / VFIO_REQUEST_DIR)
+        except OSError:
+            return []
+        taken = []
+        for name in sorted(names):
+            with contextlib.suppress(FileNotFoundError):
+                (self.root / VFIO_REQUEST_DIR / name).unlink()
+                taken.append(name)
+        return taken
 
     def check_assignable(self, address: str, *, managed: bool, domain: str, in_use: Mapping[str, str]) -> None:
         """Raise what libvirt and QEMU raise when `address` cannot be hot-plugged into `domain` now; `in_use` maps

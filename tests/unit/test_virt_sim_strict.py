@@ -4,12 +4,13 @@ guests that are slow, silent or reject an unplug. Host checks run against a fake
 from __future__ import annotations
 
 import asyncio
+import errno
 from pathlib import Path
 
 import libvirt
 import pytest
 
-from hostagent.domain.errors import HypervisorError
+from hostagent.domain.errors import HostError, HypervisorError
 from hostagent.domain.hostdev import HostdevPci, alias_for, parse_domain_hostdevs
 from hostagent.domain.pci import PciAddress
 from hostagent.host.fakekernel import FakeKernel
@@ -168,3 +169,55 @@ async def test_the_strict_settings_survive_a_restart(tmp_path: Path) -> None:
     assert hv2.hotplug_slots == 2 and hv2.fail_detach == hv.fail_detach and not hv2.refuse_multifunction_unplug
     assert hv2.refuse_nonzero_function_hotplug and hv2.detach_ack_delay_s == DETACH_ACK_DELAY_S
     await asyncio.sleep(0)
+
+
+def test_the_fake_kernel_and_the_simulator_share_the_vfio_markers() -> None:
+    from hostagent.host import fakekernel
+
+    assert (sim_rules.VFIO_OPEN_DIR, sim_rules.VFIO_REQUEST_DIR) == (fakekernel.VFIO_OPEN_DIR,
+                                                                     fakekernel.VFIO_REQUEST_DIR)
+
+
+async def test_unbinding_vfio_pci_under_a_running_guest_blocks_until_the_guest_lets_go(host) -> None:
+    """As in Linux: the unbind waits for QEMU to close the device, QEMU asks the guest to unplug it, the guest
+    acknowledges (DEVICE_REMOVED), and only then does the unbind complete."""
+    kernel, members, hv = host
+    hv.detach_ack_delay_s = 0.2
+    uuid = (await hv.get_domain("vm")).uuid
+    _to_vfio(kernel, *members)
+    await hv.attach_hostdevs(uuid, _auto(*members))
+    events: list[DomainEvent] = []
+    hv.subscribe(events.append)
+    assert kernel.holder(members[0]) == "vm"
+    unbind = asyncio.ensure_future(asyncio.to_thread(kernel.write, "bus/pci/drivers/vfio-pci/unbind", members[0]))
+    for _ in range(100):
+        if members[0] in kernel.hanging():
+            break
+        await asyncio.sleep(0.01)
+    assert kernel.hanging()[members[0]] == "vfio-pci/unbind (held by vm)" and not unbind.done()
+    await asyncio.wait_for(unbind, 5)
+    assert [(e.kind, e.detail) for e in events] == [(EventKind.DEVICE_REMOVED, alias_for(PciAddress.parse(members[0])))]
+    assert kernel.read_link(f"bus/pci/devices/{members[0]}/driver") is None and kernel.holder(members[0]) is None
+    assert members[0] not in [str(h.source) for h in await hv.attached_hostdevs(uuid)]
+    await hv.close()
+
+
+async def test_a_guest_that_never_lets_go_keeps_the_unbind_blocked(host, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hostagent.host import fakekernel
+
+    monkeypatch.setattr(fakekernel, "VFIO_RELEASE_WAIT_S", 0.5)
+    kernel, members, hv = host
+    uuid = (await hv.get_domain("vm")).uuid
+    _to_vfio(kernel, *members)
+    await hv.attach_hostdevs(uuid, _auto(*members))
+    hv.subscribe(lambda _e: None)
+    hv.set_refuse_detach("vm")
+    with pytest.raises(HostError) as exc:
+        await asyncio.to_thread(kernel.write, "bus/pci/drivers/vfio-pci/unbind", members[0])
+    assert exc.value.details["errno"] == errno.EBUSY and "still held by vm" in exc.value.message
+    assert kernel.read_link(f"bus/pci/devices/{members[0]}/driver") == "vfio-pci"  # never taken from the guest
+    assert members[0] in [str(h.source) for h in await hv.attached_hostdevs(uuid)]
+    hv.shutdown("vm")  # QEMU exits: the device is closed, and now it can be unbound
+    assert kernel.holder(members[0]) is None
+    kernel.write("bus/pci/drivers/vfio-pci/unbind", members[0])
+    await hv.close()
