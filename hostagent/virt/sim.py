@@ -42,6 +42,7 @@ from lxml import etree
 from hostagent.domain.errors import Conflict, HypervisorError, InvalidInput, NotFound
 from hostagent.domain.hostdev import HostdevPci, free_guest_slots, parse_domain_hostdevs
 from hostagent.virt.port import DetachResult, DomainEvent, DomainInfo, DomainState, EventCallback, EventKind
+from hostagent.virt.sim_xml import alias_of, contains, domain_element, find_source, multifunction, remove_source
 from hostagent.virt.sim_rules import (VIR_ERR_CONFIG_UNSUPPORTED, VIR_ERR_INTERNAL_ERROR, VIR_ERR_OPERATION_FAILED,
                                       VIR_ERR_OPERATION_INVALID, VIR_ERR_XML_ERROR, HostDevices, libvirt_error,
                                       qemu_error)
@@ -71,25 +72,6 @@ class _Domain:
 
     def current(self) -> Any:
         return self.live if self.live is not None else self.config
-
-
-def _domain_element(name: str, uuid: str) -> Any:
-    """An i440fx-shaped domain: guest bus 0 with slots 1-3 taken, like a freshly defined libvirt guest."""
-    root = etree.Element("domain", type="kvm")
-    etree.SubElement(root, "name").text = name
-    etree.SubElement(root, "uuid").text = uuid
-    etree.SubElement(root, "memory", unit="KiB").text = "4194304"
-    etree.SubElement(root, "vcpu").text = "4"
-    os_el = etree.SubElement(root, "os")
-    etree.SubElement(os_el, "type", arch="x86_64", machine="pc").text = "hvm"
-    devices = etree.SubElement(root, "devices")
-    etree.SubElement(devices, "controller", type="pci", index="0", model="pci-root")
-    for tag, attrs, slot, fn in (("controller", {"type": "usb", "index": "0", "model": "piix3-uhci"}, 1, 2),
-                                 ("video", {}, 2, 0), ("memballoon", {"model": "virtio"}, 3, 0)):
-        el = etree.SubElement(devices, tag, attrs)
-        etree.SubElement(el, "address", type="pci", domain="0x0000", bus="0x00", slot=f"0x{slot:02x}",
-                         function=f"0x{fn:x}")
-    return root
 
 
 class SimulatedHypervisor:
@@ -259,7 +241,7 @@ class SimulatedHypervisor:
         uid = str(uuidlib.UUID(uuid)) if uuid else str(uuidlib.uuid4())
         if uid in self._domains:
             raise Conflict(f"domain with uuid {uid} already exists", field="uuid")
-        dom = _Domain(uid, name, DomainState.SHUT_OFF, _domain_element(name, uid))
+        dom = _Domain(uid, name, DomainState.SHUT_OFF, domain_element(name, uid))
         self._domains[uid] = dom
         if state is DomainState.RUNNING:
             dom.state, dom.live = DomainState.RUNNING, copy.deepcopy(dom.config)
@@ -392,7 +374,7 @@ class SimulatedHypervisor:
                     self.host.open(str(hd.source), dom.name)
                 self.attach_count += 1
                 done.append(hd)
-            missing = [hd for hd in hostdevs if not _contains(dom.current(), hd)]
+            missing = [hd for hd in hostdevs if not contains(dom.current(), hd)]
             if missing:
                 raise libvirt_error(f"attached hostdevs missing from the domain XML: {[str(h.source) for h in missing]}",
                                     VIR_ERR_INTERNAL_ERROR, domain=dom.name)
@@ -417,17 +399,17 @@ class SimulatedHypervisor:
         back to a host driver. Any other guest lets go at once."""
         unconfirmed = []
         for hd in done:
-            _remove_source(dom.config, hd)
+            remove_source(dom.config, hd)
             if dom.live is None:
                 continue
-            el = _find_source(dom.live, hd)
+            el = find_source(dom.live, hd)
             if el is None:
                 continue
             if dom.uuid in self.refuse_detach:
-                dom.pending[_alias_of(el)] = None
+                dom.pending[alias_of(el)] = None
                 unconfirmed.append(hd)
             else:
-                _remove_source(dom.live, hd)
+                remove_source(dom.live, hd)
                 if self.host is not None:
                     self.host.close(str(hd.source))
         return unconfirmed
@@ -437,24 +419,24 @@ class SimulatedHypervisor:
         dom = self._find(uuid)
         if dom.live is None:
             for hd in hostdevs:
-                _remove_source(dom.config, hd)
+                remove_source(dom.config, hd)
             await self._save_async()
             return DetachResult(removed=tuple(hostdevs))
         loop = asyncio.get_running_loop()
         waits: list[tuple[HostdevPci, asyncio.Future[bool] | None]] = []
         errors: list[str] = []
         for hd in hostdevs:
-            _remove_source(dom.config, hd)  # the persistent part is immediate, as in libvirt
-            el = _find_source(dom.live, hd)
+            remove_source(dom.config, hd)  # the persistent part is immediate, as in libvirt
+            el = find_source(dom.live, hd)
             if el is None:
                 waits.append((hd, None))  # not attached (any more): nothing to wait for
                 continue
-            if self.refuse_multifunction_unplug and _multifunction(dom.live, el):
+            if self.refuse_multifunction_unplug and multifunction(dom.live, el):
                 errors.append(libvirt_error(f"cannot hot unplug hostdev device with multifunction PCI guest address: "
                                             f"{hd.source}", VIR_ERR_OPERATION_FAILED).message)
                 waits.append((hd, _never_removed(loop)))
                 continue
-            alias = _alias_of(el)
+            alias = alias_of(el)
             fut: asyncio.Future[bool] = loop.create_future()
             self._waiters.setdefault((dom.uuid, alias), []).append(fut)
             waits.append((hd, fut))
@@ -605,7 +587,7 @@ class SimulatedHypervisor:
         dom.pending.pop(alias, None)
         if dom.live is not None:
             for node in dom.live.iterfind("devices/hostdev"):
-                if _alias_of(node) == alias:
+                if alias_of(node) == alias:
                     node.getparent().remove(node)
                     if self.host is not None:
                         self.host.close(str(HostdevPci.from_xml(node).source))
@@ -631,7 +613,7 @@ class SimulatedHypervisor:
                     continue
                 for node in dom.live.iterfind("devices/hostdev[@type='pci']"):
                     if str(HostdevPci.from_xml(node).source) == address:
-                        self._request_unplug(dom, _alias_of(node), loop)
+                        self._request_unplug(dom, alias_of(node), loop)
         self._release_timer = loop.call_later(RELEASE_POLL_S, self._watch_release_requests)
 
     def _request_unplug(self, dom: _Domain, alias: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -666,45 +648,10 @@ class SimulatedHypervisor:
                 log.exception("event subscriber failed on %s", event.kind.value)
 
 
-def _find_source(el: Any, hd: HostdevPci) -> Any | None:
-    for node in el.iterfind("devices/hostdev[@type='pci']"):
-        if HostdevPci.from_xml(node).source == hd.source:
-            return node
-    return None
-
-
-def _remove_source(el: Any, hd: HostdevPci) -> None:
-    node = _find_source(el, hd)
-    if node is not None:
-        node.getparent().remove(node)
-
-
-def _contains(el: Any, hd: HostdevPci) -> bool:
-    node = _find_source(el, hd)
-    return node is not None and (hd.guest is None or HostdevPci.from_xml(node).guest == hd.guest)
-
-
-def _multifunction(domain_el: Any, node: Any) -> bool:
-    """True when the device's guest slot is multifunction or shared with another function (libvirt's test)."""
-    addr = node.find("address[@type='pci']")
-    if addr is None:
-        return False
-    if addr.get("multifunction") == "on":
-        return True
-    key = (addr.get("domain"), addr.get("bus"), addr.get("slot"))
-    return any(other is not addr and (other.get("domain"), other.get("bus"), other.get("slot")) == key
-               for other in domain_el.iterfind("devices/*/address[@type='pci']"))
-
-
 def _never_removed(loop: asyncio.AbstractEventLoop) -> asyncio.Future[bool]:
     fut: asyncio.Future[bool] = loop.create_future()
     fut.set_result(False)
     return fut
-
-
-def _alias_of(node: Any) -> str:
-    a = node.find("alias")
-    return a.get("name") if a is not None else ""
 
 
 def _log_failed_save(fut: asyncio.Future[None]) -> None:
