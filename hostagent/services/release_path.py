@@ -219,6 +219,15 @@ async def on_domain_event(m: LeaseCore, kind: str, domain_uuid: str, detail: str
                 current = m.leases.get(lease.id)
                 if current is not None and current.state is S.DETACH_PENDING:
                     await safe(finish_release(m, current, "libvirt", S.RELEASED))
+        # A device that leaves an ACTIVE lease's running domain without a detach asked for (the guest ejected it
+        # itself, or QEMU let go of it): the lease cannot serve any more and nothing holds the device, so the lease
+        # ends and its GPU goes back to the host (the rest of its functions detached first), rather than staying
+        # ACTIVE without its device and the GPU stranded on vfio-pci.
+        for lease in [x for x in m.leases.values() if x.domain_uuid == domain_uuid and x.state is S.ACTIVE
+                      and detail is not None and detail in _aliases(x)]:
+            reason = f"the guest let go of {detail} without a detach asked for (DEVICE_REMOVED)"
+            log.warning("lease %s: %s; ending the lease", lease.id, reason, extra={"lease_id": lease.id})
+            await safe(m.release(lease.id, actor="libvirt", reason=reason))
         return
     if kind not in ("stopped", "crashed", "undefined"):
         return
@@ -228,6 +237,11 @@ async def on_domain_event(m: LeaseCore, kind: str, domain_uuid: str, detail: str
         await safe(m.release(lease.id, actor=actor, reason=reason or f"domain {kind}"))
 
 
+def _aliases(lease: Lease) -> set[str]:
+    """The libvirt aliases the agent gives the lease's hostdevs (one per function)."""
+    return {alias_for(PciAddress.parse(a)) for d in lease.devices for a in d.functions}
+
+
 async def detach_rejected(m: LeaseCore, domain_uuid: str, alias: str | None) -> None:
     """The guest rejected the unplug of `alias` (QEMU's DEVICE_UNPLUG_GUEST_ERROR, libvirt's DEVICE_REMOVAL_FAILED):
     journal it on the lease detaching that device, so the lease's history says why it stays DETACH_PENDING. The
@@ -235,8 +249,7 @@ async def detach_rejected(m: LeaseCore, domain_uuid: str, alias: str | None) -> 
     for lease in m.leases.values():
         if lease.domain_uuid != domain_uuid or lease.state not in (S.DETACHING, S.DETACH_PENDING):
             continue
-        functions = [a for d in lease.devices for a in d.functions]
-        if alias is not None and alias not in {alias_for(PciAddress.parse(a)) for a in functions}:
+        if alias is not None and alias not in _aliases(lease):
             continue
         detail = (f"the guest of {lease.domain_name} rejected the unplug of {alias or 'a device'} "
                   "(DEVICE_REMOVAL_FAILED); the GPU stays on vfio-pci, held by the lease, and the next detach retry "

@@ -308,6 +308,18 @@ class SimulatedHypervisor:
         (self.refuse_detach.add if refuse else self.refuse_detach.discard)(dom.uuid)
         self.save()
 
+    def eject(self, name_or_uuid: str, address: str) -> None:
+        """The guest ejects a device by itself (an ACPI eject from inside it): the device leaves the live XML and
+        DEVICE_REMOVED fires, with no detach asked for."""
+        dom = self._find(name_or_uuid)
+        for node in (dom.live.iterfind("devices/hostdev[@type='pci']") if dom.live is not None else ()):
+            if str(HostdevPci.from_xml(node).source) == address:
+                alias = alias_of(node)
+                dom.pending[alias] = time.time()
+                self._complete(dom.uuid, alias)
+                return
+        raise NotFound(f"{address} is not in the running domain {dom.name}", field="address")
+
     def set_fail_detach(self, name_or_uuid: str, fail: bool = True) -> None:
         """Make the domain's guest reject (or again accept) unplug requests: DEVICE_REMOVAL_FAILED, device kept."""
         dom = self._find(name_or_uuid)

@@ -248,6 +248,19 @@ async def test_a_hypervisor_that_does_not_answer_leaves_the_lease_detach_pending
     assert funcs <= vfio_functions(rig)
 
 
+async def test_a_device_the_guest_ejects_by_itself_ends_the_lease(rig: AgentRig) -> None:
+    """DEVICE_REMOVED for an ACTIVE lease's device, with no detach asked for (the guest ejected it): the lease ends
+    and every function of its GPU goes back to the host, instead of the lease staying ACTIVE without its device."""
+    body = await lease(rig)
+    funcs = sorted(body["devices"][0]["functions"])
+    assert set(funcs) <= vfio_functions(rig)
+    rig.hv.eject("vm-a", funcs[0])
+    done = await wait_state(rig, body["id"], "vm-a", "RELEASED")
+    assert "without a detach asked for" in done["end_reason"], done
+    assert not set(funcs) & vfio_functions(rig)
+    assert await rig.hv.attached_hostdevs(rig.uuids["vm-a"]) == ()
+
+
 async def test_renew(rig: AgentRig) -> None:
     body = await lease(rig, duration_s=60)
     r = await rig.client.post(f"/v1/leases/{body['id']}/renew", json={"duration_s": 3600}, headers=rig.auth("vm-a"))
