@@ -143,6 +143,7 @@ class Runtime:
     last_heartbeat: dict[str, float] = field(default_factory=dict)
     sample_buckets: dict[str, TokenBucket] = field(default_factory=dict)  # lease -> its heartbeat sample rate
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    _unsubscribe: Callable[[], None] | None = None  # from the hypervisor's subscribe, while started
     use_store: bool = True
     placer: Any = None
     reread_retry_s: float = REREAD_RETRY_S
@@ -355,7 +356,7 @@ class Runtime:
             self.hypervisor_ok = True
         except HostAgentError as exc:
             log.error("hypervisor unreachable at start: %s", exc.message)
-        self.hypervisor.subscribe(self._on_domain_event)
+        self._unsubscribe = self.hypervisor.subscribe(self._on_domain_event)
         self.repairs = await Reconciler(self.manager).run()
         await self._open_store()
         loop_tasks = [self.manager.run_queue(), self._periodic(5.0, self.manager.expire_due),
@@ -523,6 +524,9 @@ class Runtime:
     async def stop(self) -> None:
         """Stop jobs, drain samples, close connections."""
         self.started = False
+        if self._unsubscribe is not None:  # a stopped agent reacts to no event (its journal is about to close)
+            self._unsubscribe()
+            self._unsubscribe = None
         if self.reaper is not None:
             await self.reaper.stop()
         tasks, self.tasks = self.tasks, []  # a re-read task leaves the list as it ends: never while it is walked
@@ -614,6 +618,20 @@ class Runtime:
             if kind:
                 await self.manager.on_domain_event(kind, lease.domain_uuid, actor="reconnect",
                                                    reason=f"domain {kind} ({MISSED_WHILE_AWAY})")
+                continue
+            # Still up: a device it gave up while the agent was away (the guest's own eject; its DEVICE_REMOVED
+            # lost) is attached again, or the lease ends, as the start-up reconcile does.
+            repair = Reconciler(self.manager, actor="reconnect")
+            try:
+                attached = {str(h.source) for h in await self.hypervisor.attached_hostdevs(lease.domain_uuid)}
+                settled = await repair.restore_devices(lease, attached)
+            except HostAgentError as exc:
+                log.warning("cannot re-read the devices of domain %s (lease %s) after the reconnect: %s; lease kept",
+                            lease.domain_name, lease.id, exc.message, extra={"lease_id": lease.id})
+                settled = False
+            self.repairs.extend(repair.repairs)
+            if not settled:
+                unread.append(lease_id)
         return unread
 
 

@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from hostagent.domain.errors import HostAgentError, NotFound
+from hostagent.domain.errors import HostAgentError, HypervisorUnavailable, NotFound
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseState
 from hostagent.domain.pci import PciAddress
 from hostagent.services.lease_types import VFIO_DRIVER as VFIO
@@ -38,8 +38,9 @@ class Reconciler:
 
     ACTOR = "reconcile"
 
-    def __init__(self, manager: LeaseManager) -> None:
+    def __init__(self, manager: LeaseManager, actor: str = ACTOR) -> None:
         self.m = manager
+        self.actor = actor
         self.repairs: list[Repair] = []
 
     async def _note(self, subject: str, found: str, action: str, *, lease_id: str | None = None,
@@ -47,7 +48,7 @@ class Reconciler:
         r = Repair(subject, found, action)
         self.repairs.append(r)
         log.warning("repair %s: %s -> %s", subject, found, action, extra={"lease_id": lease_id, "gpu_id": gpu_id})
-        await self.m._run(self.m.journal.event, "repair", actor=self.ACTOR, lease_id=lease_id, gpu_id=gpu_id,
+        await self.m._run(self.m.journal.event, "repair", actor=self.actor, lease_id=lease_id, gpu_id=gpu_id,
                           detail=f"found {found}; {action}")
 
     async def run(self) -> list[Repair]:
@@ -103,7 +104,7 @@ class Reconciler:
                 notes.append(f"gave {dev.gpu_id} back to its host driver")
             else:
                 notes.append(f"{dev.gpu_id} would not return: {res.error}; quarantined")
-                await self.m._quarantine(dev.gpu_id, f"did not return to host during reconcile: {res.error}", self.ACTOR)
+                await self.m._quarantine(dev.gpu_id, f"did not return to host during reconcile: {res.error}", self.actor)
         return notes
 
     async def _fail(self, lease: Lease, found: str) -> None:
@@ -112,14 +113,14 @@ class Reconciler:
         if attached:
             if await self.m._detach(lease) is None:
                 # Still attached and unacknowledged: the lease must hold the device until the guest lets go.
-                lease = await self.m._move(lease, S.ACTIVE, self.ACTOR, "reconcile: attach had completed")
-                lease = await self.m._move(lease, S.RELEASING, self.ACTOR, "reconcile: undo half-done grant")
-                lease = await self.m._move(lease, S.DETACHING, self.ACTOR, "detaching")
-                await self.m._finish_release(lease, self.ACTOR, S.RELEASED)
+                lease = await self.m._move(lease, S.ACTIVE, self.actor, "reconcile: attach had completed")
+                lease = await self.m._move(lease, S.RELEASING, self.actor, "reconcile: undo half-done grant")
+                lease = await self.m._move(lease, S.DETACHING, self.actor, "detaching")
+                await self.m._finish_release(lease, self.actor, S.RELEASED)
                 await self._note(lease.id, found, "detach not acknowledged: lease kept DETACH_PENDING", lease_id=lease.id)
                 return
         notes = await self._give_back_devices(lease, await self._disturbed(lease))
-        await self.m._move(lease, S.FAILED, self.ACTOR, "; ".join(notes) or "nothing was bound",
+        await self.m._move(lease, S.FAILED, self.actor, "; ".join(notes) or "nothing was bound",
                            error="agent stopped mid-grant", ended_at=self.m.clock(), end_reason="failed")
         await self._note(lease.id, found, "rolled back to FAILED: " + ("; ".join(notes) or "nothing to undo"),
                          lease_id=lease.id)
@@ -129,7 +130,7 @@ class Reconciler:
         if st is S.QUEUED:
             return
         if st is S.REQUESTED:
-            await self.m._move(lease, S.FAILED, self.ACTOR, "agent stopped before placement",
+            await self.m._move(lease, S.FAILED, self.actor, "agent stopped before placement",
                                error="agent restarted", ended_at=self.m.clock(), end_reason="failed")
             await self._note(lease.id, "REQUESTED lease (never placed)", "marked FAILED", lease_id=lease.id)
             return
@@ -143,7 +144,7 @@ class Reconciler:
             if attached is not None and attached == want and len(on_vfio) == len(lease.devices) and all(
                 d.guest_addresses for d in lease.devices
             ):
-                await self.m._move(lease, S.ACTIVE, self.ACTOR, "reconcile: attach had completed",
+                await self.m._move(lease, S.ACTIVE, self.actor, "reconcile: attach had completed",
                                    granted_at=self.m.clock())
                 await self._note(lease.id, "ATTACHING lease fully attached", "finished to ACTIVE", lease_id=lease.id)
             else:
@@ -154,13 +155,13 @@ class Reconciler:
             return
         if st in (S.RELEASING, S.DETACHING, S.DETACH_PENDING):
             if st is S.RELEASING:
-                lease = await self.m._move(lease, S.DETACHING, self.ACTOR, "reconcile: continue release")
-            done = await self.m._finish_release(lease, self.ACTOR, S.RELEASED)
+                lease = await self.m._move(lease, S.DETACHING, self.actor, "reconcile: continue release")
+            done = await self.m._finish_release(lease, self.actor, S.RELEASED)
             await self._note(lease.id, f"lease stopped in {st.value}", f"continued release: now {done.state.value}",
                              lease_id=lease.id)
             return
         if st is S.REBINDING:
-            done = await self.m._give_back_all(lease, self.ACTOR, S.RELEASED)
+            done = await self.m._give_back_all(lease, self.actor, S.RELEASED)
             await self._note(lease.id, "lease stopped in REBINDING", f"gave devices back: now {done.state.value}",
                              lease_id=lease.id)
 
@@ -169,15 +170,15 @@ class Reconciler:
         try:
             dom = await self.m.hv.get_domain(lease.domain_uuid)
         except NotFound:
-            lease = await self.m._move(lease, S.RELEASING, self.ACTOR, "domain no longer exists",
+            lease = await self.m._move(lease, S.RELEASING, self.actor, "domain no longer exists",
                                        end_reason="domain undefined")
-            lease = await self.m._move(lease, S.DETACHING, self.ACTOR, "nothing to detach")
-            done = await self.m._finish_release(lease, self.ACTOR, S.RELEASED)
+            lease = await self.m._move(lease, S.DETACHING, self.actor, "nothing to detach")
+            done = await self.m._finish_release(lease, self.actor, S.RELEASED)
             await self._note(lease.id, "ACTIVE lease whose domain is gone", f"released: {done.state.value}",
                              lease_id=lease.id)
             return
         if dom.state != "running" and not self.m.policy.keep_on_domain_stop:
-            await self.m.release(lease.id, actor=self.ACTOR, reason=f"domain {dom.state} while the agent was away")
+            await self.m.release(lease.id, actor=self.actor, reason=f"domain {dom.state} while the agent was away")
             await self._note(lease.id, f"ACTIVE lease whose domain is {dom.state}", "released", lease_id=lease.id)
             return
         # Re-bind devices that lost vfio-pci (host reboot), then re-attach what is missing.
@@ -188,21 +189,46 @@ class Reconciler:
                 res = await self.m._run(self.m.host.bind, gpu, None)
                 await self._note(lease.id, f"{dev.gpu_id} not on vfio-pci", "re-bound" if res.ok else
                                  f"re-bind failed: {res.error}", lease_id=lease.id, gpu_id=dev.gpu_id)
-        attached = await self._attached(lease) or set()
+        attached = await self._attached(lease)
+        if attached is not None:
+            await self.restore_devices(lease, attached)
+
+    async def restore_devices(self, lease: Lease, attached: set[str]) -> bool:
+        """An ACTIVE lease whose domain lacks some of its functions (`attached`: the lease's functions the domain
+        holds now, as libvirt answered: live when it runs, else its configuration): attach them again, or end the
+        lease.
+
+        A lease is never left ACTIVE without its device (the crash matrix's invariant; the guest could not use the
+        GPU, and nothing would give it back). So when libvirt refuses the re-attach, the lease ends: the release
+        detaches whatever of it is still attached (waiting for DEVICE_REMOVED as always) and gives the GPU back.
+        Only an unreachable libvirt, which says nothing about the guest, keeps the lease as it is for the next
+        reconcile or reconnect to look again: False then (True once settled)."""
         missing = [d for d in lease.devices if not set(d.functions) <= attached]
-        if missing:
-            hds = []
-            for d in missing:
-                guest = [PciAddress.parse(a) for a in d.guest_addresses if a] or [PciAddress(0, self.m.policy.guest_bus, 1, 0)]
-                slots = sorted({g.slot for g in guest})
-                hds.extend(render_hostdevs(d.functions, guest[0].bus, slots, self.m.policy))
-            try:
-                await self.m.hv.attach_hostdevs(lease.domain_uuid, hds)
-                action = "re-attached"
-            except HostAgentError as exc:
-                action = f"re-attach failed: {exc.message}"
-            await self._note(lease.id, f"{len(missing)} device(s) of an ACTIVE lease not attached", action,
+        if not missing:
+            return True
+        found = f"{len(missing)} device(s) of an ACTIVE lease not attached to its domain"
+        hds = []
+        for d in missing:
+            guest = [PciAddress.parse(a) for a in d.guest_addresses if a] or [PciAddress(0, self.m.policy.guest_bus, 1, 0)]
+            slots = sorted({g.slot for g in guest})
+            hds.extend(h for h in render_hostdevs(d.functions, guest[0].bus, slots, self.m.policy)
+                       if str(h.source) not in attached)
+        try:
+            await self.m.hv.attach_hostdevs(lease.domain_uuid, hds)
+        except HypervisorUnavailable as exc:
+            await self._note(lease.id, found, f"re-attach failed: {exc.message}; lease kept until libvirt answers",
                              lease_id=lease.id)
+            return False
+        except HostAgentError as exc:
+            await self._note(lease.id, found, f"re-attach refused: {exc.message}; lease ended", lease_id=lease.id)
+            done = await self.m.release(lease.id, actor=self.actor,
+                                        reason=f"device missing from the domain; re-attach refused: "
+                                               f"{exc.message}")
+            log.warning("lease %s ended %s: its device could not be attached again", lease.id, done.state.value,
+                        extra={"lease_id": lease.id})
+            return True
+        await self._note(lease.id, found, "re-attached", lease_id=lease.id)
+        return True
 
     async def _orphans(self) -> None:
         """GPUs on vfio-pci that no live lease owns: give back unless pinned or attached to some domain."""
@@ -229,7 +255,7 @@ class Reconciler:
                              "gave back to the host driver" if res.ok else f"give-back failed: {res.error}; quarantined",
                              gpu_id=gpu.id)
             if not res.ok:
-                await self.m._quarantine(gpu.id, f"orphan would not return to host: {res.error}", self.ACTOR)
+                await self.m._quarantine(gpu.id, f"orphan would not return to host: {res.error}", self.actor)
 
 
 def summarize(repairs: list[Repair]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from hostagent.domain.errors import Conflict, HostAgentError, HypervisorError, NotFound
-from hostagent.domain.hostdev import alias_for
+from hostagent.domain.hostdev import HostdevPci, alias_for
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseState, Step
 from hostagent.domain.pci import PciAddress
 from hostagent.services.admission import queue_deadline
@@ -107,11 +107,21 @@ async def detach(m: LeaseCore, lease: Lease) -> str | None:
         return None
     mine = {a for d in lease.devices for a in d.functions}
     ours = [h for h in attached if str(h.source) in mine]
+    # What left the running domain (the guest let go of it) may still be in its persistent definition, where the
+    # next boot would take a GPU the host has back: it goes from there too (nothing to wait for).
+    left = [HostdevPci(source=PciAddress.parse(a)) for a in sorted(mine - {str(h.source) for h in ours})]
     if not ours:
+        try:
+            await m.hv.detach_hostdevs(lease.domain_uuid, left, max(0.0, deadline - loop.time()))
+        except NotFound:
+            return GONE
+        except HypervisorError as exc:
+            log.warning("lease %s: removing its devices from the definition of %s failed: %s", lease.id,
+                        lease.domain_name, exc.message, extra={"lease_id": lease.id})
         return f"nothing to detach ({stopped})" if stopped else "nothing to detach: the device had left the domain"
     asyncio.get_running_loop().call_soon(crash_point, "detach:sent")  # runs at the call's first wait: sent, unacked
     try:
-        result = await m._timed_hv("detach", m.hv.detach_hostdevs(lease.domain_uuid, ours,
+        result = await m._timed_hv("detach", m.hv.detach_hostdevs(lease.domain_uuid, ours + left,
                                                                   max(0.0, deadline - loop.time())))
     except NotFound:
         return GONE

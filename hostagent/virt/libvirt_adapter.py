@@ -24,6 +24,7 @@ import libvirt  # type: ignore[import-untyped]
 
 from hostagent.domain.errors import HostAgentError, HypervisorError, HypervisorUnavailable, NotFound
 from hostagent.domain.hostdev import HostdevPci, parse_domain_hostdevs
+from hostagent.domain.pci import PciAddress
 from hostagent.virt.libvirt_events import ensure_event_impl
 from hostagent.virt.port import DetachResult, DomainEvent, DomainInfo, DomainState, EventCallback, EventKind
 
@@ -330,7 +331,8 @@ class LibvirtHypervisor:
         return parse_domain_hostdevs(await self.domain_xml(uuid, live=True))
 
     async def attach_hostdevs(self, uuid: str, hostdevs: Sequence[HostdevPci]) -> None:
-        """Attach live + persistent (running) or persistent (shut off); verify in XML; undo on failure.
+        """Attach live + persistent (running; live only where the persistent definition holds the device already)
+        or persistent (shut off); verify in XML; undo on failure.
 
         The attach and its verification run without a deadline (the port gives none, and an attach whose outcome
         is unknown cannot be undone safely: one that lands after the undo would leave a device in the guest). The
@@ -341,11 +343,19 @@ class LibvirtHypervisor:
         live = info.state is not DomainState.SHUT_OFF and info.state is not DomainState.CRASHED
         flags = (libvirt.VIR_DOMAIN_AFFECT_LIVE if live else 0) | (
             libvirt.VIR_DOMAIN_AFFECT_CONFIG if info.persistent or not live else 0)
+        defined: set[PciAddress] = set()
+        if live and flags & libvirt.VIR_DOMAIN_AFFECT_CONFIG:
+            # A device the persistent definition holds already (the guest let go of it live; a re-attach) goes in
+            # live only: libvirt refuses a second copy in the definition (VIR_ERR_OPERATION_INVALID).
+            xml = await self._call(f"reading XML of {info.name}", dom.XMLDesc, libvirt.VIR_DOMAIN_XML_INACTIVE,
+                                   domain=info.name)
+            defined = {h.source for h in parse_domain_hostdevs(xml)}
         done: list[HostdevPci] = []
         try:
             for hd in hostdevs:
-                await self._call(f"attaching {hd.source} to {info.name}", dom.attachDeviceFlags, hd.to_xml(), flags,
-                                 domain=info.name, address=str(hd.source))
+                hd_flags = flags & ~libvirt.VIR_DOMAIN_AFFECT_CONFIG if hd.source in defined else flags
+                await self._call(f"attaching {hd.source} to {info.name}", dom.attachDeviceFlags, hd.to_xml(),
+                                 hd_flags, domain=info.name, address=str(hd.source))
                 done.append(hd)
             await self._verify_attached(dom, info, hostdevs, live, flags)
         except HostAgentError as exc:
@@ -439,8 +449,11 @@ class LibvirtHypervisor:
                 what = f"detaching {hd.source} from {info.name}"
                 try:
                     # libvirt matches a hostdev by its source address; send what is in the domain when we know it.
-                    await self._call(what, dom.detachDeviceFlags, (attached or hd).to_xml(), flags, domain=info.name,
-                                     address=str(hd.source))
+                    # One not in the running domain (the guest let go of it) may still be in its persistent
+                    # definition: that part alone, as libvirt refuses a LIVE|CONFIG detach missing either half.
+                    hd_flags = flags & ~libvirt.VIR_DOMAIN_AFFECT_LIVE if live and attached is None else flags
+                    await self._call(what, dom.detachDeviceFlags, (attached or hd).to_xml(), hd_flags,
+                                     domain=info.name, address=str(hd.source))
                 except (NotFound, HypervisorUnavailable) as exc:
                     if returned:
                         log.warning("%s (after the detach had returned)", exc.message)

@@ -83,7 +83,8 @@ class Hypervisor(Protocol):
         """The live XML (running domain) or the persistent (inactive) XML."""
 
     async def attach_hostdevs(self, uuid: str, hostdevs: Sequence[HostdevPci]) -> None:
-        """Attach (live and persistent when running, persistent when shut off), verify, undo on failure."""
+        """Attach (live and persistent when running, live only where the persistent definition holds the device
+        already; persistent when shut off), verify, undo on failure."""
 
     async def detach_hostdevs(self, uuid: str, hostdevs: Sequence[HostdevPci], timeout_s: float) -> DetachResult:
         """Detach and wait up to timeout_s for removal; never claims removal the guest has not acknowledged."""

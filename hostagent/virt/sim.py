@@ -365,7 +365,8 @@ class SimulatedHypervisor:
         return parse_domain_hostdevs(etree.tostring(self._find(uuid).current()))
 
     async def attach_hostdevs(self, uuid: str, hostdevs: Sequence[HostdevPci]) -> None:
-        """Attach one by one (live + config when running); undo the ones done if a later one fails."""
+        """Attach one by one (live + config when running, live only where the config holds it already); undo the
+        ones done if a later one fails."""
         dom = self._find(uuid)
         if self.attach_latency_s:
             await asyncio.sleep(self.attach_latency_s)
@@ -375,7 +376,9 @@ class SimulatedHypervisor:
                 if self.fail_attach_after is not None and self.attach_count >= self.fail_attach_after:
                     raise qemu_error("device_add", f"simulated failure attaching {hd.source} to {dom.name}",
                                      domain=dom.name, address=str(hd.source))
-                targets = [dom.config] + ([dom.live] if dom.live is not None else [])
+                # Running, a device its definition holds already goes in live only, as the libvirt adapter does.
+                in_config = dom.live is not None and find_source(dom.config, hd) is not None
+                targets = ([] if in_config else [dom.config]) + ([dom.live] if dom.live is not None else [])
                 for el in targets:
                     self._check_attach(dom, el, hd, live=el is dom.live)
                 if dom.live is not None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from hostagent.domain.hostdev import parse_domain_hostdevs
 from hostagent.domain.hostops import HostOpResult
 from hostagent.domain.lease import LeaseState
 from hostagent.services.reconcile import Reconciler
@@ -259,6 +260,8 @@ async def test_a_device_the_guest_ejects_by_itself_ends_the_lease(rig: AgentRig)
     assert "without a detach asked for" in done["end_reason"], done
     assert not set(funcs) & vfio_functions(rig)
     assert await rig.hv.attached_hostdevs(rig.uuids["vm-a"]) == ()
+    # Nor is any left in the persistent definition, where the next boot would take a GPU the host has back.
+    assert parse_domain_hostdevs(await rig.hv.domain_xml(rig.uuids["vm-a"], live=False)) == ()
 
 
 async def test_renew(rig: AgentRig) -> None:
