@@ -12,7 +12,8 @@ Faults, read from files so another process sharing the tree sees them: `<sys>/.f
 `hang_unbind` (content: seconds), `fail_unbind`, `fail_override`, `fail_bind` (vfio-pci probe fails),
 `no_rebind` (a host driver's probe fails) and `probe_winner` (content: a driver name; a probe with no override
 attaches that driver first, as the kernel does when two loaded drivers match, e.g. nouveau over nvidia, or vfio-pci
-through its `ids=` option; binding to a driver by name is unaffected). While a hung unbind is blocked,
+through its `ids=` option; binding to a driver by name is unaffected) and `fail_reset` (the function does not
+come back from a reset: ENOTTY, as pci_dev_wait gives up). While a hung unbind is blocked,
 `<sys>/.fault-hanging/<addr>` exists (see `FakeKernel.hanging`), so a test can wait until the hang has begun, or has
 ended, instead of guessing with sleeps.
 
@@ -39,6 +40,7 @@ from hostagent.domain.errors import HostError
 from hostagent.host.fakesysfs import (
     DRIVER_MODULES,
     NATIVE_DRIVER_FILE,
+    RESET_SUPPORTED_FILE,
     make_driver_dir,
     make_module_dir,
     relative_symlink,
@@ -49,7 +51,8 @@ VFIO_PCI = "vfio-pci"
 LOCK_FILE = ".fake-kernel.lock"
 NEW_ID_LOG = ".fake_new_id_log"
 FAULT_DIR = ".fault"
-FAULT_KINDS = ("hang_unbind", "fail_unbind", "fail_override", "fail_bind", "no_rebind", "probe_winner")
+FAULT_KINDS = ("hang_unbind", "fail_unbind", "fail_override", "fail_bind", "no_rebind", "probe_winner",
+               "fail_reset")
 HANGING_DIR = ".fault-hanging"  # outside FAULT_DIR: clear_faults must not make an in-flight hang look finished
 VFIO_OPEN_DIR = ".vfio-open"  # <addr>: the holder (a domain's name) has the function's vfio device open
 VFIO_REQUEST_DIR = ".vfio-request"  # <addr>: this kernel asked the holder to let go (vfio's request notifier)
@@ -231,10 +234,39 @@ class FakeKernel(Sysfs):
                 raise self._err(errno.EINVAL, f"driver_override of {dev.name} refused", target)
             name = value.strip()
             (dev / "driver_override").write_text((name or "(null)") + "\n")
-        elif attr in ("reset", "remove", "rescan"):
+        elif attr == "reset":
+            self._reset(dev, value, target)
+        elif attr == "reset_method":
+            self._reset_method(dev, value, target)
+        elif attr in ("remove", "rescan"):
             return
         else:
             raise self._err(errno.EACCES, f"{attr} of {dev.name} is read-only", target)
+
+    def _reset(self, dev: Path, value: str, target: Path) -> None:
+        """`reset` (reset_store, drivers/pci/pci-sysfs.c): "1" resets the function by the first method in
+        reset_method that works; none left (an operator emptied the list) is ENOTTY, as is a device that does not
+        come back from its reset (the `fail_reset` fault: pci_dev_wait's "not ready after FLR; giving up")."""
+        if not (dev / "reset").exists():
+            raise self._err(errno.ENOENT, f"{dev.name} has no reset attribute (no reset method)", target)
+        if value.strip() != "1":
+            raise self._err(errno.EINVAL, f"reset of {dev.name} takes 1", target)
+        if not (dev / "reset_method").read_text().split():
+            raise self._err(errno.ENOTTY, f"{dev.name}: every reset method is disabled", target)
+        if self._fault("fail_reset", dev.name) is not None:
+            raise self._err(errno.ENOTTY, f"{dev.name} not ready after reset; giving up", target)
+
+    def _reset_method(self, dev: Path, value: str, target: Path) -> None:
+        """`reset_method` (reset_method_store, drivers/pci/pci.c): "default" restores every method the device has;
+        an empty line disables them all; otherwise a list of supported methods, in the order to try them."""
+        supported = (dev / RESET_SUPPORTED_FILE).read_text().split()
+        names = value.split()
+        if names == ["default"]:
+            names = supported
+        unknown = [n for n in names if n not in supported]
+        if unknown:
+            raise self._err(errno.EINVAL, f"{dev.name} does not support reset method(s) {unknown}", target)
+        (dev / "reset_method").write_text(" ".join(names) + "\n" if names else "\n")
 
     def _unbind(self, driver: str, address: str, target: Path) -> None:
         dev = self._dev(address, target)

@@ -17,6 +17,7 @@ from pathlib import Path
 from hostagent.domain.pci import PciAddress
 
 NATIVE_DRIVER_FILE = ".fake_native_driver"
+RESET_SUPPORTED_FILE = ".fake_reset_supported"  # the reset methods the device has (reset_method may list fewer)
 KERNEL_RELEASE = "6.1.0-18-amd64"
 GiB = 1024**3
 MiB = 1024**2
@@ -64,6 +65,9 @@ class FakeDevice:
     bars: tuple[tuple[int, int, int], ...] = ()  # (bar index, size, flags)
     link: tuple[str, int, str, int] | None = None  # current speed, width, max speed, max width
     vram: int | None = None  # amdgpu's mem_info_vram_total
+    # How the kernel can reset it (Linux 5.15+ `reset_method`, in the kernel's order); "" when it has none, and then,
+    # as in Linux (pci_dev_reset_attr_is_visible), neither `reset` nor `reset_method` exists.
+    reset_methods: str = "flr bus"
     group_key: str = ""  # devices sharing a key share an IOMMU group
     group: int | None = None
 
@@ -414,9 +418,11 @@ def build_tree(root: str | os.PathLike[str], scenario: str) -> FakeHost:
             "subsystem_vendor": f"0x{d.subsystem[0]:04x}", "subsystem_device": f"0x{d.subsystem[1]:04x}",
             "class": f"0x{d.class_code:06x}", "revision": "0xa1", "numa_node": str(d.numa),
             "driver_override": "(null)", "enable": "1" if d.driver else "0", "irq": "0",
-            "local_cpulist": "0-15" if d.numa <= 0 else "16-31", "reset": "", "remove": "",
+            "local_cpulist": "0-15" if d.numa <= 0 else "16-31", "remove": "",
             NATIVE_DRIVER_FILE: d.driver or "",
         }
+        if d.reset_methods:
+            attrs.update(reset="", reset_method=d.reset_methods, **{RESET_SUPPORTED_FILE: d.reset_methods})
         if d.link:
             attrs.update(current_link_speed=d.link[0], current_link_width=str(d.link[1]),
                          max_link_speed=d.link[2], max_link_width=str(d.link[3]))

@@ -147,3 +147,27 @@ def test_writes_from_another_process_see_the_same_kernel(tmp_path) -> None:
             f"k.write('bus/pci/devices/{GPU}/driver/unbind', '{GPU}')")
     subprocess.run([sys.executable, "-c", code, str(host.sys_root)], check=True)
     assert drivers(k, [GPU]) == {GPU: None}
+
+
+def test_reset_follows_reset_method_and_can_fail(tmp_path) -> None:
+    """`reset` uses the methods `reset_method` lists; an emptied list or a device that never comes back from its
+    reset is ENOTTY; `reset_method` takes only what the device supports, and "default" restores them."""
+    _, k, _ = fake_host(tmp_path, "workstation")
+    dev = f"bus/pci/devices/{GPU}"
+    assert k.read_str(f"{dev}/reset_method") == "flr bus"
+    k.write(f"{dev}/reset", "1")
+    with pytest.raises(HostError) as exc:
+        k.write(f"{dev}/reset_method", "flr acpi")
+    assert exc.value.details["errno"] == errno.EINVAL and k.read_str(f"{dev}/reset_method") == "flr bus"
+    k.write(f"{dev}/reset_method", "bus")
+    assert k.read_str(f"{dev}/reset_method") == "bus"
+    k.write(f"{dev}/reset_method", "\n")
+    with pytest.raises(HostError) as exc:
+        k.write(f"{dev}/reset", "1")
+    assert exc.value.details["errno"] == errno.ENOTTY
+    k.write(f"{dev}/reset_method", "default")
+    assert k.read_str(f"{dev}/reset_method") == "flr bus"
+    k.set_fault("fail_reset", GPU)
+    with pytest.raises(HostError) as exc:
+        k.write(f"{dev}/reset", "1")
+    assert exc.value.details["errno"] == errno.ENOTTY and "not ready" in exc.value.message

@@ -64,7 +64,9 @@ def test_boot_vga_and_reset_policy(tmp_path: Path) -> None:
     gpu = tree.gpus[0]
     dev = tree.sys_root / "bus/pci/devices" / gpu
     sysfs = Sysfs(tree.sys_root)
-    assert preflight.reset_methods(sysfs, gpu) is None  # the fake kernel predates reset_method; `reset` exists
+    assert preflight.reset_methods(sysfs, gpu) == ["flr", "bus"]
+    (dev / "reset_method").unlink()  # a kernel before 5.15: `reset` alone says some method exists
+    assert preflight.reset_methods(sysfs, gpu) is None
     (dev / "boot_vga").write_text("1\n")
     (dev / "reset_method").write_text("\n")
     got = preflight.check(sysfs, tree.proc_root, gpu, [gpu])
