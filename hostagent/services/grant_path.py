@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hostagent.domain.admission import Shadow, may_backfill, shadow
@@ -133,13 +133,17 @@ async def _decide_and_grant(m: LeaseCore, domain_uuid: str, domain_name: str, re
         born = (Step(None, S.REQUESTED, "requested"),)
         candidates = feasible(m, request)
         free = [g for g in candidates if is_free(m, g.id)]
-        waiting = [Waiting(x.id, x.request.priority, x.queued_at or x.created_at, x.request.gpus)
-                   for x in m.leases.values() if x.state is S.QUEUED]
+        queued = [x for x in m.leases.values() if x.state is S.QUEUED]
+        waiting = [Waiting(x.id, x.request.priority, x.queued_at or x.created_at, x.request.gpus) for x in queued]
+        # A queued request its own tenant's quota holds back (GPU-hours spent) waits without holding anyone up:
+        # only those that could start now are ahead of this one.
+        allows = quota_view(m)
+        ahead = [w for w, x in zip(waiting, queued) if allows(x)]
         asked = request if cap == request.gpus else dataclasses.replace(request, gpus=cap)
-        verdict = arbitrate(asked, len(free), len(candidates), waiting)
+        verdict = arbitrate(asked, len(free), len(candidates), ahead)
         why = verdict.reason if cap == request.gpus else f"{verdict.reason} (the quota leaves {cap})"
-        if waiting and verdict.verdict in (Verdict.DEFER, Verdict.REFUSE):
-            room = backfill_room(m, asked, free, now, head_shadow(m, now))
+        if ahead and verdict.verdict in (Verdict.DEFER, Verdict.REFUSE):
+            room = backfill_room(m, asked, free, now, head_shadow(m, now, allows=allows))
             if room is not None:
                 free, why = room
                 count = min(cap, len(free))
@@ -208,12 +212,29 @@ def quota_allows(m: LeaseCore, lease: Lease) -> int:
         return 0
 
 
-def head_shadow(m: LeaseCore, now: float, order: Sequence[Lease] | None = None
-                ) -> tuple[Lease, frozenset[str], Shadow] | None:
-    """The head of the queue (the first queued lease its quotas let start), the GPUs it could use, and its
-    shadow (predicted start, spare GPUs then); None when no queued lease could start."""
-    head = next((x for x in (queued_in_order(m) if order is None else order)[:BACKFILL_DEPTH]
-                 if quota_allows(m, x)), None)
+def quota_view(m: LeaseCore) -> Callable[[Lease], int]:
+    """`quota_allows` for the queued leases of one decision, each answer worked out once per tenant and request
+    shape: a queued lease's answer depends only on its tenant's use less its own share (which its size and
+    accept_partial fix) and on that size, so equal leases of one VM share it. A queue of one VM's hundreds of
+    requests then costs a few quota reckonings, not one walk of every lease each."""
+    memo: dict[tuple[str, str, int, bool], int] = {}
+
+    def allows(lease: Lease) -> int:
+        key = (lease.domain_uuid, lease.domain_name, lease.request.gpus, lease.request.accept_partial)
+        if key not in memo:
+            memo[key] = quota_allows(m, lease)
+        return memo[key]
+
+    return allows
+
+
+def head_shadow(m: LeaseCore, now: float, order: Sequence[Lease] | None = None,
+                allows: Callable[[Lease], int] | None = None) -> tuple[Lease, frozenset[str], Shadow] | None:
+    """The head of the queue (the first queued lease its quotas let start, however many quota-blocked ones are
+    before it), the GPUs it could use, and its shadow (predicted start, spare GPUs then); None when no queued
+    lease could start."""
+    allows = allows or quota_view(m)
+    head = next((x for x in (queued_in_order(m) if order is None else order) if allows(x)), None)
     if head is None:
         return None
     usable = feasible(m, head.request)

@@ -25,6 +25,7 @@ from hostagent.services.grant_path import (
     is_free,
     queued_in_order,
     quota_allows,
+    quota_view,
 )
 from hostagent.services.lease_types import LOGGER, LeaseCore
 
@@ -121,13 +122,15 @@ async def drain(m: LeaseCore) -> list[Lease]:
 def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None:
     """The queued lease to grant now, the GPUs it may use, how many, and why it may start ahead of the head."""
     now = m.clock()
-    order = in_order(m)[:BACKFILL_DEPTH]
-    hs = head_shadow(m, now, order)
+    order = in_order(m)
+    allows = quota_view(m)
+    hs = head_shadow(m, now, order, allows)
     if hs is None:
         return None
     head = hs[0]
-    for x in order[order.index(head):]:
-        allowed = quota_allows(m, x)
+    at = order.index(head)
+    for x in order[at:at + BACKFILL_DEPTH]:  # the head, then backfill candidates: bounded work per decision
+        allowed = allows(x)
         if not allowed:
             continue
         free = [g for g in feasible(m, x.request) if is_free(m, g.id)]

@@ -105,6 +105,31 @@ async def test_a_queued_grant_is_rechecked_against_the_quota(tmp_path: Path, aio
     assert held(rig, "vm-a") == 1
 
 
+async def test_requests_a_quota_holds_back_never_hold_up_anyone(tmp_path: Path, aiohttp_client: Any) -> None:
+    """Queued requests whose own tenant is out of GPU-hours wait without holding anyone up: with GPUs free, another
+    VM's request that does not accept a deferral is granted at once (it used to be refused, "requests of equal or
+    higher priority are waiting"), and more such requests than a decision looks at (BACKFILL_DEPTH) in front of a
+    request that can start do not stall the queue."""
+    clock = Clock()
+    rig = await _rig(tmp_path, aiohttp_client, clock=clock, queue_max_per_vm=0,
+                     projects={"spent": {"domains": ["vm-a", "vm-b"], "max_gpu_hours_per_day": 1.0}})
+    m = rig.runtime.manager
+    first = await lease(rig, "vm-a", gpus=1, duration_s=7200)
+    hog = await lease(rig, "vm-c", gpus=7, duration_s=7200)
+    blocked = [await lease(rig, "vm-a" if i % 2 else "vm-b", 202, gpus=1, priority=0, accept_deferred=True)
+               for i in range(70)]
+    waiter = await lease(rig, "vm-d", 202, gpus=1, accept_deferred=True)
+    clock.advance(3601)  # the project has now used its GPU-hour: its 70 queued requests cannot start
+    await release(rig, "vm-a", first["id"])
+    await settle(rig)
+    assert m.leases[waiter["id"]].state is S.ACTIVE, "70 held-back requests in front stalled the queue"
+    assert all(m.leases[b["id"]].state is S.QUEUED for b in blocked)
+    await release(rig, "vm-c", hog["id"])
+    now = await lease(rig, "vm-c", gpus=2)  # no accept_deferred: granted, the held-back requests are not ahead
+    assert now["state"] == "ACTIVE" and held(rig, "vm-c") == 2
+    assert held(rig, "vm-a") + held(rig, "vm-b") == 0
+
+
 async def test_gpu_hours_count_ended_leases_over_a_sliding_day(tmp_path: Path, aiohttp_client: Any) -> None:
     clock = Clock()
     rig = await _rig(tmp_path, aiohttp_client, clock=clock, max_gpu_hours_per_day_per_vm=2.0)
