@@ -88,11 +88,15 @@ MAX_GPUS_PER_REQUEST = 64
 # direction marks, embeddings and overrides, line/paragraph separators, BOM). One pattern for the parser and the
 # OpenAPI document, so both accept the same strings. The parser also refuses lone surrogates (a JSON escape such as
 # "\\ud800" alone), which no database stores as UTF-8; they are not Unicode scalar values, so no schema validator's
-# regex can name them and the document leaves them out.
-LABEL_PATTERN = ("^[^\\x00-\\x1f\\x7f-\\x9f\\u00ad\\u061c\\u180e\\u200b-\\u200f\\u2028-\\u202e\\u2060-\\u206f\\ufeff"
-                 "\\ufff9-\\ufffb]*$")
+# regex can name them and the document leaves them out. Blank fillers that render as nothing (combining grapheme
+# joiner, Hangul fillers, Khmer inherent vowels) are refused too, and so are the tag characters (U+E0000-U+E007F,
+# invisible); those lie outside the BMP, where JSON Schema patterns differ between validators (UTF-16 code units
+# or code points), so the document declares that check as a runtime one (`x-runtime-checks`).
+LABEL_PATTERN = ("^[^\\x00-\\x1f\\x7f-\\x9f\\u00ad\\u034f\\u061c\\u115f\\u1160\\u17b4\\u17b5\\u180e"
+                 "\\u200b-\\u200f\\u2028-\\u202e\\u2060-\\u206f\\u3164\\ufeff\\uffa0\\ufff9-\\ufffb]*$")
 _LABEL = re.compile(LABEL_PATTERN[:-1] + "\\Z")  # \Z: Python's $ also matches before a trailing newline
-_SURROGATE = re.compile("[\\ud800-\\udfff]")
+_NOT_IN_PATTERN = re.compile("[\\ud800-\\udfff\\U000e0000-\\U000e007f]")  # lone surrogates; tag characters
+LABEL_FIELDS = ("task_type", "idempotency_key", "vendor", "model", "project")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +143,7 @@ def _num(body: Mapping[str, Any], key: str, *, integer: bool, lo: float, hi: flo
 def _text(body: Mapping[str, Any], key: str, max_len: int = 64) -> str:
     value = body[key]
     if (not isinstance(value, str) or not value or len(value) > max_len or not _LABEL.match(value)
-            or _SURROGATE.search(value)):
+            or _NOT_IN_PATTERN.search(value)):
         raise InvalidInput(f"{key} must be 1..{max_len} characters without control or invisible formatting "
                            "characters", field=key)
     return value

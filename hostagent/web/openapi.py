@@ -6,7 +6,14 @@ from typing import Any
 
 from hostagent import __version__
 from hostagent.config import LeaseSettings
-from hostagent.domain.lease import LABEL_PATTERN, MAX_GPUS_PER_REQUEST, NUMA_POLICIES, PRECISIONS, LeaseState
+from hostagent.domain.lease import (
+    LABEL_FIELDS,
+    LABEL_PATTERN,
+    MAX_GPUS_PER_REQUEST,
+    NUMA_POLICIES,
+    PRECISIONS,
+    LeaseState,
+)
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -169,7 +176,10 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
         "/v1/leases": {
             "post": {"summary": "ask for GPUs", "operationId": "createLease", "security": _SECURED,
                      "x-runtime-checks": {"domain": "an operator must name the VM; a guest may name only its own",
-                                          "not_after": "must be in the future"},
+                                          "not_after": "must be in the future",
+                                          **{f: "no tag characters (U+E0000-U+E007F, invisible), which lie "
+                                                "outside the BMP where schema patterns differ between validators"
+                                             for f in LABEL_FIELDS}},
                      "requestBody": {"required": True, "content": {"application/json": {
                          "schema": {"$ref": "#/components/schemas/LeaseRequest"}}}},
                      "responses": {"201": _ok("granted and attached", "Lease"),
@@ -256,12 +266,24 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
             "responses": {"200": {"description": "reaper status", "content": {"application/json": {"schema": {
                 "type": "object"}}}}, **_STD}}},
         "/v1/events": {"get": {
-            "summary": "operator: journal events", "operationId": "listEvents", "security": _SECURED,
+            "summary": "operator: journal events, the newest page first (each page oldest first)",
+            "operationId": "listEvents", "security": _SECURED,
+            "x-runtime-checks": {"cursor": "a next_cursor this API issued"},
             "parameters": [{"name": "lease_id", "in": "query", "schema": {"type": "string"}},
                            {"name": "gpu_id", "in": "query", "schema": {"type": "string"}},
-                           {"name": "kind", "in": "query", "schema": {"type": "string"}}],
+                           {"name": "kind", "in": "query", "schema": {"type": "string"},
+                            "description": "comma-separated event kinds"},
+                           {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
+                                                                       "maximum": MAX_PAGE},
+                            "description": f"events per page (default 500, at most {MAX_PAGE})"},
+                           {"name": "cursor", "in": "query", "schema": {"type": "string", "pattern": "^[0-9]{1,19}$"},
+                            "description": "next_cursor of the previous page: the events before it"}],
             "responses": {"200": {"description": "events", "content": {"application/json": {"schema": {
-                "type": "object"}}}}, **_STD}}},
+                "type": "object", "required": ["events", "next_cursor"],
+                "properties": {"events": {"type": "array", "items": {"type": "object"}},
+                               "next_cursor": {"type": "string", "nullable": True,
+                                               "description": "older events follow; null on the last page"}}}}}},
+                          "400": _err("bad limit or cursor"), **_STD}}},
     }
     from hostagent.web import openapi_ext
 

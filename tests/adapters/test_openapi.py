@@ -94,8 +94,15 @@ def test_label_pattern_is_the_parsers_rule() -> None:
         return True
 
     rule = re.compile(LABEL_PATTERN)
-    for ch in map(chr, [*range(0, 0x250), 0x61C, 0x200B, 0x2028, 0x202E, 0x2066, 0xFEFF, 0x6771, 0x1F600]):
+    invisible = [0x34F, 0x61C, 0x115F, 0x1160, 0x17B4, 0x200B, 0x2028, 0x202E, 0x2066, 0x3164, 0xFEFF, 0xFFA0]
+    for ch in map(chr, [*range(0, 0x250), *invisible, 0x6771, 0x1F600, 0x2764, 0xFE0F]):
         text = f"a{ch}b"
         assert accepted(text) == bool(rule.match(text)), repr(ch)
         assert not accepted(text + "\n"), repr(ch)
+    assert not any(accepted(f"a{chr(c)}b") for c in invisible)  # fillers that render as nothing among them
+    assert accepted("\u2764\ufe0f") and accepted("\U0001f3f4")  # an emoji and its variation selector are text
     assert not accepted("a\ud800b") and not accepted("\udfff")
+    # Tag characters: invisible, outside the BMP, refused by the parser and declared a runtime check in the document
+    assert not accepted("a\U000e0041b") and not accepted("\U000e007f")
+    declared = document()["paths"]["/v1/leases"]["post"]["x-runtime-checks"]
+    assert {"task_type", "project", "idempotency_key", "vendor", "model"} <= set(declared)
