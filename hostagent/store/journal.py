@@ -22,6 +22,7 @@ from typing import Any
 
 from hostagent.domain.errors import InvalidInput
 from hostagent.domain.lease import Lease, LeaseState, Step
+from hostagent.store import lease_listing as listing
 
 ENDED_PARSED_KEPT = 4096  # ended leases kept parsed for lease_page (each never changes again)
 _TERMINAL_STATES = frozenset(st.value for st in LeaseState if st.terminal)
@@ -92,6 +93,11 @@ def _position(cursor: str) -> tuple[float, int]:
     return position
 
 
+def _lower(text: Any) -> Any:
+    """SQL py_lower(): Python's lower() of text, anything else as it is."""
+    return text.lower() if isinstance(text, str) else text
+
+
 def read_boot_id(proc_root: Path = Path("/proc")) -> str:
     """The kernel's boot id (changes on every boot); 'unknown' when unreadable."""
     try:
@@ -115,6 +121,8 @@ class Journal:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        # the dashboard's VM filter matches any case as Python does (SQLite's lower() folds ASCII only)
+        self._db.create_function("py_lower", 1, _lower, deterministic=True)
         self._unique_idempotency_keys()
         self._indexed_history()
 
@@ -311,9 +319,14 @@ class Journal:
             page = rows[:limit]
             known = {lid: self._ended[lid] for _, _, _, lid, _ in page if lid in self._ended}
         following = _cursor(page[-1][1], page[-1][2]) if page and len(rows) > limit else None
+        return self._parse([(doc, lid, state) for doc, _, _, lid, state in page], known), following
+
+    def _parse(self, rows: Sequence[tuple[str, str, str]], known: dict[str, Lease]) -> list[Lease]:
+        """The leases of (doc, id, state) rows: those in `known` (read from the cache under the lock that read the
+        rows) as they are, the others parsed, and the ended ones among them kept parsed for the next page."""
         out = []
         parsed: list[Lease] = []
-        for doc, _, _, lid, state in page:
+        for doc, lid, state in rows:
             lease = known.get(lid)
             if lease is None:
                 lease = Lease.from_dict(json.loads(doc))
@@ -326,7 +339,54 @@ class Journal:
                     self._ended[lease.id] = lease
                 while len(self._ended) > ENDED_PARSED_KEPT:
                     self._ended.popitem(last=False)
-        return out, following
+        return out
+
+    def _select_leases(self, sql: str, params: Any) -> list[tuple[Lease, tuple[Any, ...]]]:
+        """Each lease of a statement whose first columns are doc, id, state, with the rest of its row."""
+        with self._lock:
+            rows = self._db.execute(sql, params).fetchall()
+            known = {r[1]: self._ended[r[1]] for r in rows if r[1] in self._ended}
+        return list(zip(self._parse([r[:3] for r in rows], known), (tuple(r[3:]) for r in rows)))
+
+    # -- sorted listings (the dashboard's leases table and CSV; SQL in lease_listing.py) -------------------------
+    def sorted_page(self, f: listing.LeaseFilter, order: listing.Order, *, limit: int,
+                    after: listing.Position | None = None, before: listing.Position | None = None,
+                    from_end: bool = False) -> list[tuple[Lease, listing.Position]]:
+        """Up to `limit` leases of a sorted, filtered listing with their positions, in the listing's order: the
+        first ones, those after `after`, those just before `before`, or the last ones (`from_end`)."""
+        sql, params = listing.page_sql(f, order, limit=limit, after=after, before=before, from_end=from_end)
+        rows = [(lease, listing.Position(tuple(rest[2:]), rest[0], rest[1]))
+                for lease, rest in self._select_leases(sql, params)]
+        return rows[::-1] if before is not None or from_end else rows
+
+    def count_sorted(self, f: listing.LeaseFilter, order: listing.Order | None = None,
+                     position: listing.Position | None = None) -> tuple[int, int]:
+        """How many leases a listing holds, and how many of them come before `position` in `order`."""
+        sql, params = listing.count_sql(f, order, position)
+        with self._lock:
+            total, ahead = self._db.execute(sql, params).fetchone()
+        return int(total), int(ahead)
+
+    def lease_positions(self, f: listing.LeaseFilter) -> list[tuple[str, float, int]]:
+        """(id, created_at, rowid) of every lease a listing holds, for an order computed outside the journal."""
+        sql, params = listing.positions_sql(f)
+        with self._lock:
+            return [(lid, float(created), int(rowid)) for lid, created, rowid in self._db.execute(sql, params)]
+
+    def leases_by_id(self, lease_ids: Sequence[str]) -> list[Lease]:
+        """These leases, in the order asked (unknown ids left out)."""
+        found: dict[str, Lease] = {}
+        for i in range(0, len(lease_ids), 500):
+            chunk = list(lease_ids[i:i + 500])
+            sql = f"SELECT doc, id, state FROM leases WHERE id IN ({','.join('?' * len(chunk))})"
+            found.update((x.id, x) for x, _ in self._select_leases(sql, chunk))
+        return [found[lid] for lid in lease_ids if lid in found]
+
+    def lease_labels(self) -> tuple[list[str], list[str]]:
+        """Every task type and every project the journal's leases name, sorted (the filters' choices)."""
+        with self._lock:
+            rows = self._db.execute(listing.LABELS_SQL).fetchall()
+        return (sorted({t for t, _ in rows if isinstance(t, str)}), sorted({p for _, p in rows if isinstance(p, str)}))
 
     def gpu_history(self, gpu_id: str) -> dict[str, Any]:
         """A GPU's lease history from its index rows: how many leases it had, the newest one's creation time and id
@@ -371,9 +431,10 @@ class Journal:
 
     # -- events --------------------------------------------------------------------------------------------------
     def events(self, *, lease_id: str | None = None, gpu_id: str | None = None, kinds: Iterable[str] | None = None,
-               since_seq: int = 0, limit: int = 500) -> list[JournalEvent]:
-        """Events, oldest first, filtered; the newest `limit` of them. A GPU's events are found through its index
-        rows, newest first, so the limit ends the walk."""
+               since_seq: int = 0, before_seq: int | None = None, limit: int = 500) -> list[JournalEvent]:
+        """Events, oldest first, filtered; the newest `limit` of them (before `before_seq` when given: the page
+        older than one already read). A GPU's events are found through its index rows, newest first, so the limit
+        ends the walk."""
         cols = "e.seq, e.lease_id, e.gpu_id, e.ts, e.kind, e.from_state, e.to_state, e.actor, e.detail, e.error"
         args: list[Any]
         if gpu_id is None:
@@ -381,6 +442,9 @@ class Journal:
         else:
             sql = f"SELECT {cols} FROM event_gpus g JOIN events e ON e.seq=g.seq WHERE g.gpu_id=? AND g.seq>?"
             key, args = "g.seq", [gpu_id, since_seq]
+        if before_seq is not None:
+            sql += f" AND {key}<?"
+            args.append(before_seq)
         if lease_id is not None:
             sql += " AND e.lease_id=?"
             args.append(lease_id)

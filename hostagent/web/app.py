@@ -97,6 +97,7 @@ REQUEST_BURST_S = 10.0  # a guest may send this many seconds of agent.guest_requ
 ROWS_PER_REQUEST = 100  # a listing costs one more request per this many rows it returns
 TARPIT_S = 1.0  # a guest over its limits hears its 429 after this long
 VIEWS_PER_SLICE = 50  # a long listing lets other requests run between slices of this many lease views
+EVENTS_PAGE = 500  # GET /v1/events: events per page unless the caller asks for another limit
 LISTING_THREADS = 2  # journal pages parsed at once in worker threads: each holds the GIL the event loop needs
 LISTINGS: web.AppKey[Listings] = web.AppKey("hostagent.listings")
 LEASE_JSON: web.AppKey[LeaseJson] = web.AppKey("hostagent.lease_json")
@@ -331,14 +332,7 @@ async def list_leases(request: web.Request) -> web.Response:
             raise InvalidInput("since must be unix seconds", field="since") from None
         if not math.isfinite(since):
             raise InvalidInput("since must be finite unix seconds", field="since")
-    limit = 200
-    if "limit" in request.query:
-        try:
-            limit = int(request.query["limit"])
-        except ValueError:
-            raise InvalidInput(f"limit must be an integer 1..{MAX_PAGE}", field="limit") from None
-        if not 1 <= limit <= MAX_PAGE:
-            raise InvalidInput(f"limit must be an integer 1..{MAX_PAGE} (page on with next_cursor)", field="limit")
+    limit = _page_limit(request, 200)
     async with request.app[LISTINGS].slot(who.subject):
         leases, after = await rt.run(rt.journal.lease_page, states=states, domain_uuid=who.scope, since=since,
                                      limit=limit, cursor=request.query.get("cursor"))
@@ -502,13 +496,36 @@ async def reaper_status(request: web.Request) -> web.Response:
 
 
 async def list_events(request: web.Request) -> web.Response:
-    """Operator: the journal's events (transitions, repairs, strikes, quarantines)."""
+    """Operator: the journal's events (transitions, repairs, strikes, quarantines), newest page first (each page
+    oldest first); `next_cursor` pages on to older ones, null on the last page."""
     ident(request, operator=True)
     rt = request.app[RUNTIME]
     kinds = request.query.get("kind")
+    limit = _page_limit(request, EVENTS_PAGE)
+    before = None
+    if "cursor" in request.query:
+        cursor = request.query["cursor"]
+        if not cursor.isascii() or not cursor.isdigit() or len(cursor) > 19:
+            raise InvalidInput("cursor must be a next_cursor this API gave", field="cursor")
+        before = int(cursor)
     events = await rt.run(rt.journal.events, lease_id=request.query.get("lease_id"),
-                          gpu_id=request.query.get("gpu_id"), kinds=kinds.split(",") if kinds else None, limit=500)
-    return web.json_response({"events": [e.to_dict() for e in events]})
+                          gpu_id=request.query.get("gpu_id"), kinds=kinds.split(",") if kinds else None,
+                          before_seq=before, limit=limit)
+    after = str(events[0].seq) if len(events) == limit else None
+    return web.json_response({"events": [e.to_dict() for e in events], "next_cursor": after})
+
+
+def _page_limit(request: web.Request, default: int) -> int:
+    """The `limit` query parameter: rows per page, 1..MAX_PAGE (a 400 naming the field otherwise)."""
+    if "limit" not in request.query:
+        return default
+    try:
+        limit = int(request.query["limit"])
+    except ValueError:
+        raise InvalidInput(f"limit must be an integer 1..{MAX_PAGE}", field="limit") from None
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidInput(f"limit must be an integer 1..{MAX_PAGE} (page on with next_cursor)", field="limit")
+    return limit
 
 
 async def openapi(request: web.Request) -> web.Response:

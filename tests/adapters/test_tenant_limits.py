@@ -20,6 +20,7 @@ from hostagent.config import settings_from_dict
 from hostagent.domain.errors import ConfigError
 from hostagent.runtime import make_app
 from hostagent.web import serve
+from hostagent.web.openapi import MAX_PAGE
 from hostagent.web.serve import CONNECTION_TARPIT_S, start_metrics_server, start_server
 from tests.adapters.test_bad_input import read_response
 from tests.support.agent import AgentRig, make_rig, start_rig
@@ -316,6 +317,35 @@ async def test_lease_lists_come_in_pages(tmp_path: Path, aiohttp_client: Any) ->
     for query, field in [("limit=1001", "limit"), ("cursor=bm9wZQ", "cursor"), ("cursor=%00", "cursor")]:
         r = await rig.client.get(f"/v1/leases?{query}", headers=rig.auth("vm-a"))
         assert r.status == 400 and (await r.json())["error"]["field"] == field, query
+
+
+async def test_event_lists_come_in_pages(tmp_path: Path, aiohttp_client: Any) -> None:
+    """GET /v1/events pages back through the whole journal: each event once, newest page first, filters kept."""
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    for _ in range(3):
+        await leased(rig, "vm-a")
+    op = rig.auth("operator")
+    every = (await (await rig.client.get(f"/v1/events?limit={MAX_PAGE}", headers=op)).json())
+    assert every["next_cursor"] is None and len(every["events"]) > 6
+    seen: list[int] = []
+    url = "/v1/events?limit=4"
+    for _ in range(50):
+        body = await (await rig.client.get(url, headers=op)).json()
+        page = [e["seq"] for e in body["events"]]
+        assert page == sorted(page) and len(page) <= 4
+        seen = page + seen
+        if body["next_cursor"] is None:
+            break
+        url = f"/v1/events?limit=4&cursor={body['next_cursor']}"
+    assert seen == [e["seq"] for e in every["events"]], "each event once, in order, across pages"
+    lease_id = every["events"][-1]["lease_id"]
+    first = await (await rig.client.get(f"/v1/events?limit=1&lease_id={lease_id}", headers=op)).json()
+    rest = await (await rig.client.get(f"/v1/events?lease_id={lease_id}&cursor={first['next_cursor']}",
+                                       headers=op)).json()
+    assert {e["lease_id"] for e in first["events"] + rest["events"]} == {lease_id}
+    for query in ("limit=0", "limit=1001", "cursor=abc", "cursor=-1", "cursor=99999999999999999999"):
+        r = await rig.client.get(f"/v1/events?{query}", headers=op)
+        assert r.status == 400 and (await r.json())["error"]["field"] == query.split("=")[0], query
 
 
 async def test_refused_requests_whose_bodies_never_come_do_not_hold_the_agent_after_their_clients_leave(
