@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hostagent.domain.admission import Ledger, TenantUse, gpu_hours, quota_cap
-from hostagent.domain.errors import TooManyRequests
+from hostagent.domain.errors import Conflict, TooManyRequests
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Quota
 from hostagent.services.lease_types import LeaseCore
 
@@ -61,6 +61,46 @@ def quota_cap_for(m: LeaseCore, domain_uuid: str, domain_name: str, request: Lea
     return n
 
 
+def gpu_hours_left(m: LeaseCore, domain_uuid: str, domain_name: str, *, exclude: str | None = None
+                   ) -> tuple[float, str] | None:
+    """The fewest GPU-hours any GPU-hours quota of the VM (its own, its projects') leaves once the tenant's live
+    leases run to their ends, and whose quota that is; None when no such quota applies. `exclude`: a lease whose
+    own time to come is not counted (the one being granted or renewed; what it used so far still counts).
+
+    The window slides, so this is conservative: what it leaves can only grow as older use falls out of the day."""
+    now = m.clock()
+    least: tuple[float, str] | None = None
+    for who, quota, match in _classes(m, domain_uuid, domain_name):
+        if not quota.max_gpu_hours_per_day:
+            continue
+        used = use_of(m, match, quota).gpu_hours
+        ahead = sum(len(x.devices) * max(0.0, x.expires_at - now) for x in m.leases.values()
+                    if x.id != exclude and x.state.holds_devices and x.expires_at is not None
+                    and match(x.domain_uuid, x.domain_name)) / 3600.0
+        left = quota.max_gpu_hours_per_day - used - ahead
+        if least is None or left < least[0]:
+            least = (left, who)
+    return least
+
+
+def cap_length(m: LeaseCore, lease: Lease, gpus: int, duration_s: float) -> tuple[float, str | None]:
+    """A lease's length within what its GPU-hours quotas leave for `gpus` GPUs, and the reason when it was cut:
+    a tenant with one GPU-hour left cannot take eight GPUs for a day on it. Conflict when nothing is left (the
+    tenant's live leases already commit the rest of its day)."""
+    left = gpu_hours_left(m, lease.domain_uuid, lease.domain_name, exclude=lease.id)
+    if left is None or gpus <= 0:
+        return duration_s, None
+    hours, who = left
+    fits = int(max(0.0, hours) * 3600.0 / gpus)
+    if fits >= duration_s:
+        return duration_s, None
+    if fits < 1:
+        raise Conflict(f"quota: {who}'s GPU-hours of the last 24 h are spent or committed to its running leases",
+                       field="gpus")
+    return fits, (f"length capped to {fits} s: {who}'s GPU-hours quota leaves {max(0.0, hours):.2f} GPU-hours "
+                  f"for {gpus} GPU(s)")
+
+
 def apply_priority_policy(m: LeaseCore, domain_uuid: str, domain_name: str, request: LeaseRequest, *,
                           trusted: bool) -> tuple[LeaseRequest, str | None]:
     """A guest's request at most at the highest priority its classes allow (`leases.guest_max_priority` for
@@ -97,5 +137,5 @@ def queue_deadline(policy: Any, lease: Lease) -> float | None:
     return min(limits) if limits else None
 
 
-__all__ = ["apply_priority_policy", "check_queue_share", "queue_deadline",
+__all__ = ["apply_priority_policy", "cap_length", "check_queue_share", "gpu_hours_left", "queue_deadline",
            "quota_cap_for", "use_of"]

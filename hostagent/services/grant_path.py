@@ -33,7 +33,7 @@ from hostagent.domain.lease import (
     arbitrate,
     new_lease,
 )
-from hostagent.services.admission import apply_priority_policy, check_queue_share, quota_cap_for
+from hostagent.services.admission import apply_priority_policy, cap_length, check_queue_share, quota_cap_for
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import LOGGER, LeaseCore, clocked, guest_addr, render_hostdevs, step_hook
 from hostagent.services.ports import HostOpResult
@@ -278,8 +278,8 @@ async def claim(m: LeaseCore, lease: Lease, free: Sequence[Gpu], count: int, act
         return new.with_changes(devices=tuple(devices))
 
     try:
-        duration = lease.request.duration_s or m.policy.default_duration_s
-        reasons = (*notes, why, *placement.reasons)
+        duration, cut = cap_length(m, lease, len(chosen), lease.request.duration_s or m.policy.default_duration_s)
+        reasons = (*notes, why, *placement.reasons, *((cut,) if cut else ()))
         record = {"rule": placement.rule, "candidates": [dict(c) for c in placement.candidates],
                   "dropped": [dict(d) for d in placement.dropped], "distance": placement.distance}
         # the original drivers are read in the BINDING write's own worker hop (one hop for both)

@@ -22,7 +22,7 @@ from hostagent.domain.errors import Conflict, Forbidden, InvalidInput, InvalidTr
 from hostagent.domain.inventory import Gpu, GpuState
 from hostagent.domain.admission import DAY_S, LEDGER_MAX, Ledger
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Step
-from hostagent.services import grant_path, lease_queue, quarantine, release_path
+from hostagent.services import admission, grant_path, lease_queue, quarantine, release_path
 from hostagent.services.admission import queue_deadline
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import (
@@ -331,9 +331,12 @@ class LeaseManager:
             if lease.state not in (S.ACTIVE, S.QUEUED):
                 raise Conflict(f"only ACTIVE or QUEUED leases can be renewed; this one is {lease.state.value}",
                                field="id")
-            d = duration_s or lease.request.duration_s or self.policy.default_duration_s
+            d: float = duration_s or lease.request.duration_s or self.policy.default_duration_s
+            cut = None
+            if lease.state is S.ACTIVE:  # no longer than its GPU-hours quotas leave (the renewal is refused at none)
+                d, cut = admission.cap_length(self, lease, len(lease.devices), d)
             return await self._write(lease.with_changes(expires_at=self.clock() + d), lease.state, actor,
-                                     f"renewed for {d} s")
+                                     f"renewed for {d:g} s" + (f" ({cut})" if cut else ""))
 
     @_agent_side
     async def drain_queue(self) -> list[Lease]:

@@ -181,8 +181,8 @@ async def test_a_project_gpu_hours_quota_spans_its_vms_and_their_ended_leases(tm
                                                                                aiohttp_client: Any) -> None:
     rig, clock = await _rig(tmp_path, aiohttp_client,
                             projects={"lab": {"domains": ["vm-a", "vm-b"], "max_gpu_hours_per_day": 2.0}})
-    a = await lease(rig, "vm-a", gpus=1)
-    b = await lease(rig, "vm-b", gpus=1)
+    a = await lease(rig, "vm-a", gpus=1, duration_s=3600)
+    b = await lease(rig, "vm-b", gpus=1, duration_s=3600)
     clock.advance(3600)  # one GPU-hour each: the project's two
     await release(rig, "vm-a", a["id"])
     await release(rig, "vm-b", b["id"])

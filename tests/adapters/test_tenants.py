@@ -143,6 +143,30 @@ async def test_gpu_hours_count_ended_leases_over_a_sliding_day(tmp_path: Path, a
     await lease(rig, "vm-a", gpus=1)  # the window slid past it
 
 
+async def test_a_lease_cannot_outrun_its_gpu_hours(tmp_path: Path, aiohttp_client: Any) -> None:
+    """A GPU-hours quota holds while leases run, not only when they are asked for: a lease's length is cut to what
+    the quota leaves for its GPUs (and the reasons say so), the time its running leases have ahead is spoken for,
+    a renewal is cut the same way (refused once nothing is left), and a release gives back what was not used."""
+    clock = Clock()
+    rig = await _rig(tmp_path, aiohttp_client, clock=clock, max_gpu_hours_per_day_per_vm=2.0)
+    big = await lease(rig, "vm-a", gpus=4, duration_s=86400)
+    assert big["expires_at"] == clock() + 1800, "2 GPU-hours on 4 GPUs: half an hour"
+    assert any("length capped to 1800 s" in r for r in big["reasons"]), big["reasons"]
+    code, body, _ = await post(rig, "vm-a", gpus=1)
+    assert code == 409 and "committed to its running leases" in body["error"]["message"], body
+    clock.advance(450)  # half a GPU-hour used, the rest spoken for by the running lease
+    r = await rig.client.post(f"/v1/leases/{big['id']}/renew", json={"duration_s": 7200}, headers=rig.auth("vm-a"))
+    assert r.status == 200 and (await r.json())["expires_at"] == clock() + 1350, "cut to the 1.5 GPU-hours left"
+    await release(rig, "vm-a", big["id"])  # gives back the time it did not use
+    small = await lease(rig, "vm-a", gpus=1, duration_s=86400)
+    assert small["expires_at"] == clock() + 5400, "1.5 GPU-hours on one GPU"
+    clock.advance(5400)  # both GPU-hours used: the lease cannot run a second more
+    r = await rig.client.post(f"/v1/leases/{small['id']}/renew", json={"duration_s": 60}, headers=rig.auth("vm-a"))
+    assert r.status == 409 and "GPU-hours" in (await r.json())["error"]["message"]
+    other = await lease(rig, "vm-b", gpus=4, duration_s=3600)  # another VM has its own budget
+    assert other["expires_at"] == clock() + 1800
+
+
 async def test_quotas_hold_under_concurrent_requests(tmp_path: Path, aiohttp_client: Any) -> None:
     """Property: whatever mix of concurrent requests three VMs send (sizes, partial, deferred), no VM ever holds
     more than its quota and the project never more than its own, at any journaled step."""
