@@ -50,8 +50,9 @@ from hostagent.virt.sim_rules import (VIR_ERR_CONFIG_UNSUPPORTED, VIR_ERR_INTERN
 log = logging.getLogger("hostagent.virt.sim")
 
 STATE_VERSION = 1
-# A real guest takes about 5 s to let go of a device (ACPI or PCIe native hot-unplug, the driver's remove); a
-# test that wants a faster guest says so (detach_ack_delay_s).
+# How long a guest takes to let go of a device: about a second with ACPI hot-unplug (the i440fx bus 0 slots this
+# simulator hot-plugs into), about 5 s with PCIe native hot-unplug (pciehp's attention-button wait,
+# drivers/pci/hotplug/pciehp_ctrl.c); a test that wants a faster or slower guest says so (detach_ack_delay_s).
 DETACH_ACK_DELAY_S = 1.0
 RELEASE_POLL_S = 0.05  # how often the simulator answers the fake kernel's requests to let go of a held device
 _PARSER = etree.XMLParser(resolve_entities=False, no_network=True, remove_blank_text=True)
