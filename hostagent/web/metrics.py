@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -49,6 +50,7 @@ class Metrics:
                                     registry=self.registry)
         self.samples = PCounter("hostagent_heartbeat_samples_total", "usage samples accepted", registry=self.registry)
         self.registry.register(_Gauges(runtime))
+        self.registry.register(_GpuGauges(runtime))
         self._seen_timings = 0
         self._last_state: dict[str, LeaseState] = {}
 
@@ -159,6 +161,97 @@ class _Gauges:
         yield parts
         yield GaugeMetricFamily("hostagent_python_allocated_blocks", "live Python small-object blocks",
                                 value=mem.python_blocks)
+
+
+class _GpuGauges:
+    """One series per GPU (and state), read at scrape time, for a DCGM-style board: under VFIO the host cannot see
+    a leased GPU at all, so its utilisation and memory are what the guest last reported in a heartbeat. Labels are
+    the GPU id and, for the holder, the libvirt domain name: the series stay bounded by the number of GPUs (never a
+    lease id, which would add series with every lease)."""
+
+    def __init__(self, runtime: AgentServices) -> None:
+        self.rt = runtime
+        self.newest = _NewestSamples()
+
+    def describe(self) -> list[Any]:
+        """No static description (values are computed)."""
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """State and holder of every GPU; utilisation, memory and sample age of every GPU a lease holds."""
+        m, now = self.rt.manager, self.rt.clock()
+        state = GaugeMetricFamily("hostagent_gpu_state", "1 for the GPU's current state, 0 for every other (one "
+                                  "series per GPU and state, as hostagent_gpus counts them)", labels=["gpu", "state"])
+        holder = GaugeMetricFamily("hostagent_gpu_holder", "1 while a lease holds the GPU, labelled with the holding "
+                                   "libvirt domain's name (no series while it is not held)", labels=["gpu", "domain"])
+        total = GaugeMetricFamily("hostagent_gpu_memory_total_bytes", "the GPU's memory as the host read it "
+                                  "(no series when unknown)", labels=["gpu"])
+        util = GaugeMetricFamily("hostagent_gpu_utilization_percent", "utilisation in the guest's newest sample "
+                                 "for the GPU (no series until its holder reports one)", labels=["gpu"])
+        used = GaugeMetricFamily("hostagent_gpu_memory_used_bytes", "memory used in the guest's newest sample for "
+                                 "the GPU (no series until its holder reports one)", labels=["gpu"])
+        age = GaugeMetricFamily("hostagent_gpu_sample_age_seconds", "seconds since the time of the guest's newest "
+                                "sample for a held GPU, or since the grant while the guest has sent none",
+                                labels=["gpu"])
+        sampled = GaugeMetricFamily("hostagent_gpu_sampled", "1 when the guest holding the GPU has reported a sample "
+                                    "of it, 0 while none has come (then age counts from the grant)", labels=["gpu"])
+        holders: dict[str, dict[str, dict[str, Any]]] = {}  # lease id -> its GPUs' newest samples
+        for gid in sorted(m.gpus):
+            current = m.gpu_state(gid)
+            for st in GpuState:
+                state.add_metric([gid, st.value], 1 if st is current else 0)
+            if m.gpus[gid].memory_bytes is not None:
+                total.add_metric([gid], m.gpus[gid].memory_bytes)
+            lease = m.lease_of(gid)
+            if lease is None:
+                continue
+            holder.add_metric([gid, lease.domain_name], 1)
+            if lease.id not in holders:
+                holders[lease.id] = self.newest.read(lease.id, self.rt.recent_samples.get(lease.id, ()))
+            sample = holders[lease.id].get(gid)
+            if sample is not None:
+                util.add_metric([gid], sample["util_pct"])
+                used.add_metric([gid], sample["mem_used_bytes"])
+                age.add_metric([gid], max(0.0, now - sample["ts"]))  # a guest clock a little ahead: 0, not negative
+                sampled.add_metric([gid], 1)
+            elif lease.granted_at is not None:  # a guest that never reports goes stale like one that stopped
+                age.add_metric([gid], max(0.0, now - lease.granted_at))
+                sampled.add_metric([gid], 0)
+        self.newest.keep(holders)
+        yield from (state, holder, total, util, used, age, sampled)
+
+
+class _NewestSamples:
+    """Each held GPU's newest guest sample by time (not arrival: a guest may send samples it held back after newer
+    ones), kept from one scrape to the next so that a scrape reads only the samples that arrived since the last:
+    rescanning every lease's whole window (up to 4,096 samples each) took 13 ms of the event loop per scrape with 16
+    leased GPUs."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {}  # lease -> (last read, newest)
+
+    def read(self, lease_id: str, window: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """The lease's newest sample per GPU, after reading its window back to the last sample read before (the
+        whole window when that one has left it)."""
+        last, newest = self.seen.get(lease_id, (None, {}))
+        fresh = []
+        for s in reversed(window):
+            if s is last:
+                break
+            fresh.append(s)
+        if fresh:
+            newest = dict(newest)
+            for s in reversed(fresh):  # in arrival order: of two samples of the same time, the later one counts
+                best = newest.get(s["gpu_id"])
+                if best is None or s["ts"] >= best["ts"]:
+                    newest[s["gpu_id"]] = s
+            self.seen[lease_id] = (window[-1], newest)
+        return newest
+
+    def keep(self, leases: Iterable[str]) -> None:
+        """Forget the leases that no longer hold a GPU."""
+        for lid in set(self.seen) - set(leases):
+            del self.seen[lid]
 
 
 @web.middleware

@@ -66,6 +66,10 @@ COVERED = {
     "hostagent_ready": "test_ready_follows_the_hypervisor_connection",
     "hostagent_memory_bytes": "test_memory_by_holder_and_python_blocks",
     "hostagent_python_allocated_blocks": "test_memory_by_holder_and_python_blocks",
+    **dict.fromkeys(("hostagent_gpu_state", "hostagent_gpu_holder", "hostagent_gpu_memory_total_bytes",
+                     "hostagent_gpu_utilization_percent", "hostagent_gpu_memory_used_bytes",
+                     "hostagent_gpu_sample_age_seconds", "hostagent_gpu_sampled"),
+                    "test_per_gpu_state_holder_and_guest_samples"),
 }
 
 
@@ -272,6 +276,98 @@ async def test_heartbeat_samples_and_the_ingest_queue(tmp_path: Path, aiohttp_cl
     assert s3.value("hostagent_ingest_queue_depth") == 0 and s3.value("hostagent_store_samples_waiting_seconds") == 0
     assert (await rig.runtime.store.lease_usage_summary(lease["id"]))["total"]["n"] == 20
     assert delta(s0, s3, "hostagent_heartbeat_samples_total") == 20
+
+
+# ---- per GPU: state, holder, the guest's samples ---------------------------------------------------------------
+
+
+def gpu_series(s: Scrape, name: str) -> dict[str, float]:
+    """A per-GPU series by GPU id (a GPU without the series has no key: absent, not 0)."""
+    return s.by_label(name, "gpu")
+
+
+def gpu_labels(s: Scrape, name: str, label: str) -> dict[str, str]:
+    """For each GPU, the `label` of its series of `name` that reads 1; every other series of it must read 0."""
+    out: dict[str, str] = {}
+    for (n, labels), v in s.samples.items():
+        if n == name:
+            assert v in (0, 1), (n, labels, v)
+            if v == 1:
+                d = dict(labels)
+                assert d["gpu"] not in out, f"two series of {name} read 1 for {d['gpu']}"
+                out[d["gpu"]] = d[label]
+    return out
+
+
+async def gpu_states(rig: AgentRig) -> dict[str, str]:
+    """Each GPU's state as /v1/gpus reports it."""
+    body = await (await rig.client.get("/v1/gpus", headers=rig.auth("operator"))).json()
+    return {g["id"]: g["state"] for g in body["gpus"]}
+
+
+async def test_per_gpu_state_holder_and_guest_samples(tmp_path: Path, aiohttp_client: Any) -> None:
+    clock = Clock(time.time())
+    rig = await start_rig(make_rig(tmp_path, clock=clock), aiohttp_client)
+    gpus, gib = sorted(rig.runtime.manager.gpus), 1 << 30
+    samples = ("hostagent_gpu_utilization_percent", "hostagent_gpu_memory_used_bytes",
+               "hostagent_gpu_sample_age_seconds", "hostagent_gpu_sampled")
+    s0 = await op(rig)
+    assert len([k for k in s0.samples if k[0] == "hostagent_gpu_state"]) == 8 * 6  # every GPU, every state
+    assert gpu_labels(s0, "hostagent_gpu_state", "state") == dict.fromkeys(gpus, "free")
+    assert gpu_series(s0, "hostagent_gpu_memory_total_bytes") == {g: 40 * gib for g in gpus}
+    assert all(gpu_series(s0, name) == {} for name in ("hostagent_gpu_holder", *samples))
+    a = await post_lease(rig.client, rig, "vm-a", gpus=2)
+    g0, g1 = (d["gpu_id"] for d in a["devices"])
+    t = clock.now  # the grant's time (the clock stands still)
+    s1 = await op(rig)
+    assert gpu_labels(s1, "hostagent_gpu_state", "state") == await gpu_states(rig)
+    assert gpu_labels(s1, "hostagent_gpu_holder", "domain") == {g0: "vm-a", g1: "vm-a"}
+    # no heartbeat yet: no utilisation or memory (not a 0 nobody reported), the age counts from the grant
+    assert gpu_series(s1, "hostagent_gpu_utilization_percent") == gpu_series(s1, "hostagent_gpu_memory_used_bytes") \
+        == {}
+    assert gpu_series(s1, "hostagent_gpu_sampled") == {g0: 0, g1: 0}
+    assert gpu_series(s1, "hostagent_gpu_sample_age_seconds") == {g0: 0, g1: 0}
+    url = f"/v1/leases/{a['id']}/heartbeat"
+    r = await rig.client.post(url, headers=rig.auth("vm-a"), json={"samples": [  # the newest by time, not arrival
+        {"ts": t + 1, "gpu": g0, "util_pct": 10, "mem_used_bytes": 1 * gib},
+        {"ts": t + 3, "gpu": g0, "util_pct": 75, "mem_used_bytes": 3 * gib},
+        {"ts": t + 2, "gpu": g0, "util_pct": 5, "mem_used_bytes": 2 * gib}]})
+    assert r.status == 200, await r.text()
+    clock.advance(60)
+    s2 = await op(rig)
+    assert delta(s1, s2, "hostagent_heartbeat_samples_total") == 3
+    assert gpu_series(s2, "hostagent_gpu_utilization_percent") == {g0: 75}
+    assert gpu_series(s2, "hostagent_gpu_memory_used_bytes") == {g0: 3 * gib}
+    assert gpu_series(s2, "hostagent_gpu_sample_age_seconds") == {g0: 57, g1: 60}
+    assert gpu_series(s2, "hostagent_gpu_sampled") == {g0: 1, g1: 0}
+    r = await rig.client.post(url, headers=rig.auth("vm-a"), json={"samples": [
+        {"ts": t + 50, "gpu": g1, "util_pct": 0, "mem_used_bytes": 0}]})  # an idle GPU: a real 0
+    assert r.status == 200, await r.text()
+    s3 = await op(rig)
+    assert gpu_series(s3, "hostagent_gpu_utilization_percent") == {g0: 75, g1: 0}
+    assert gpu_series(s3, "hostagent_gpu_memory_used_bytes") == {g0: 3 * gib, g1: 0}
+    assert gpu_series(s3, "hostagent_gpu_sample_age_seconds") == {g0: 57, g1: 10}
+    # a stuck detach: the GPU stays with its holder, in state detach-pending
+    b = await post_lease(rig.client, rig, "vm-b")
+    g2 = b["devices"][0]["gpu_id"]
+    rig.hv.set_refuse_detach("vm-b")
+    r = await rig.client.delete(f"/v1/leases/{b['id']}", headers=rig.auth("vm-b"))
+    assert r.status == 202 and (await r.json())["state"] == "DETACH_PENDING"
+    clock.advance(5)
+    s4 = await op(rig)
+    states = await gpu_states(rig)
+    assert gpu_labels(s4, "hostagent_gpu_state", "state") == states and states[g2] == "detach-pending"
+    assert gpu_labels(s4, "hostagent_gpu_holder", "domain") == {g0: "vm-a", g1: "vm-a", g2: "vm-b"}
+    assert gpu_series(s4, "hostagent_gpu_sample_age_seconds") == {g0: 62, g1: 15, g2: 5}
+    # released: the GPUs are free again and every series of their holder's samples is gone with it
+    assert (await rig.client.delete(f"/v1/leases/{a['id']}", headers=rig.auth("vm-a"))).status == 200
+    s5 = await op(rig)
+    assert gpu_labels(s5, "hostagent_gpu_state", "state") == await gpu_states(rig)
+    assert gpu_labels(s5, "hostagent_gpu_state", "state")[g0] == "free"
+    assert gpu_labels(s5, "hostagent_gpu_holder", "domain") == {g2: "vm-b"}
+    assert all(set(gpu_series(s5, name)) <= {g2} for name in samples)
+    assert gpu_series(s5, "hostagent_gpu_sampled") == {g2: 0}
+    assert len([k for k in s5.samples if k[0] == "hostagent_gpu_state"]) == 8 * 6
 
 
 # ---- the reaper ------------------------------------------------------------------------------------------------
