@@ -20,7 +20,9 @@ CREDENTIALS = "demo-credentials.json"
 def prepare_demo(state_dir: Path, *, scenario: str = "demo16", db: str | None = None, port: int = 8470,
                  listen: str = "127.0.0.1", config: str | None = None, fast_reclaim: bool = False) -> tuple[Any, dict[str, Any]]:
     """Build (or reuse) the simulated host in state_dir; return settings and the credentials document."""
+    from hostagent.host.discovery import numa_cells
     from hostagent.host.fakesysfs import build_tree
+    from hostagent.host.sysfs import Sysfs
     from hostagent.virt.sim import SimulatedHypervisor
 
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -30,8 +32,11 @@ def prepare_demo(state_dir: Path, *, scenario: str = "demo16", db: str | None = 
     hv_path = state_dir / "hypervisor.json"
     if not hv_path.exists():
         hv = SimulatedHypervisor(path=hv_path, attach_latency_s=0.05, detach_ack_delay_s=0.2)
-        for name in DEMO_VMS:
-            hv.define(name, running=True)
+        # On a host of two NUMA nodes the VMs are pinned as an operator pins them: half to each node, every third
+        # left unpinned (placement then says it does not know where that one runs).
+        nodes = len(numa_cells(Sysfs(host_dir / "sys")))
+        for i, name in enumerate(DEMO_VMS):
+            hv.define(name, running=True, numa_node=(i % 2) if nodes >= 2 and i % 3 != 2 else None)
         hv.save()
     creds_path = state_dir / CREDENTIALS
     overrides: dict[str, dict[str, Any]] = {

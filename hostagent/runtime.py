@@ -24,7 +24,7 @@ from hostagent.domain.errors import ConfigError, HostAgentError, InvalidInput, N
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseState, Quota
 from hostagent.host.adapter import SysfsHost
-from hostagent.host.discovery import Inventory, discover
+from hostagent.host.discovery import Inventory, discover, numa_cells
 from hostagent.host.interrupts import irq_bypass
 from hostagent.host.sysfs import Sysfs
 from hostagent.domain.placement import Exploration
@@ -663,6 +663,7 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
     manager = LeaseManager(gpus=inventory.gpus, host=host, hypervisor=hypervisor, journal=journal,
                            policy=lease_policy(settings), clock=clock, place=placer)
     holder["m"] = manager
+    manager.numa_cells = numa_cells(sysfs)
     tokens = TokenBook(settings.auth.operator_token_sha256, journal.lookup_token)
     rt = Runtime(settings=settings, inventory=inventory, host=host, hypervisor=hypervisor, journal=journal,
                  manager=manager, tokens=tokens, clock=clock, placer=placer)

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hostagent.domain.inventory import Gpu, IommuGroup, PciFunction, gpu_id_for, memory_from_name
+from hostagent.domain.numa import parse_cpuset
 from hostagent.domain.pci import PciAddress
 from hostagent.host.pciids import PciIds, load_pci_ids
 from hostagent.host.sysfs import Sysfs
@@ -192,3 +193,21 @@ def discover(
         gpus.append(Gpu(id=gpu_id_for(primary.address), primary=primary, functions=funcs, group=group,
                         memory_bytes=memory, memory_source=source, extra=topology_ids(primary)))
     return Inventory(functions=functions, groups=groups, gpus=tuple(gpus), iommu_enabled=iommu_enabled)
+
+
+def numa_cells(sysfs: Sysfs) -> dict[int, frozenset[int]]:
+    """The host's NUMA nodes and the CPUs of each (devices/system/node/node<N>/cpulist, drivers/base/node.c); {}
+    where the kernel lists none (no NUMA, or a tree that does not say). What libvirt's capabilities XML reports
+    as its cells, read where the agent reads everything else about the host."""
+    cells: dict[int, frozenset[int]] = {}
+    for name in sysfs.listdir("devices/system/node"):
+        if not re.fullmatch(r"node[0-9]+", name):
+            continue
+        text = sysfs.read_str(f"devices/system/node/{name}/cpulist")
+        if text is None:
+            continue
+        try:
+            cells[int(name[4:])] = parse_cpuset(text)
+        except ValueError:
+            continue  # a list this reader does not understand names no CPU it could place a VM by
+    return cells

@@ -383,6 +383,11 @@ def _proc_modules_line(module: str) -> str:
     return f"{module} 65536 0 - Live 0x0000000000000000\n"
 
 
+def node_cpus(node: int) -> str:
+    """The CPU list of a fake host's NUMA node: 16 CPUs each, node 0 first."""
+    return f"{16 * node}-{16 * node + 15}"
+
+
 def build_tree(root: str | os.PathLike[str], scenario: str) -> FakeHost:
     """Write a fake host for `scenario` under root; return where its parts are."""
     if scenario not in _BUILDERS:
@@ -403,6 +408,9 @@ def build_tree(root: str | os.PathLike[str], scenario: str) -> FakeHost:
 
     sys_root.mkdir(parents=True, exist_ok=True)
     (sys_root / "bus/pci/devices").mkdir(parents=True, exist_ok=True)
+    # The NUMA nodes (drivers/base/node.c), 16 CPUs each: what a device's local_cpulist and a VM's pinning refer to.
+    for node in sorted({max(d.numa, 0) for d in topo.devices} or {0}):
+        _write(sys_root / f"devices/system/node/node{node}/cpulist", node_cpus(node) + "\n")
     _write(sys_root / "bus/pci/drivers_probe", "")
     _write(sys_root / "bus/pci/drivers_autoprobe", "1\n")
     _write(sys_root / "bus/pci/rescan", "")
@@ -418,7 +426,7 @@ def build_tree(root: str | os.PathLike[str], scenario: str) -> FakeHost:
             "subsystem_vendor": f"0x{d.subsystem[0]:04x}", "subsystem_device": f"0x{d.subsystem[1]:04x}",
             "class": f"0x{d.class_code:06x}", "revision": "0xa1", "numa_node": str(d.numa),
             "driver_override": "(null)", "enable": "1" if d.driver else "0", "irq": "0",
-            "local_cpulist": "0-15" if d.numa <= 0 else "16-31", "remove": "",
+            "local_cpulist": node_cpus(max(d.numa, 0)), "remove": "",
             NATIVE_DRIVER_FILE: d.driver or "",
         }
         if d.reset_methods:

@@ -21,6 +21,7 @@ from hostagent.domain.admission import Shadow, may_backfill, shadow
 from hostagent.domain.errors import Conflict, HostAgentError, HostError, InvalidInput
 from hostagent.domain.hostdev import HostdevPci, free_guest_slots, guest_slots_needed
 from hostagent.domain.inventory import Gpu
+from hostagent.domain.numa import VmNuma, vm_numa
 from hostagent.domain.lease import (
     Arbitration,
     Lease,
@@ -61,6 +62,20 @@ def feasible(m: LeaseCore, request: LeaseRequest) -> list[Gpu]:
     return out
 
 
+async def read_vm_numa(m: LeaseCore, domain_uuid: str) -> VmNuma | None:
+    """Where the VM lives on a host of several NUMA nodes, from its domain XML (live when it runs: pinning changed
+    at run time counts), kept for placement (`m.vm_numa`, read by the placer) until its next request. A domain
+    that cannot be read is unknown, with the reason; a host of one node (or none listed) has nothing to choose."""
+    if len(m.numa_cells) < 2:
+        return None
+    try:
+        found = vm_numa(await m.hv.domain_xml(domain_uuid, live=True), m.numa_cells)
+    except HostAgentError as exc:
+        found = VmNuma(None, f"its domain XML could not be read: {exc.message}")
+    m.vm_numa[domain_uuid] = found
+    return found
+
+
 def is_free(m: LeaseCore, gpu_id: str) -> bool:
     """Neither claimed by a lease, quarantined, nor waiting for an operator's attention."""
     return gpu_id not in m.claims and gpu_id not in m.quarantined and gpu_id not in m.attention
@@ -76,6 +91,7 @@ async def request_lease(m: LeaseCore, domain_uuid: str, request: LeaseRequest, *
     dom = await m.hv.get_domain(domain_uuid)
     if request.duration_s is not None and request.duration_s > m.policy.max_duration_s:
         raise InvalidInput(f"duration_s exceeds the maximum of {m.policy.max_duration_s}", field="duration_s")
+    await read_vm_numa(m, dom.uuid)
     request, capped = apply_priority_policy(m, dom.uuid, dom.name, request, trusted=trusted)
     key = (dom.uuid, request.idempotency_key) if request.idempotency_key else None
     if key is None:
@@ -279,7 +295,8 @@ async def claim(m: LeaseCore, lease: Lease, free: Sequence[Gpu], count: int, act
 
     try:
         duration, cut = cap_length(m, lease, len(chosen), lease.request.duration_s or m.policy.default_duration_s)
-        reasons = (*notes, why, *placement.reasons, *((cut,) if cut else ()))
+        vm = m.vm_numa.get(lease.domain_uuid)
+        reasons = (*notes, why, *((vm.reason,) if vm else ()), *placement.reasons, *((cut,) if cut else ()))
         record = {"rule": placement.rule, "candidates": [dict(c) for c in placement.candidates],
                   "dropped": [dict(d) for d in placement.dropped], "distance": placement.distance}
         # the original drivers are read in the BINDING write's own worker hop (one hop for both)

@@ -19,6 +19,7 @@ from hostagent.domain.admission import Ledger
 from hostagent.domain.hostdev import HostdevPci, hostdevs_for_layout
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Quota, Step
+from hostagent.domain.numa import VmNuma
 from hostagent.domain.pci import PciAddress
 from hostagent.services.faults import crash_point
 from hostagent.services.ports import HostPort
@@ -125,6 +126,8 @@ class LeaseCore(Protocol):
     _decide: asyncio.Lock
     _wake_queue: asyncio.Event
     _idem_inflight: dict[tuple[str, str], asyncio.Future[Lease]]  # requests being decided, by (VM, key)
+    numa_cells: dict[int, frozenset[int]]  # the host's NUMA nodes and their CPUs ({}: unknown)
+    vm_numa: dict[str, VmNuma]  # domain uuid -> where the VM lives, read at its latest request
 
     def get(self, lease_id: str, *, domain_uuid: str | None = None) -> Lease: ...
 

@@ -21,6 +21,7 @@ from typing import Any
 from hostagent.domain.errors import Conflict, Forbidden, InvalidInput, InvalidTransition, NotFound
 from hostagent.domain.inventory import Gpu, GpuState
 from hostagent.domain.admission import DAY_S, LEDGER_MAX, Ledger
+from hostagent.domain.numa import VmNuma
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Step
 from hostagent.services import admission, grant_path, lease_queue, quarantine, release_path
 from hostagent.services.admission import queue_deadline
@@ -97,6 +98,8 @@ class LeaseManager:
         self.attention: dict[str, str] = {}  # gpu_id -> why an operator must look (found attached without lease)
         self._decide = asyncio.Lock()
         self._idem_inflight: dict[tuple[str, str], asyncio.Future[Lease]] = {}
+        self.numa_cells: dict[int, frozenset[int]] = {}  # the runtime sets the host's (host.discovery.numa_cells)
+        self.vm_numa: dict[str, VmNuma] = {}
         self.ledger = Ledger()
         self.step_count = 0
         self.queue_cache: tuple[Any, float, dict[str, tuple[int, float | None]]] | None = None

@@ -76,6 +76,11 @@ class TopologyPlacer:
         if scored.rule == RULE_NONE:
             free_n = len(free_ids)
             survived = sum(1 for d in scored.survivors if d.gpu_id in free_ids)
+            if policy == "required" and vm_node is not None and survived < count and any(
+                    d.gpu_id in free_ids and "numa_policy=required" in d.reason for d in scored.dropped):
+                raise Conflict(f"{survived} free eligible GPU(s) on the VM's NUMA node {vm_node}, {count} needed "
+                               f"({free_n} free in all; numa_policy=required): wait, or use numa_policy=preferred",
+                               field="numa_policy", dropped=dropped)
             if policy == "required" and count > 1:
                 raise Conflict(f"no NUMA node has {count} free eligible GPU(s) ({free_n} free in all; "
                                "numa_policy=required): wait, or use numa_policy=preferred", field="numa_policy",
@@ -106,7 +111,9 @@ def manager_free_ids(manager: Any) -> Callable[[], list[str]]:
 
 
 def make_topology_place(manager: Any, topology: Topology, **kwargs: Any) -> TopologyPlacer:
-    """A TopologyPlacer that sees the manager's free GPUs; assign it to `manager.place`."""
+    """A TopologyPlacer that sees the manager's free GPUs and the VMs' NUMA nodes (as read at each request:
+    grant_path.read_vm_numa); assign it to `manager.place`."""
+    kwargs.setdefault("vm_numa_node", lambda domain_uuid: getattr(manager.vm_numa.get(domain_uuid), "node", None))
     return TopologyPlacer(topology, free_ids=manager_free_ids(manager), **kwargs)
 
 

@@ -250,15 +250,34 @@ class SimulatedHypervisor:
             dom.state = state
         return dom
 
-    def define(self, name: str, *, running: bool = False, uuid: str | None = None) -> DomainInfo:
-        """Define a new domain (and start it when `running`)."""
+    def define(self, name: str, *, running: bool = False, uuid: str | None = None,
+               numa_node: int | None = None) -> DomainInfo:
+        """Define a new domain (and start it when `running`); `numa_node`: its memory bound to that host node
+        (`<numatune><memory mode='strict' nodeset='N'/>`), as an operator pins a VM."""
         dom = self._add(name, uuid, DomainState.SHUT_OFF)
+        if numa_node is not None:
+            self.set_numa_node(dom.uuid, numa_node)
         self._emit(DomainEvent(dom.uuid, dom.name, EventKind.DEFINED))
         if running:
             self.start(dom.uuid)
         else:
             self.save()
         return dom.info()
+
+    def set_numa_node(self, name_or_uuid: str, node: int | None) -> None:
+        """Bind the domain's memory to a host NUMA node, or unbind it (None), in its definition and, when it runs,
+        live: `virsh numatune DOMAIN --mode strict --nodeset N --live --config`."""
+        dom = self._find(name_or_uuid)
+        for el in (dom.config, dom.live):
+            if el is None:
+                continue
+            for old in el.findall("numatune"):
+                el.remove(old)
+            if node is not None:
+                tune = etree.Element("numatune")
+                etree.SubElement(tune, "memory", mode="strict", nodeset=str(node))
+                el.find("vcpu").addnext(tune)
+        self.save()
 
     def start(self, name_or_uuid: str) -> None:
         """Boot a shut-off domain: its live XML becomes a copy of the persistent one."""
