@@ -19,11 +19,18 @@ class HostAgentError(Exception):
         self.details = details
 
     def to_dict(self) -> dict[str, Any]:
-        """The API's error body."""
+        """The API's error body: code, message, the field at fault, and the public details (when the refused
+        resources are expected to be available)."""
         body: dict[str, Any] = {"code": self.code, "message": self.message}
         if self.field:
             body["field"] = self.field
+        for key in PUBLIC_DETAILS:
+            if self.details.get(key) is not None:
+                body[key] = self.details[key]
         return body
+
+
+PUBLIC_DETAILS = ("available_in_s",)  # details the API's error body carries (the rest stay in logs and journals)
 
 
 class InvalidInput(HostAgentError):

@@ -32,6 +32,7 @@ from hostagent.domain.lease import (
     Verdict,
     Waiting,
     arbitrate,
+    estimate_eta,
     new_lease,
 )
 from hostagent.services.admission import apply_priority_policy, cap_length, check_queue_share, quota_cap_for
@@ -165,7 +166,9 @@ async def _decide_and_grant(m: LeaseCore, domain_uuid: str, domain_name: str, re
                 count = min(cap, len(free))
                 verdict = Arbitration(Verdict.GRANT if count == request.gpus else Verdict.PARTIAL, count, why)
         if verdict.verdict is Verdict.REFUSE:
-            raise Conflict(verdict.reason, field="gpus")
+            wait = refusal_wait(m, asked, candidates, ahead, now) if len(candidates) >= asked.gpus else None
+            raise Conflict(verdict.reason + ("" if wait is None else f"; expected to be available in about "
+                                             f"{wait:.0f} s"), field="gpus", available_in_s=wait)
         if verdict.verdict is Verdict.DEFER:
             return await _enqueue(m, lease, born, actor, why, waiting, (*notes, why))
         try:
@@ -189,6 +192,20 @@ async def _enqueue(m: LeaseCore, lease: Lease, born: Sequence[Step], actor: str,
     lease = await m._move(lease, S.QUEUED, actor, why, earlier=born, queued_at=m.clock(), reasons=tuple(reasons))
     m._wake_queue.set()
     return lease
+
+
+def refusal_wait(m: LeaseCore, request: LeaseRequest, candidates: Sequence[Gpu], ahead: Sequence[Waiting],
+                 now: float) -> float | None:
+    """Seconds until a refused request's GPUs are expected free: the GPUs it could use, busy until their leases'
+    ends (or reclaim deadlines), taken first by the requests ahead of it of equal or higher priority, as the
+    queue's ETAs reckon (`estimate_eta`); None when not enough of them have a known end (quarantined ones never
+    do)."""
+    usable = [g for g in candidates if g.id not in m.quarantined and g.id not in m.attention]
+    free = sum(1 for g in usable if is_free(m, g.id))
+    ends = [busy_until(m, g.id, now) for g in usable if not is_free(m, g.id)]
+    first = [w.gpus for w in ahead if w.priority >= request.priority]
+    at = estimate_eta(now, free, ends, first, request.gpus)
+    return None if at is None else round(max(0.0, at - now), 1)
 
 
 def backfill_room(m: LeaseCore, request: LeaseRequest, free: Sequence[Gpu], now: float,

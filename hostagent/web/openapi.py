@@ -308,7 +308,11 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                 "Error": {"type": "object", "required": ["error"], "properties": {"error": {
                     "type": "object", "required": ["code", "message"],
                     "properties": {"code": {"type": "string"}, "message": {"type": "string"},
-                                   "field": {"type": "string"}}}}},
+                                   "field": {"type": "string"},
+                                   "available_in_s": {"type": "number", "minimum": 0, "description":
+                                                      "a request refused for want of free GPUs: seconds until as "
+                                                      "many are expected free (from the leases' ends and the "
+                                                      "requests ahead); absent when no end is known"}}}}},
                 "LeaseRequest": lease_request,
                 "Lease": lease,
                 "Gpu": gpu,

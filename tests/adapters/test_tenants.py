@@ -167,6 +167,25 @@ async def test_a_lease_cannot_outrun_its_gpu_hours(tmp_path: Path, aiohttp_clien
     assert other["expires_at"] == clock() + 1800
 
 
+async def test_a_refusal_says_when_the_gpus_are_expected(tmp_path: Path, aiohttp_client: Any) -> None:
+    """A request refused for want of free GPUs is told when as many are expected free (the leases' ends, the
+    requests of equal or higher priority queued ahead taking theirs first); a request the host can never meet is
+    not given a time."""
+    clock = Clock()
+    rig = await _rig(tmp_path, aiohttp_client, clock=clock)
+    await lease(rig, "vm-b", gpus=6, duration_s=600)
+    await lease(rig, "vm-c", gpus=2, duration_s=1200)
+    code, body, _ = await post(rig, "vm-a", gpus=2)
+    assert code == 409 and body["error"]["available_in_s"] == 600, body
+    assert body["error"]["message"].endswith("expected to be available in about 600 s"), body
+    await lease(rig, "vm-d", 202, gpus=6, accept_deferred=True)  # queued ahead: takes the six freed at 600 s
+    clock.advance(100)
+    code, body, _ = await post(rig, "vm-a", gpus=2)
+    assert code == 409 and body["error"]["available_in_s"] == 1100, body  # then the two freed at 1200 s
+    code, body, _ = await post(rig, "vm-a", gpus=9, accept_partial=False)
+    assert code == 409 and "available_in_s" not in body["error"], body
+
+
 async def test_quotas_hold_under_concurrent_requests(tmp_path: Path, aiohttp_client: Any) -> None:
     """Property: whatever mix of concurrent requests three VMs send (sizes, partial, deferred), no VM ever holds
     more than its quota and the project never more than its own, at any journaled step."""
