@@ -139,6 +139,14 @@ class PlacementSettings:
 
 
 @dataclass(frozen=True)
+class DashboardSettings:
+    """[dashboard]: how the operators' web pages stay current."""
+
+    refresh_s: float = 5.0  # open pages fetch fresh data this often (the leases table and GPU pages every 2x that)
+    stale_after_s: float = 60.0  # a guest heartbeat older than this is stale (2x the guest agent's 30 s interval)
+
+
+@dataclass(frozen=True)
 class AuthSettings:
     """[auth]: the operator credential (its SHA-256; tokens for VMs live in the store)."""
 
@@ -157,6 +165,7 @@ class Settings:
     reclaim: ReclaimSettings = field(default_factory=ReclaimSettings)
     placement: PlacementSettings = field(default_factory=PlacementSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
+    dashboard: DashboardSettings = field(default_factory=DashboardSettings)
 
     # Derived paths: one place decides the defaults that depend on other keys.
     @property
@@ -218,6 +227,7 @@ _POSITIVE = {
     "store.samples_per_lease_per_s", "store.ingest_share", "host.step_timeout_s", "libvirt.detach_timeout_s", "store.queue_max",
     "store.flush_interval_s", "store.flush_batch", "store.max_lag_s", "leases.default_duration_s", "leases.max_duration_s",
     "reclaim.check_interval_s", "reclaim.grace_s", "placement.retrain_interval_s",
+    "dashboard.refresh_s", "dashboard.stale_after_s",
 }
 
 

@@ -5,7 +5,8 @@ agent's app; the rest lives in rooms of its own: the views (dashboard_pages.py, 
 dashboard_login.py, sharing dashboard_plumbing.py and dashboard_format.py), what the pages show
 (dashboard_data.py over dashboard_source.py and dashboard_charts.py), the CSV export (dashboard_csv.py) and the
 sessions (dashboard_auth.py). Pages work without JavaScript (tables and the lease timeline are HTML/SVG from the
-server); JavaScript adds live refresh, local time zones and the uPlot charts. The names other modules import
+server); JavaScript adds live refresh (every `dashboard.refresh_s`), times in the viewer's zone, ages and countdowns
+that tick, and the uPlot charts whose window slides with the clock. The names other modules import
 from here (`install`, `DASHBOARD`, `CSP`, `TEMPLATES`, the formatting filters...) stay importable from here.
 """
 
@@ -30,6 +31,7 @@ from hostagent.web.dashboard_pages import (
     model_page,
     overview,
     overview_json,
+    reclaim_json,
     reclaim_page,
     ui_root,
 )
@@ -42,6 +44,7 @@ from hostagent.web.dashboard_plumbing import (
     TEMPLATES,
     Dashboard,
     Handler,
+    html_errors,
     security_headers,
     setup_templates,
 )
@@ -53,6 +56,7 @@ def install(app: web.Application, runtime: Any) -> Dashboard:
     app[DASHBOARD] = dash
     setup_templates(app)
     app.on_response_prepare.append(security_headers)
+    app.middlewares.append(html_errors)  # innermost: unknown /ui/* paths get the HTML error page, not JSON
     r = app.router
     r.add_get("/", overview)
     r.add_get("/ui", ui_root)
@@ -70,6 +74,7 @@ def install(app: web.Application, runtime: Any) -> Dashboard:
     r.add_get("/ui/reclaim", reclaim_page)
     r.add_get("/ui/model", model_page)
     r.add_get("/ui/api/overview", overview_json)
+    r.add_get("/ui/api/reclaim", reclaim_json)
     r.add_get("/ui/api/gpus/{gpu_id}", gpu_json)
     r.add_get("/ui/api/leases", leases_rows_json)
     r.add_get("/ui/api/leases/{lease_id}", lease_json)
@@ -84,6 +89,7 @@ __all__ = [
     "CSP", "CSV_COLUMNS", "DASHBOARD", "DASH_KEY", "HERE", "STATIC", "TEMPLATES", "Dashboard", "Handler",
     "clear_quarantine_action", "duration", "gib", "gpu_json", "gpu_page", "iso", "lease_json", "lease_page",
     "leases_csv", "leases_page", "leases_rows_json", "login_form", "login_submit", "logout", "model_page", "overview",
-    "overview_json", "pct", "reclaim_action", "reclaim_page", "release_action", "setup_templates", "time_tag",
+    "overview_json", "pct", "reclaim_action", "reclaim_json", "reclaim_page", "release_action", "setup_templates",
+    "time_tag",
     "ui_root",
 ]

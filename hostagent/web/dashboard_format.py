@@ -1,15 +1,28 @@
-"""Dashboard text formatting: the Jinja filters the templates use (`time`, `dur`, `gib`, `pct`, `iso`) as plain
-functions. It owns how a timestamp, a duration, a byte count or a percentage reads on a page: ISO-8601 UTC for
-machines, a <time> element with UTC fallback text (dashboard.js rewrites it in the viewer's time zone), '3d 4h',
-'80 GiB', '42%', and '—' for nothing. Pure functions with no request or runtime in sight, so the CSV export and
-the tests can use them too.
+"""Dashboard text formatting: the Jinja filters the templates use (`time`, `dur`, `gib`, `pct`, `iso`, `countdown`)
+as plain functions, and the freshness of a figure or of a guest's heartbeats. It owns how a timestamp, a duration,
+a byte count, a percentage or a deadline reads on a page: ISO-8601 UTC for machines; one human format everywhere,
+`2024-05-01 14:03:07 UTC` (24-hour, to the second, the zone in the text; dashboard.js rewrites it in the same shape
+in the viewer's zone, e.g. `2024-05-01 10:03:07 EDT`); '3d 4h', '80 GiB', '42%', '—' for nothing; 'in 4m 10s' /
+'4m 10s overdue' for a deadline; '12s ago' for an age, with 'stale' past `dashboard.stale_after_s`. dashboard.js
+mirrors `duration`, `countdown_text`, `age_text` and `heartbeat_view` to keep the text ticking between refreshes,
+so the two must say the same. Pure functions with no request or runtime in sight, so the CSV export and the tests
+can use them too.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from markupsafe import Markup
+
+# strftime of each <time data-style=...>: the server's UTC text, which dashboard.js replaces in the viewer's zone
+TIME_STYLES = {
+    "datetime": "%Y-%m-%d %H:%M:%S UTC",  # events, starts, ends: to the second, with the zone
+    "time": "%H:%M:%S UTC",  # a time of today (the overview's "updated")
+    "hm": "%H:%M",  # timeline ticks over a day (the zone is in the caption under the timeline)
+    "short": "%m-%d %H:%M",  # timeline ticks over days
+}
 
 
 def iso(ts: float | None) -> str:
@@ -19,14 +32,17 @@ def iso(ts: float | None) -> str:
     return dt.datetime.fromtimestamp(float(ts), dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
+def time_text(ts: float, style: str = "datetime") -> str:
+    """The server's text of a time: '2024-05-01 14:03:07 UTC' (see TIME_STYLES)."""
+    return dt.datetime.fromtimestamp(float(ts), dt.UTC).strftime(TIME_STYLES.get(style, TIME_STYLES["datetime"]))
+
+
 def time_tag(ts: float | None, style: str = "datetime") -> Markup:
-    """A <time> element with UTC fallback text; dashboard.js rewrites it in the viewer's time zone."""
+    """A <time> element with UTC text; dashboard.js rewrites it in the viewer's time zone (the zone in the text)."""
     if ts is None:
         return Markup('<span class="muted">—</span>')
-    d = dt.datetime.fromtimestamp(float(ts), dt.UTC)
-    text = {"time": "%H:%M:%S UTC", "hm": "%H:%M UTC"}.get(style, "%Y-%m-%d %H:%M UTC")
-    text = d.strftime(text)
-    return Markup('<time datetime="{}" data-style="{}">{}</time>').format(iso(ts), style, text)
+    style = style if style in TIME_STYLES else "datetime"
+    return Markup('<time datetime="{}" data-style="{}">{}</time>').format(iso(ts), style, time_text(ts, style))
 
 
 def duration(seconds: float | None) -> str:
@@ -46,6 +62,52 @@ def duration(seconds: float | None) -> str:
     return f"{sec}s"
 
 
+def countdown_text(deadline: float, now: float) -> str:
+    """'in 4m 10s' before a deadline, 'now' within a second of it, '12s overdue' after it."""
+    left = deadline - now
+    if abs(left) < 1:
+        return "now"
+    return f"in {duration(left)}" if left > 0 else f"{duration(-left)} overdue"
+
+
+def countdown_tag(deadline: float | None, now: float) -> Markup:
+    """A deadline's time and its countdown, which dashboard.js keeps ticking: '14:03:07 UTC (in 4m 10s)'."""
+    if deadline is None:
+        return Markup('<span class="muted">—</span>')
+    return Markup('{} <span class="countdown" data-countdown="{}">({})</span>').format(
+        time_tag(deadline), f"{float(deadline):.3f}", countdown_text(deadline, now))
+
+
+def age_text(ts: float, now: float) -> str:
+    """'12s ago' (never negative: a guest's clock may run ahead)."""
+    return f"{duration(now - ts)} ago"
+
+
+def age_view(ts: float | None, now: float, stale_after: float) -> dict[str, Any]:
+    """A figure's age: when its newest sample was taken, how long ago, and whether that is stale."""
+    if ts is None:
+        return {"ts": None, "age": None, "stale": False, "text": ""}
+    age = max(0.0, now - ts)
+    return {"ts": ts, "age": age, "stale": age > stale_after, "text": age_text(ts, now)}
+
+
+def heartbeat_view(last: float | None, since: float, now: float, stale_after: float) -> dict[str, Any]:
+    """What the dashboard says of a lease's guest heartbeats (`last`: when the agent last heard from it; `since`:
+    when the lease got its GPUs). State `ok` (heard within stale_after), `stale` ('no heartbeat for N'), `waiting`
+    (none yet, the lease younger than stale_after) or `never` (none yet, and it has waited longer: a warning)."""
+    if last is None:
+        waited = max(0.0, now - since)
+        state = "waiting" if waited <= stale_after else "never"
+        return {"last": None, "since": since, "age": None, "state": state, "text": "no heartbeat yet",
+                "warn": state == "never"}
+    age = max(0.0, now - last)
+    if age > stale_after:
+        return {"last": last, "since": since, "age": age, "state": "stale", "text": f"no heartbeat for {duration(age)}",
+                "warn": True}
+    return {"last": last, "since": since, "age": age, "state": "ok", "text": f"heartbeat {age_text(last, now)}",
+            "warn": False}
+
+
 def gib(nbytes: float | None) -> str:
     """Bytes as GiB ('80 GiB', '11.5 GiB')."""
     if not nbytes:
@@ -59,4 +121,5 @@ def pct(value: float | None) -> str:
     return "—" if value is None else f"{value:.0f}%"
 
 
-__all__ = ["duration", "gib", "iso", "pct", "time_tag"]
+__all__ = ["TIME_STYLES", "age_text", "age_view", "countdown_tag", "countdown_text", "duration", "gib",
+           "heartbeat_view", "iso", "pct", "time_tag", "time_text"]

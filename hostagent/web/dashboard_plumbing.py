@@ -1,10 +1,12 @@
 """Dashboard request plumbing that every page, action and login view shares. It owns the per-app `Dashboard` state
 (sessions, login throttle, the page data) under the `DASHBOARD` app key, the template environment (autoescaping,
 strict undefined names, the formatting filters), rendering a page or a live-refresh fragment with the session's
-common context (identity, CSRF token, flash messages), the `page` guard (a dashboard session is required; domain
-errors become an HTML error page, while the JSON helpers let the app's error middleware answer), the `action`
-guard for operator form POSTs (CSRF and operator checks, flash, redirect back), and the security headers (CSP and
-friends) on every dashboard response.
+common context (identity, CSRF token, flash messages, the agent's now and the [dashboard] settings that live figures
+tick from; a fragment's forms go back to its page, never to its JSON), the `page` guard (a dashboard session is
+required; domain errors become an HTML error page, while the JSON helpers let the app's error middleware answer),
+the `html_errors` middleware (an unknown /ui/* path gets the HTML error page; /ui/api and /v1 keep JSON), the
+`action` guard for operator form POSTs (CSRF and operator checks, flash, redirect back), and the security headers
+(CSP and friends) on every dashboard response.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from hostagent.web.dashboard_auth import (
     safe_next,
 )
 from hostagent.web.dashboard_data import RANGES, DashboardData
-from hostagent.web.dashboard_format import duration, gib, iso, pct, time_tag
+from hostagent.web.dashboard_format import countdown_tag, duration, gib, iso, pct, time_tag
 from hostagent.web.keys import DASH_FORM, DASH_IDENTITY, DASH_SESSION
 
 HERE = Path(__file__).resolve().parent
@@ -60,7 +62,8 @@ DASHBOARD: web.AppKey[Dashboard] = web.AppKey(DASH_KEY, Dashboard)
 
 def setup_templates(app: web.Application) -> jinja2.Environment:
     """aiohttp-jinja2 on the app: autoescaping on, undefined names fail loudly, the dashboard's filters."""
-    filters: dict[str, Callable[..., str]] = {"time": time_tag, "dur": duration, "gib": gib, "pct": pct, "iso": iso}
+    filters: dict[str, Callable[..., str]] = {"time": time_tag, "dur": duration, "gib": gib, "pct": pct, "iso": iso,
+                                             "countdown": countdown_tag}
     env = aiohttp_jinja2.setup(app, loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
                                undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, filters=filters)
     env.globals.update(ranges=list(RANGES))
@@ -72,6 +75,14 @@ def dashboard_of(request: web.Request) -> Dashboard:
     return request.app[DASHBOARD]
 
 
+def live_context(request: web.Request) -> dict[str, Any]:
+    """What every page and fragment shares for live figures: the agent's clock now (dashboard.js ticks ages and
+    countdowns from it, whatever the browser's clock says), and the [dashboard] settings."""
+    dash = dashboard_of(request)
+    cfg = dash.rt.settings.dashboard
+    return {"now": dash.data.clock(), "stale_after": cfg.stale_after_s, "refresh_ms": int(cfg.refresh_s * 1000)}
+
+
 def render(request: web.Request, template: str, ctx: dict[str, Any], status: int = 200) -> web.Response:
     """A whole page: the template with the session's common context (flash messages shown once) under ctx."""
     session: Session | None = request.get(DASH_SESSION)
@@ -81,6 +92,7 @@ def render(request: web.Request, template: str, ctx: dict[str, Any], status: int
         "is_operator": bool(identity and identity.is_operator),
         "csrf": session.csrf if session else "", "flash": list(session.flash) if session else [],
         "host_id": dashboard_of(request).rt.settings.agent.host_id, "notes": [], "nav": "", "title": "",
+        **live_context(request),
     }
     if session is not None:
         session.flash.clear()
@@ -89,12 +101,22 @@ def render(request: web.Request, template: str, ctx: dict[str, Any], status: int
     return web.Response(text=html, content_type="text/html", status=status)
 
 
+def page_of(api_path: str) -> str:
+    """The page a live-refresh fragment belongs to (/ui/api/leases?x -> /ui/leases?x, /ui/api/overview -> /): where
+    a form in the fragment sends the browser back to, never the JSON it came in."""
+    if not api_path.startswith("/ui/api/"):
+        return api_path
+    path = "/ui/" + api_path[len("/ui/api/"):]
+    return "/" if path.split("?")[0] == "/ui/overview" else path
+
+
 def render_fragment(request: web.Request, template: str, ctx: dict[str, Any]) -> str:
     """A partial template's HTML for live refresh (the flash messages stay for the next whole page)."""
     session: Session | None = request.get(DASH_SESSION)
     identity: Identity | None = request.get(DASH_IDENTITY)
     base: dict[str, Any] = {"identity": identity, "is_operator": bool(identity and identity.is_operator),
-            "csrf": session.csrf if session else "", "request_path": request.path_qs, "notes": []}
+            "csrf": session.csrf if session else "", "request_path": page_of(request.path_qs), "notes": [],
+            **live_context(request)}
     base.update(ctx)
     return aiohttp_jinja2.get_env(request.app).get_template(template).render(base)
 
@@ -168,6 +190,46 @@ def action(handler: Callable[[web.Request, Identity], Awaitable[str]]) -> Handle
     return page(wrapper)
 
 
+def is_page_path(path: str) -> bool:
+    """A path under /ui that a browser asks for (the dashboard's JSON under /ui/api is not one)."""
+    return (path == "/ui" or path.startswith("/ui/")) and not path.startswith("/ui/api/")
+
+
+def _static_file(rel: str) -> bool:
+    """Whether a path under /ui/static/ names one of the dashboard's files."""
+    target = (STATIC / rel).resolve()
+    return target.is_file() and STATIC.resolve() in target.parents
+
+
+@web.middleware
+async def html_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """An unknown /ui/* path (or a method a page does not take) answers the HTML error page, with the dashboard's
+    header when the browser has a session; the JSON API (/v1, /ui/api) keeps the error middleware's JSON."""
+    try:
+        if request.path.startswith("/ui/static/") and not _static_file(request.path[len("/ui/static/"):]):
+            raise web.HTTPNotFound()  # aiohttp's file response would answer an empty 404 of its own
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status not in (404, 405) or not is_page_path(request.path):
+            raise
+        dash = dashboard_of(request)
+        session = dash.sessions.get(request.cookies.get(SESSION_COOKIE))
+        identity = dashboard_identity(dash.rt.tokens.resolve(session.token)) if session else None
+        if session is not None and identity is not None:
+            request[DASH_SESSION] = session
+            request[DASH_IDENTITY] = identity
+        if exc.status == 404:
+            error = {"http_status": 404, "code": "not_found", "message": f"no page at {request.path}", "field": None}
+        else:
+            error = {"http_status": 405, "code": "method_not_allowed", "field": None,
+                     "message": f"method {request.method} is not allowed on {request.path}"}
+        resp = render(request, "error.html", {"error": error, "title": "Not found" if exc.status == 404 else "Error"},
+                      status=exc.status)
+        if "Allow" in exc.headers:
+            resp.headers["Allow"] = exc.headers["Allow"]
+        return resp
+
+
 async def security_headers(request: web.Request, response: web.StreamResponse) -> None:
     """CSP and friends on every dashboard response (not on the JSON API, which has its own clients)."""
     if request.path == "/" or request.path.startswith("/ui"):
@@ -180,4 +242,5 @@ async def security_headers(request: web.Request, response: web.StreamResponse) -
 
 
 __all__ = ["CSP", "DASHBOARD", "DASH_KEY", "STATIC", "TEMPLATES", "Dashboard", "Handler", "action", "dashboard_of",
-           "page", "render", "render_fragment", "security_headers", "see_other", "setup_templates"]
+           "html_errors", "is_page_path", "live_context", "page", "render", "render_fragment", "security_headers",
+           "see_other", "setup_templates"]

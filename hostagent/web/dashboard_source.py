@@ -1,8 +1,10 @@
 """Where the dashboard's numbers come from: the runtime's journal, the optional usage store and the heartbeats
 held in memory. It owns reading them safely for a page: every journal lease (parsed once per journal change, live
 ones overlaid from the manager), store calls that note a failure instead of raising (the store may be absent or
-down, and the page then says so and shows what the agent holds in memory), and usage per GPU or per lease (chart
-series, sparklines, mean utilization). `DashboardSource` is the base of `DashboardData`, which builds the pages.
+down, and the page then says so and shows what the agent holds in memory), usage per GPU or per lease (chart
+series, sparklines, mean utilization), and how fresh it is: a figure's age, and when the agent last heard from a
+lease's guest (stale past `dashboard.stale_after_s`). `DashboardSource` is the base of `DashboardData`, which
+builds the pages.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from typing import Any
 
 from hostagent.domain.errors import HostAgentError, NotFound
 from hostagent.domain.lease import Lease, LeaseState
-from hostagent.web.dashboard_charts import bucket_series, downsample, spark_segments, with_gaps
+from hostagent.web.dashboard_charts import bucket_series, downsample, lease_start, spark_segments, with_gaps
+from hostagent.web.dashboard_format import age_view, heartbeat_view
 
 SPARK_WINDOW_S = 3600
 SPARK_BUCKET_S = 60
+OWN_SAMPLE_SLACK_S = 60.0  # a GPU's newest sample counts as its current lease's when at most this much older
 
 
 @dataclass
@@ -83,6 +87,54 @@ class DashboardSource:
             notes.add(f"usage store: {exc.message} (showing what this agent holds in memory)")
             return None
 
+    # -- freshness -----------------------------------------------------------------------------------------------
+    @property
+    def stale_after(self) -> float:
+        """dashboard.stale_after_s: a heartbeat or a figure older than this is stale."""
+        return float(self.rt.settings.dashboard.stale_after_s)
+
+    def newest_sample(self, gpu_id: str, lease_id: str | None = None) -> tuple[float, float] | None:
+        """(ts, util) of the newest guest sample held in memory for a GPU (from one lease's window, when given)."""
+        windows = ([self.rt.recent_samples.get(lease_id) or ()] if lease_id is not None
+                   else list(self.rt.recent_samples.values()))
+        best: tuple[float, float] | None = None
+        for window in windows:
+            for smp in list(window):
+                if smp.get("gpu_id") == gpu_id and (best is None or smp["ts"] > best[0]):
+                    best = (float(smp["ts"]), float(smp["util_pct"]))
+        return best
+
+    def heard_from(self, lease: Lease, known: float | None = None) -> float | None:
+        """When the agent last heard from a lease's guest: its last heartbeat's arrival or the newest sample held in
+        memory, else `known` (a sample time from the store, e.g. after the agent restarted)."""
+        times = [getattr(self.rt, "last_heartbeat", {}).get(lease.id)]
+        window = self.rt.recent_samples.get(lease.id)
+        if window:
+            times.append(max(float(smp["ts"]) for smp in list(window)))
+        if known is not None and known >= lease_start(lease) - OWN_SAMPLE_SLACK_S:
+            times.append(known)
+        found = [t for t in times if t is not None]
+        return max(found) if found else None
+
+    def heartbeat(self, lease: Lease | None, now: float, known: float | None = None) -> dict[str, Any] | None:
+        """The heartbeat line of a lease that holds GPUs (see dashboard_format.heartbeat_view); None otherwise."""
+        if lease is None or not lease.state.holds_devices:
+            return None
+        return heartbeat_view(self.heard_from(lease, known), lease_start(lease), now, self.stale_after)
+
+    def util_now(self, gpu_id: str, lease: Lease | None, now: float,
+                 fallback: tuple[float | None, float | None] | None = None) -> dict[str, Any]:
+        """A GPU's current utilization under its lease, with its age: the newest sample held in memory, else
+        `fallback` (ts, value) from the store; nothing when the newest data predates the lease (another guest's)."""
+        if lease is None:
+            return {"value": None, **age_view(None, now, self.stale_after)}
+        found = self.newest_sample(gpu_id, lease.id)
+        if found is None and fallback is not None and fallback[0] is not None and fallback[1] is not None:
+            found = (float(fallback[0]), float(fallback[1]))
+        if found is None or found[0] < lease_start(lease) - OWN_SAMPLE_SLACK_S:
+            return {"value": None, **age_view(None, now, self.stale_after)}
+        return {"value": round(found[1], 1), **age_view(found[0], now, self.stale_after)}
+
     # -- usage ---------------------------------------------------------------------------------------------------
     def _window_points(self, gpu_id: str, since: float, until: float) -> list[tuple[float, float | None, float | None]]:
         """(ts, util, mem) of heartbeat samples held in memory for one GPU."""
@@ -125,21 +177,32 @@ class DashboardSource:
                 "util": [None if p[1] is None else round(float(p[1]), 2) for p in pts],
                 "mem_gib": [None if p[2] is None else round(float(p[2]) / gib, 3) for p in pts]}
 
+    @staticmethod
+    def last_point(series: dict[str, Any]) -> tuple[float | None, float | None]:
+        """(ts, util) of a chart series' last point with data."""
+        return next(((t, v) for t, v in zip(reversed(series["ts"]), reversed(series["util"])) if v is not None),
+                    (None, None))
+
     async def sparkline(self, gpu_id: str, now: float, notes: Notes) -> dict[str, Any]:
         """Last hour of utilization in one-minute buckets, as SVG segments, plus the latest value."""
         since = now - SPARK_WINDOW_S
         rows = None
         if self.has_store:
             rows = await self.store_call(notes, "gpu_history", gpu_id, since, now, "minute")
+        held = self._window_points(gpu_id, since, now + 1.0)
         if rows is not None:
             samples = [(float(r["ts"]), r.get("util_mean")) for r in rows]
             samples += [(p[0], p[1]) for p in self._fresher(gpu_id, samples, now, SPARK_BUCKET_S)]
         else:
-            samples = [(p[0], p[1]) for p in self._window_points(gpu_id, since, now)]
+            samples = [(p[0], p[1]) for p in held if p[0] < now]
         values = bucket_series(samples, since, now, SPARK_BUCKET_S)
         last = next((v for v in reversed(values) if v is not None), None)
+        # when the newest sample was taken: held in memory to the second; from the store, its minute's start
+        newest = max((p[0] for p in held), default=None)
+        if newest is None:
+            newest = max((t for t, v in samples if v is not None), default=None)
         return {"segments": spark_segments(values), "last": None if last is None else round(last, 1),
-                "points": sum(1 for v in values if v is not None)}
+                "points": sum(1 for v in values if v is not None), "ts": newest}
 
     async def lease_util(self, lease: Lease, notes: Notes) -> float | None:
         """Mean utilization of a lease (store rollups, else the in-memory window)."""

@@ -82,6 +82,7 @@ DASHBOARD_ROUTES: dict[tuple[str, str], tuple[dict[str, str] | None, dict[str, i
     ("GET", "/ui/reclaim"): (None, PAGE),
     ("GET", "/ui/model"): (None, PAGE),
     ("GET", "/ui/api/overview"): (None, DASH_JSON),
+    ("GET", "/ui/api/reclaim"): (None, DASH_JSON),
     ("GET", "/ui/api/gpus/{gpu_id}"): (None, DASH_JSON),
     ("GET", "/ui/api/leases"): (None, DASH_JSON),
     ("GET", "/ui/api/leases/{lease_id}"): (None, DASH_JSON),

@@ -1361,6 +1361,12 @@ TABLE: dict[str, Effect | Proven] = {
     "auth.operator_token_sha256": Effect(
         Dyn(lambda v: hash_token(v.operator), "the operator token's SHA-256"),
         "the token with this SHA-256 is the operator's", operator_token_status, default=401, changed=200),
+    "dashboard.refresh_s": Proven(
+        "tests/browser/test_dashboard_live.py::test_charts_gain_points_and_slide_without_reload",
+        "open pages fetch fresh data this often: a chart gains the points sent after it loaded, without a reload"),
+    "dashboard.stale_after_s": Proven(
+        "tests/adapters/test_dashboard_live.py::test_a_dead_guest_looks_dead_and_a_silent_one_is_flagged",
+        "a guest silent for longer is shown stale ('no heartbeat for N'); a shorter silence is not"),
 }
 
 
