@@ -27,11 +27,17 @@ from hostagent.host.adapter import SysfsHost
 from hostagent.host.discovery import Inventory, discover, numa_cells
 from hostagent.host.interrupts import irq_bypass
 from hostagent.host.sysfs import Sysfs
+from hostagent.learn import MODEL_KIND
 from hostagent.domain.placement import Exploration
 from hostagent.services.leases import LeaseManager, LeasePolicy, lease_view
 from hostagent.services.placement import Placer
 from hostagent.services.reaper import Reaper, host_signal_untrusted, reaper_settings
-from hostagent.services.reconcile import Reconciler, Repair
+from hostagent.services.reconcile import (  # noqa: F401 (MISSED_WHILE_AWAY: re-exported)
+    MISSED_WHILE_AWAY,
+    Reconciler,
+    Repair,
+    reread_domains,
+)
 from hostagent.store.journal import Journal, read_boot_id
 from hostagent.web.auth import Identity, TokenBook
 
@@ -44,7 +50,6 @@ REREAD_RETRY_S = 5.0  # a domain whose state could not be re-read after a reconn
 DRIVERS_MAX_AGE_S = 5.0  # the views' function drivers are re-read at least this often (a change made outside the agent)
 REREAD_RETRY_MAX_S = 60.0  # ... doubling up to this, until it answers or a newer reconnect re-reads everything
 SAMPLE_BURST_S = 60.0  # a lease may send this many seconds of store.samples_per_lease_per_s at once
-MISSED_WHILE_AWAY = "missed while disconnected from libvirt; found on reconnect"  # end_reason suffix of such stops
 
 
 def open_hypervisor(settings: Settings) -> Any:
@@ -485,6 +490,14 @@ class Runtime:
 
     async def _load_model(self) -> None:
         """Use the store's active placement model, if any (else the cold-start rule decides)."""
+        try:  # a store with no model: scikit-learn is never imported (seconds, and an agent stopping meanwhile waits)
+            await self.run(self.store.store.get_model_version, None, kind=MODEL_KIND, with_artifact=False)
+        except HostAgentError as exc:
+            if not isinstance(exc, NotFound):
+                log.warning("cannot load the placement model: %s; using the cold-start rule", exc.message)
+            if self.settings.agent.gc_freeze:
+                settle_heap()
+            return
         # scikit-learn takes over a second to import: never on the event loop
         lifecycle = await self.run(importlib.import_module, "hostagent.learn.lifecycle")
         try:
@@ -597,41 +610,9 @@ class Runtime:
             delay = min(REREAD_RETRY_MAX_S, delay * 2)
 
     async def _reread_domains(self, lease_ids: list[str]) -> list[str]:
-        """One pass of the re-read: end the leases whose domain stopped or vanished; return those not read."""
-        unread = []
-        for lease_id in lease_ids:
-            lease = self.manager.leases.get(lease_id)
-            if lease is None or lease.state is not LeaseState.ACTIVE:
-                continue  # ended meanwhile (an event, a release): nothing to find out
-            try:
-                state = (await self.hypervisor.get_domain(lease.domain_uuid)).state
-            except NotFound:
-                kind = "undefined"
-            except HostAgentError as exc:
-                log.warning("cannot re-read domain %s of lease %s after the reconnect: %s; lease kept",
-                            lease.domain_name, lease.id, exc.message, extra={"lease_id": lease.id})
-                unread.append(lease_id)
-                continue
-            else:
-                # A paused guest still holds its devices: only a domain that is down has let go of them.
-                kind = {"shut-off": "stopped", "crashed": "crashed"}.get(str(state), "")
-            if kind:
-                await self.manager.on_domain_event(kind, lease.domain_uuid, actor="reconnect",
-                                                   reason=f"domain {kind} ({MISSED_WHILE_AWAY})")
-                continue
-            # Still up: a device it gave up while the agent was away (the guest's own eject; its DEVICE_REMOVED
-            # lost) is attached again, or the lease ends, as the start-up reconcile does.
-            repair = Reconciler(self.manager, actor="reconnect")
-            try:
-                attached = {str(h.source) for h in await self.hypervisor.attached_hostdevs(lease.domain_uuid)}
-                settled = await repair.restore_devices(lease, attached)
-            except HostAgentError as exc:
-                log.warning("cannot re-read the devices of domain %s (lease %s) after the reconnect: %s; lease kept",
-                            lease.domain_name, lease.id, exc.message, extra={"lease_id": lease.id})
-                settled = False
-            self.repairs.extend(repair.repairs)
-            if not settled:
-                unread.append(lease_id)
+        """One pass of the re-read (services.reconcile.reread_domains); its repairs join the start-up ones."""
+        unread, repairs = await reread_domains(self.manager, self.hypervisor, lease_ids)
+        self.repairs.extend(repairs)
         return unread
 
 

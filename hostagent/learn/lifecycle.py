@@ -22,12 +22,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from hostagent.domain.errors import InvalidInput, NotFound
+from hostagent.learn import MODEL_KIND
 from hostagent.learn.model import TARGETS, LearnedScorer, ModelBundle, fit, target_values
 from hostagent.learn.records import Example, TrainingSource, load_examples
 
 log = logging.getLogger("hostagent.learn")
 
-KIND = "placement"
+KIND = MODEL_KIND
 MIN_RECORDS = 100  # below this the cold-start rule keeps deciding
 HOLDOUT_FRACTION = 0.2
 HOLDOUT_MIN = 20  # fewer fresh records than this cannot judge a candidate against the active model

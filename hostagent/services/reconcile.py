@@ -18,6 +18,7 @@ from hostagent.services.leases import LeaseManager
 
 log = logging.getLogger("hostagent.reconcile")
 S = LeaseState
+MISSED_WHILE_AWAY = "missed while disconnected from libvirt; found on reconnect"  # end_reason suffix of such stops
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,3 +262,50 @@ class Reconciler:
 def summarize(repairs: list[Repair]) -> dict[str, Any]:
     """Counts for logs and /readyz."""
     return {"repairs": len(repairs), "items": [r.to_dict() for r in repairs]}
+
+
+async def reread_domains(manager: LeaseManager, hypervisor: Any, lease_ids: list[str]
+                         ) -> tuple[list[str], list[Repair]]:
+    """One pass of the re-read after libvirt's connection came back: end the leases whose domain stopped or
+    vanished meanwhile, attach again (or end) what a running domain lost; return the leases whose domain could not
+    be read (the caller reads them again later) and the repairs made.
+
+    Only a definite answer counts: NotFound (the domain is gone) or a state. Any other error, the connection
+    dropping again mid-read included, says nothing about the guest, which may still be running with the GPU: its
+    lease is left as it is, never given back on a guess."""
+    unread: list[str] = []
+    repairs: list[Repair] = []
+    for lease_id in lease_ids:
+        lease = manager.leases.get(lease_id)
+        if lease is None or lease.state is not S.ACTIVE:
+            continue  # ended meanwhile (an event, a release): nothing to find out
+        try:
+            state = (await hypervisor.get_domain(lease.domain_uuid)).state
+        except NotFound:
+            kind = "undefined"
+        except HostAgentError as exc:
+            log.warning("cannot re-read domain %s of lease %s after the reconnect: %s; lease kept",
+                        lease.domain_name, lease.id, exc.message, extra={"lease_id": lease.id})
+            unread.append(lease_id)
+            continue
+        else:
+            # A paused guest still holds its devices: only a domain that is down has let go of them.
+            kind = {"shut-off": "stopped", "crashed": "crashed"}.get(str(state), "")
+        if kind:
+            await manager.on_domain_event(kind, lease.domain_uuid, actor="reconnect",
+                                          reason=f"domain {kind} ({MISSED_WHILE_AWAY})")
+            continue
+        # Still up: a device it gave up while the agent was away (the guest's own eject; its DEVICE_REMOVED
+        # lost) is attached again, or the lease ends, as the start-up reconcile does.
+        repair = Reconciler(manager, actor="reconnect")
+        try:
+            attached = {str(h.source) for h in await hypervisor.attached_hostdevs(lease.domain_uuid)}
+            settled = await repair.restore_devices(lease, attached)
+        except HostAgentError as exc:
+            log.warning("cannot re-read the devices of domain %s (lease %s) after the reconnect: %s; lease kept",
+                        lease.domain_name, lease.id, exc.message, extra={"lease_id": lease.id})
+            settled = False
+        repairs.extend(repair.repairs)
+        if not settled:
+            unread.append(lease_id)
+    return unread, repairs
