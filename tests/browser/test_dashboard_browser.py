@@ -11,9 +11,9 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, expect
 
-from tests.support.dashboard import CHROMIUM_ARGS, Demo, chromium_path, screenshot, start_demo
+from tests.support.dashboard import Demo, login, screenshot, start_demo
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
@@ -37,27 +37,6 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
         yield d
     finally:
         d.stop()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    path = chromium_path()
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=path, headless=True, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-def login(browser: Browser, demo: Demo, *, javascript: bool = True) -> Page:
-    ctx = browser.new_context(viewport={"width": 1440, "height": 900}, java_script_enabled=javascript,
-                              timezone_id="America/New_York")
-    page = ctx.new_page()
-    page.goto(demo.url + "/")
-    expect(page).to_have_url(re.compile(r"/ui/login\?next=/$"))
-    page.fill("input[type=password]", demo.operator)
-    page.click("button[type=submit]")
-    expect(page).to_have_url(demo.url + "/")
-    return page
 
 
 def test_login_refuses_bad_and_vm_credentials(browser: Browser, demo: Demo) -> None:

@@ -9,17 +9,16 @@ second or two where granting and releasing each through the simulated host would
 from __future__ import annotations
 
 import csv
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, expect
 
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseRequest, LeaseState, Step
 from hostagent.store.journal import Journal
-from tests.support.dashboard import CHROMIUM_ARGS, Demo, chromium_path, screenshot, start_demo
+from tests.support.dashboard import Demo, login, screenshot, start_demo
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 
@@ -64,27 +63,9 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
         d.stop()
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-def login(browser: Browser, demo: Demo) -> Page:
-    page = browser.new_context(viewport={"width": 1440, "height": 900}, accept_downloads=True).new_page()
-    page.goto(demo.url + "/ui/leases")
-    expect(page).to_have_url(re.compile(r"/ui/login\?next=/ui/leases$"))
-    page.fill("input[type=password]", demo.operator)
-    page.click("button[type=submit]")
-    expect(page).to_have_url(demo.url + "/ui/leases")
-    return page
-
-
 def test_325_leases_page_through_and_all_reach_the_csv(browser: Browser, demo: Demo) -> None:
     started = time.monotonic()
-    page = login(browser, demo)
+    page = login(browser, demo, path="/ui/leases", downloads=True, timezone=None)
     count = page.locator("#lease-count")
     expect(count).to_contain_text(f"Rows 1–100 of {N} leases · page 1 of 4")
     page.select_option("#lease-filters select[name=limit]", "50")

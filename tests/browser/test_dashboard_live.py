@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, expect
 
-from tests.support.dashboard import CHROMIUM_ARGS, Demo, chromium_path, screenshot, start_demo
+from tests.support.dashboard import Demo, login, screenshot, start_demo
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
@@ -43,25 +43,6 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
         yield d
     finally:
         d.stop()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-def login(browser: Browser, demo: Demo, *, width: int = 1440) -> Page:
-    ctx = browser.new_context(viewport={"width": width, "height": 900}, timezone_id="America/New_York")
-    page = ctx.new_page()
-    page.goto(demo.url + "/")
-    expect(page).to_have_url(re.compile(r"/ui/login\?next=/$"))
-    page.fill("input[type=password]", demo.operator)
-    page.click("button[type=submit]")
-    expect(page).to_have_url(demo.url + "/")
-    return page
 
 
 def extra(demo: Demo) -> dict[str, Any]:

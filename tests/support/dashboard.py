@@ -142,3 +142,20 @@ def screenshot(page: Any, name: str) -> Path:
     path = SCREENSHOTS / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)
     return path
+
+
+def login(browser: Any, demo: Demo, *, path: str = "/", width: int = 1440, javascript: bool = True,
+          downloads: bool = False, timezone: str | None = "America/New_York") -> Any:
+    """A new browser context logged in as the operator, on `path` (asked for before the login, as a bookmarked page
+    is: the login sends the browser back there)."""
+    from playwright.sync_api import expect
+
+    ctx = browser.new_context(viewport={"width": width, "height": 900}, java_script_enabled=javascript,
+                              accept_downloads=downloads, **({"timezone_id": timezone} if timezone else {}))
+    page = ctx.new_page()
+    page.goto(demo.url + path)
+    expect(page).to_have_url(re.compile(rf"/ui/login\?next={re.escape(path)}$"))
+    page.fill("input[type=password]", demo.operator)
+    page.click("button[type=submit]")
+    expect(page).to_have_url(demo.url + path)
+    return page
