@@ -145,7 +145,7 @@ def screenshot(page: Any, name: str) -> Path:
 
 
 def login(browser: Any, demo: Demo, *, path: str = "/", width: int = 1440, javascript: bool = True,
-          downloads: bool = False, timezone: str | None = "America/New_York") -> Any:
+          downloads: bool = True, timezone: str | None = "America/New_York") -> Any:
     """A new browser context logged in as the operator, on `path` (asked for before the login, as a bookmarked page
     is: the login sends the browser back there)."""
     from playwright.sync_api import expect
