@@ -55,16 +55,26 @@ async def release_lease(m: LeaseCore, lease_id: str, *, actor: str, reason: str 
 
 
 async def finish_release(m: LeaseCore, lease: Lease, actor: str, final: LeaseState) -> Lease:
-    """From DETACHING or DETACH_PENDING: detach and wait, then give back; else DETACH_PENDING."""
-    if lease.state is S.DETACH_PENDING:
-        lease = await m._move(lease, S.DETACHING, actor, f"detach retry {lease.detach_attempts + 1}")
+    """From DETACHING or DETACH_PENDING: detach and wait, then give back; else DETACH_PENDING.
+
+    A retry of a pending detach stays DETACH_PENDING while it runs and after it (a crash mid-retry is repaired the
+    same: the lease is DETACH_PENDING either way), so the GPU's state holds still instead of flapping between
+    leased and detach-pending with every retry, and each retry the guest ignores is one `detach retry N` step
+    (the dashboard shows them as one line with a count)."""
+    retry = lease.state is S.DETACH_PENDING
     how = await detach(m, lease)
     if how is None:
-        pending = await m._move(
-            lease, S.DETACH_PENDING, actor,
-            "the guest did not acknowledge the detach (no DEVICE_REMOVED); GPU stays on vfio-pci",
-            detach_attempts=lease.detach_attempts + 1,
-        )
+        if retry:
+            n = lease.detach_attempts
+            pending = await m._write(lease.with_changes(detach_attempts=n + 1), S.DETACH_PENDING, actor,
+                                     f"detach retry {n}: still not acknowledged (no DEVICE_REMOVED); GPU stays on "
+                                     "vfio-pci")
+        else:
+            pending = await m._move(
+                lease, S.DETACH_PENDING, actor,
+                "the guest did not acknowledge the detach (no DEVICE_REMOVED); GPU stays on vfio-pci",
+                detach_attempts=lease.detach_attempts + 1,
+            )
         if pending.detach_attempts == max(0, m.policy.detach_retries) + 1:  # the last automatic try: once per lease
             await detach_alert(m, pending, actor)
         return pending

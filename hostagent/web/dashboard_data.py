@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlencode
@@ -35,6 +35,7 @@ from hostagent.web.dashboard_charts import (
 from hostagent.services.admission import queue_deadline
 from hostagent.store.lease_listing import LeaseFilter, Order, Position, decode_cursor, encode_cursor
 from hostagent.web.dashboard_csv import csv_cell, gpu_hours
+from hostagent.web.dashboard_format import duration
 from hostagent.web.dashboard_source import DashboardSource, Notes
 
 RANGES: dict[str, int] = {"1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400}
@@ -163,8 +164,9 @@ class DashboardData(DashboardSource):
             "fallback": {"util": line_path(series["ts"], series["util"], since, now, vmax=100.0),
                          "mem": line_path(series["ts"], series["mem_gib"], since, now,
                                           vmax=(view["memory_bytes"] or 0) / 1024**3 or None)},
-            "probes": probes, "events": [e.to_dict() for e in reversed(events)],
+            "probes": probes, "events": collapse_retries([e.to_dict() for e in reversed(events)]),
             "lease": holder, "notes": notes.items, "has_store": self.has_store,
+            "stuck": stuck_detach(holder, events, self.rt.manager.policy.detach_retries) if holder else None,
         }
 
     # -- leases --------------------------------------------------------------------------------------------------
@@ -332,7 +334,8 @@ class DashboardData(DashboardSource):
             "deadline": queue_deadline(m.policy, lease), "since": lease.queued_at or lease.created_at}
         newest = max((t for t in (self.last_point(x)[0] for x in series.values()) if t is not None), default=None)
         return {"lease": lease, "row": self.lease_row(lease, now, util), "series": series, "since": since,
-                "until": until, "events": [e.to_dict() for e in reversed(events)], "reaper": status,
+                "until": until, "events": collapse_retries([e.to_dict() for e in reversed(events)]),
+                "stuck": stuck_detach(lease, events, m.policy.detach_retries), "reaper": status,
                 "queue": queue, "hb": self.heartbeat(lease, now, known=newest),
                 "util_now": {gid: self.util_now(gid, lease if lease.state.holds_devices else None, now,
                                                 fallback=self.last_point(x)) for gid, x in series.items()},
@@ -463,3 +466,36 @@ def _util_page(journal: Any, q: LeaseQuery, ordered: list[tuple[tuple[float, ...
 
 __all__ = ["Bar", "DashboardData", "LeaseQuery", "Notes", "RANGES", "bucket_series", "csv_cell", "downsample",
            "line_path", "parse_range", "spark_segments", "state_css", "time_ticks", "timeline_bars", "with_gaps"]
+
+
+# -- a stuck detach ----------------------------------------------------------------------------------------------
+RETRY = "detach retry "  # the detail of each retry the guest ignored (services.release_path.finish_release)
+
+
+def collapse_retries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Events newest first, each run of one lease's ignored detach retries as one line with its count and span: a
+    detach stuck for hours reads as one entry, not one per retry."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        retry = (e.get("to_state") == e.get("from_state") == "DETACH_PENDING"
+                 and (e.get("detail") or "").startswith(RETRY))
+        last = out[-1] if out else None
+        if retry and last is not None and last.get("retries") and last.get("lease_id") == e.get("lease_id"):
+            last["retries"] += 1
+            last["first_ts"] = e["ts"]
+            last["detail"] = (f"detach retried {last['retries']} times over {duration(last['ts'] - e['ts'])}: "
+                              "still not acknowledged (no DEVICE_REMOVED); GPU stays on vfio-pci")
+            continue
+        out.append({**e, "retries": 1, "first_ts": e["ts"]} if retry else e)
+    return out
+
+
+def stuck_detach(lease: Lease, events: Sequence[Any], retries: int) -> dict[str, Any] | None:
+    """What the operator needs about a detach the guest has not acknowledged: since when (the lease's first step to
+    DETACH_PENDING), how many tries, whether the agent still retries by itself. None unless DETACH_PENDING."""
+    if lease.state is not LeaseState.DETACH_PENDING:
+        return None
+    firsts = [e.ts for e in events if e.lease_id == lease.id and e.to_state == "DETACH_PENDING"
+              and e.from_state != "DETACH_PENDING"]
+    return {"since": firsts[-1] if firsts else None, "attempts": lease.detach_attempts,
+            "retries_left": max(0, retries + 1 - lease.detach_attempts)}
