@@ -1,6 +1,7 @@
-"""A detach that never completes, in Chromium: one VM's guest ignores every unplug request. Its lease page shows one
-banner (how long it has been stuck, what the operator can do), the lease and its GPU hold still at detach-pending
-through the agent's retries instead of flapping, and the retries read as one event line with a count."""
+"""The GPU's truth on its page, in Chromium: a leased GPU's functions show vfio-pci (and their host driver again once
+given back), and a detach that never completes (one VM's guest ignores every unplug request) shows one banner (how
+long it has been stuck, what the operator can do) while the lease and its GPU hold still at detach-pending through
+the agent's retries instead of flapping, the retries read as one event line with a count."""
 
 from __future__ import annotations
 
@@ -63,3 +64,17 @@ def test_a_stuck_detach_shows_one_banner_and_holds_still(browser: Browser, demo:
     gpu = login(browser, demo, path=f"/ui/gpus/{gid}")
     expect(gpu.locator(".stuck-banner")).to_have_count(1)
     expect(gpu.locator("h1 .badge")).to_have_text("detach-pending")
+
+
+def test_a_leased_gpus_page_shows_its_functions_on_vfio_pci(browser: Browser, demo: Demo) -> None:
+    lease = demo.lease("vm-alpha", gpus=1, task_type="inference")
+    gid = lease["devices"][0]["gpu_id"]
+    page = login(browser, demo, path=f"/ui/gpus/{gid}")
+    drivers = page.locator("#gpu-head table.functions td:nth-child(3)")  # address, class, driver, name
+    expect(drivers.first).to_have_text("vfio-pci")
+    assert set(drivers.all_inner_texts()) == {"vfio-pci"}
+    status, body = demo.api("DELETE", f"/v1/leases/{lease['id']}", demo.vm_token("vm-alpha"))
+    assert status == 200 and body["state"] == "RELEASED", body
+    page.reload()
+    expect(drivers.first).not_to_have_text("vfio-pci")
+    assert "vfio-pci" not in drivers.all_inner_texts()
