@@ -1,0 +1,109 @@
+"""What reconciliation at start says it did: each repair names its lease (in the repairs list and in the journal),
+each step it takes is the reconciler's, and a lease it ends says why.
+
+Operators read these lines to learn what the agent changed while they were not looking (`hostagent repairs`, the
+lease page's events); a repair with no lease, or a step with no actor, is a step nobody can trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from hostagent.domain.errors import HypervisorUnavailable
+from hostagent.domain.lease import LeaseRequest, LeaseState
+from hostagent.runtime import build_runtime
+from hostagent.services.reconcile import Reconciler
+from hostagent.store.journal import Journal
+from tests.support.agent import AgentRig, make_rig
+
+S = LeaseState
+
+
+async def _leased_then_stopped(tmp_path: Path) -> tuple[AgentRig, str, list[str]]:
+    """One ACTIVE lease of vm-a, then the agent stops (the lease stays in the journal, its GPU on vfio-pci)."""
+    rig = make_rig(tmp_path)
+    rig.runtime.use_store = False
+    await rig.runtime.start()
+    lease = await rig.runtime.manager.request(rig.uuids["vm-a"], LeaseRequest(gpus=1), actor="test")
+    assert lease.state is S.ACTIVE
+    functions = list(lease.devices[0].functions)
+    await rig.runtime.stop()
+    return rig, lease.id, functions
+
+
+async def _start_again(rig: AgentRig) -> None:
+    rig.runtime = build_runtime(rig.settings, hypervisor=rig.hv)
+    rig.runtime.use_store = False
+    await rig.runtime.start()
+
+
+def _repair_events(rig: AgentRig, lease_id: str) -> list[str]:
+    return [e.detail or "" for e in rig.runtime.journal.events(lease_id=lease_id, kinds=["repair"])]
+
+
+async def test_a_lease_whose_domain_is_gone_ends_by_the_reconciler_saying_why(tmp_path: Path) -> None:
+    rig, lease_id, functions = await _leased_then_stopped(tmp_path)
+    rig.hv.undefine("vm-a")  # while the agent was away
+    await _start_again(rig)
+    try:
+        rt = rig.runtime
+        done = rt.journal.get(lease_id)
+        assert done is not None and done.state is S.RELEASED and done.end_reason == "domain undefined", done
+        steps = [(e.to_state, e.actor, e.detail) for e in rt.journal.events(lease_id=lease_id, kinds=["transition"])]
+        assert ("RELEASING", Reconciler.ACTOR, "domain no longer exists") in steps, steps
+        assert all(actor == Reconciler.ACTOR for _, actor, _ in steps[steps.index(
+            ("RELEASING", Reconciler.ACTOR, "domain no longer exists")):]), steps
+        (note,) = [r for r in rt.repairs if r.subject == lease_id]
+        assert note.found == "ACTIVE lease whose domain is gone" and note.action == "released: RELEASED"
+        assert _repair_events(rig, lease_id) == ["found ACTIVE lease whose domain is gone; released: RELEASED"]
+        assert all(rig.sysfs_driver(f) == "nvidia" for f in functions)
+    finally:
+        await rig.runtime.stop()
+
+
+async def test_an_unanswered_reattach_keeps_the_lease_and_says_so_on_it(tmp_path: Path) -> None:
+    rig, lease_id, functions = await _leased_then_stopped(tmp_path)
+    rig.hv.eject("vm-a", functions[0])  # its DEVICE_REMOVED lost: nobody listened
+
+    async def unreachable(*_: object, **__: object) -> None:
+        raise HypervisorUnavailable("libvirt: connection reset by peer")
+
+    rig.hv.attach_hostdevs = unreachable  # type: ignore[method-assign]
+    await _start_again(rig)
+    try:
+        rt = rig.runtime
+        assert rt.manager.leases[lease_id].state is S.ACTIVE  # unreachable says nothing of the guest: kept
+        assert all(rig.sysfs_driver(f) == "vfio-pci" for f in functions)
+        (note,) = [r for r in rt.repairs if r.subject == lease_id]
+        assert note.action.startswith("re-attach failed") and note.action.endswith("lease kept until libvirt answers")
+        (detail,) = _repair_events(rig, lease_id)
+        assert "re-attach failed" in detail, detail
+    finally:
+        await rig.runtime.stop()
+
+
+async def test_a_lease_stopped_in_rebinding_is_finished_under_its_own_id(tmp_path: Path) -> None:
+    rig, lease_id, functions = await _leased_then_stopped(tmp_path)
+    # the agent died after the guest let go and before the GPU was back on its host driver
+    rig.hv.eject("vm-a", functions[0])
+    journal = Journal(rig.settings.state_dir / "journal.sqlite3")
+    try:
+        lease = journal.get(lease_id)
+        assert lease is not None
+        for st in (S.RELEASING, S.DETACHING, S.REBINDING):
+            prev, lease = lease.state, dataclasses.replace(lease, state=st)
+            journal.record(lease, from_state=prev, actor="test")
+    finally:
+        journal.close()
+    await _start_again(rig)
+    try:
+        rt = rig.runtime
+        done = rt.journal.get(lease_id)
+        assert done is not None and done.state is S.RELEASED, done
+        (note,) = [r for r in rt.repairs if r.subject == lease_id]
+        assert note.found == "lease stopped in REBINDING" and note.action == "gave devices back: now RELEASED"
+        assert _repair_events(rig, lease_id) == ["found lease stopped in REBINDING; gave devices back: now RELEASED"]
+        assert all(rig.sysfs_driver(f) == "nvidia" for f in functions)
+    finally:
+        await rig.runtime.stop()
