@@ -116,8 +116,10 @@ def decode_cursor(cursor: str, sort: str, desc: bool, *, field: str = "cursor") 
 
 
 def _number(value: Any) -> bool:
-    """A finite int or float (never a bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite float, or an int SQLite can bind (a signed 64-bit INTEGER); never a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return -2**63 <= value < 2**63 if isinstance(value, int) else math.isfinite(value)
 
 
 def _plain(value: Any) -> bool:

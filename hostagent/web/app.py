@@ -505,7 +505,8 @@ async def list_events(request: web.Request) -> web.Response:
     before = None
     if "cursor" in request.query:
         cursor = request.query["cursor"]
-        if not cursor.isascii() or not cursor.isdigit() or len(cursor) > 19:
+        # a journal sequence number: SQLite's signed 64-bit integer (19 digits can be more, and would not bind)
+        if not cursor.isascii() or not cursor.isdigit() or len(cursor) > 19 or int(cursor) >= 2**63:
             raise InvalidInput("cursor must be a next_cursor this API gave", field="cursor")
         before = int(cursor)
     events = await rt.run(rt.journal.events, lease_id=request.query.get("lease_id"),

@@ -20,6 +20,7 @@ import hostagent.store.journal as journal_module
 from hostagent.domain.errors import InvalidInput
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseRequest, LeaseState, Step, new_lease
 from hostagent.store.journal import Journal, JournalEvent
+from hostagent.store.lease_listing import Order, Position, decode_cursor, encode_cursor
 from tests.support.agent import make_rig, start_rig
 
 S = LeaseState
@@ -288,6 +289,8 @@ def b64(text: str) -> str:
     "garbage!!", "", "é", b64("garbage"), b64("1800000000.0"), b64("nan:5"), b64("inf:5"), b64("-inf:5"),
     b64("1800000000.0:x"), b64("1_800_000_000.0:5"), b64(" 1800000000.0:5"), b64("1800000000.0:5:6"),
     base64.urlsafe_b64encode(b"\xff\xfe:1").decode(),
+    # well-formed, but past SQLite's signed 64-bit INTEGER: binding it raised OverflowError (a 500)
+    b64(f"1800000000.0:{2**63}").rstrip("="), b64(f"1800000000.0:{-2**63 - 1}").rstrip("="),
 ])
 def test_a_malformed_cursor_is_invalid_input_on_cursor(tmp_path: Path, cursor: str) -> None:
     journal = open_journal(tmp_path / "j.sqlite3")
@@ -511,3 +514,17 @@ def test_a_page_parses_each_ended_lease_once_and_never_serves_a_stale_one(tmp_pa
              from_state=None, actor="t")
     j.lease_page(limit=10)
     assert list(j._ended) == ["l-end9"]  # bounded: the newest parsed stays
+
+
+@pytest.mark.parametrize("position", [
+    Position((2**63,), T0, 5), Position((1,), T0, 2**63), Position((1,), T0, -2**63 - 1), Position((-2**70,), T0, 5),
+])
+def test_a_sorted_page_cursor_past_sqlite_integers_is_invalid_input(tmp_path: Path, position: Position) -> None:
+    """The dashboard's keyset cursors carry sort keys and a rowid: one crafted past SQLite's INTEGER is refused
+    before it reaches a statement (where it raised OverflowError)."""
+    cursor = encode_cursor(Order("gpus", True, T0), position)
+    with pytest.raises(InvalidInput) as err:
+        decode_cursor(cursor, "gpus", True, field="after")
+    assert err.value.field == "after"
+    fine = encode_cursor(Order("gpus", True, T0), Position((2**63 - 1,), T0, -2**63))
+    assert decode_cursor(fine, "gpus", True)[1] == Position((2**63 - 1,), T0, -2**63)
