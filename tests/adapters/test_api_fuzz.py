@@ -111,6 +111,14 @@ class Seeds:
         if operation == "clearQuarantine":
             requests.post(f"{self.url}/v1/gpus/{self.sick}/probe", headers=self.op, timeout=30)
             return self.sick
+        if operation == "probeGpu" and pick % 2 == 0:
+            # one seeded probe in two finds its GPU free (probes run only between leases: a GPU the fuzzed
+            # createLease cases hold answers 409), so that a probe's 200 is validated however the leases fell
+            self.make_room()
+            gpus = requests.get(f"{self.url}/v1/gpus", headers=self.op, timeout=10).json()["gpus"]
+            free = [g["id"] for g in gpus if g["state"] == "free"]
+            if free:
+                return str(free[pick % len(free)])
         return self.gpus[pick % len(self.gpus)]
 
     def apply(self, case: Any, operation: str, pick: int, *, ids_only: bool = False) -> None:
