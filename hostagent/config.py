@@ -136,6 +136,8 @@ class PlacementSettings:
     explore_epsilon: float = 0.05
     explore_max_priority: int = 5  # no exploration for requests above this priority
     retrain_interval_s: float = 6 * 3600.0
+    objective: str = "pack"  # among equally good sets: pack (keep whole free blocks) | spread (share links least)
+    objective_per_task: dict[str, str] = field(default_factory=dict)  # task_type -> pack | spread
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "reclaim.guest_busy_host_idle": ("flag", "reclaim"),
     "reclaim.host_signal": ("auto", "trusted", "untrusted"),
     "placement.outcome": ("work_rate", "utilization", "completion"),
+    "placement.objective": ("pack", "spread"),
 }
 REMOVED = {  # keys older versions documented, and why a file that sets one must change
     "placement.model_dir": "placement models are kept in the usage store with their figures "
@@ -309,6 +312,11 @@ def metrics_address(value: str) -> tuple[str, int]:
 
 def _check_cross(s: Settings) -> None:
     """Rules that involve more than one key."""
+    for task, objective in s.placement.objective_per_task.items():
+        if objective not in _CHOICES["placement.objective"]:
+            raise ConfigError(f"placement.objective_per_task.{task}: must be one of "
+                              f"{', '.join(_CHOICES['placement.objective'])}, got {objective!r}",
+                              field=f"placement.objective_per_task.{task}")
     if not (0 <= s.agent.port <= 65535):
         raise ConfigError(f"agent.port: must be 0..65535, got {s.agent.port}", field="agent.port")
     if s.agent.header_timeout_s > s.agent.idle_timeout_s:

@@ -51,6 +51,7 @@ _LABELS = {Level.NVLINK: "nvlink", Level.SWITCH: "pcie-switch", Level.ROOT_COMPL
 
 # Block kinds from the smallest to the host; packing compares the losses in this order.
 BLOCK_KINDS = ("nvlink", "switch", "root-complex", "numa-node", "host")
+OBJECTIVES = ("pack", "spread")  # [placement] objective: what decides among equally good sets
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +285,19 @@ class _Packer:
                 slots[j] += f // k - (f - used) // k
         return (*slots, *squares)
 
+    def crowding(self, taken: Iterable[str]) -> tuple[int, ...]:
+        """Busy GPUs (not free) in the blocks `taken` would share, per block kind from the smallest: what a
+        spreading objective keeps low, so that running leases share switches, root complexes and nodes least."""
+        busy = [0] * len(BLOCK_KINDS)
+        for i in {i for g in set(taken) for i in self.members[g]}:
+            busy[self.kind_index[i]] += len(self.blocks[i].gpu_ids) - self.f[i]
+        return tuple(busy)
+
+    def rank(self, objective: str, taken: Iterable[str]) -> tuple[int, ...]:
+        """What the objective minimises among equally good sets: `pack` the free blocks lost, `spread` the
+        crowding."""
+        return self.loss(taken) if objective == "pack" else self.crowding(taken)
+
     def explain(self, loss: Sequence[int]) -> str:
         """The loss tuple in words."""
         slots = ", ".join(f"{k}-GPU: {n}" for k, n in zip(self.sizes, loss))
@@ -351,8 +365,9 @@ def _nodes(topology: Topology, ids: Iterable[str]) -> set[int | None]:
 
 
 def _within_block(topology: Topology, pool: Sequence[str], count: int, scores: Mapping[str, float],
-                  packer: _Packer | None, tolerance: float) -> list[str]:
-    """Greedy pick of `count` from a block's free GPUs: closest to those picked, then quality, then packing."""
+                  packer: _Packer, objective: str, tolerance: float) -> list[str]:
+    """Greedy pick of `count` from a block's free GPUs: closest to those picked, then quality, then the objective
+    (packing or spreading)."""
     chosen: list[str] = []
     rest = list(pool)
     while len(chosen) < count:
@@ -361,8 +376,7 @@ def _within_block(topology: Topology, pool: Sequence[str], count: int, scores: M
         def key(g: str) -> tuple[Any, ...]:
             far = max((topology.distance(g, c) for c in chosen), default=Level.NVLINK)
             good = 0 if scores.get(g, 0.0) >= best - tolerance else 1
-            loss = packer.loss([*chosen, g]) if packer is not None else ()
-            return (int(far), good, loss, -scores.get(g, 0.0), topology.place(g).address)
+            return (int(far), good, packer.rank(objective, [*chosen, g]), -scores.get(g, 0.0), topology.place(g).address)
         pick = min(rest, key=key)
         chosen.append(pick)
         rest.remove(pick)
@@ -371,16 +385,21 @@ def _within_block(topology: Topology, pool: Sequence[str], count: int, scores: M
 
 def choose(topology: Topology, eligible: Sequence[str], count: int, *, scores: Mapping[str, float] | None = None,
            policy: str = "preferred", vm_numa_node: int | None = None, max_distance: Level | None = None,
-           host_free: Collection[str] | None = None, pack: bool = True, tolerance: float = 1e-6) -> SetChoice | None:
+           host_free: Collection[str] | None = None, objective: str = "pack",
+           tolerance: float = 1e-6) -> SetChoice | None:
     """Choose `count` GPUs among `eligible` (free, filtered), or None when no set meets the policy.
 
     Order of concerns: the NUMA policy (`required`: one node, the VM's when known; `preferred`: one node first,
     the VM's node first; `any`), then the smallest set distance (capped by `max_distance`), then quality (mean
-    score within `tolerance` of the best), then packing (smallest `block_losses` over `host_free`, every free GPU
-    of the host), then the higher score, then address order.
+    score within `tolerance` of the best), then the operator's objective over `host_free` (every free GPU of the
+    host): `pack`, the smallest `block_losses` (whole free blocks kept for larger requests); `spread`, the fewest
+    busy GPUs in the blocks the set shares, smallest block first (running leases share links least); then the
+    higher score, then address order.
     """
     if policy not in NUMA_POLICIES:
         raise InvalidInput(f"numa_policy must be one of {', '.join(NUMA_POLICIES)}", field="numa_policy")
+    if objective not in OBJECTIVES:
+        raise InvalidInput(f"objective must be one of {', '.join(OBJECTIVES)}", field="objective")
     if count < 1:
         raise InvalidInput("count must be at least 1", field="gpus")
     scores = dict(scores or {})
@@ -400,7 +419,7 @@ def choose(topology: Topology, eligible: Sequence[str], count: int, *, scores: M
             members = [g for g in block.gpu_ids if g in pool]
             if len(members) < count:
                 continue
-            pick = _within_block(topology, members, count, scores, packer if pack else None, tolerance)
+            pick = _within_block(topology, members, count, scores, packer, objective, tolerance)
             if frozenset(pick) not in seen:
                 seen.add(frozenset(pick))
                 candidates.append(pick)
@@ -434,17 +453,20 @@ def choose(topology: Topology, eligible: Sequence[str], count: int, *, scores: M
 
     def final_key(r: tuple[tuple[int, ...], int, float, list[str]]) -> tuple[Any, ...]:
         ids = r[3]
-        loss = packer.loss(ids) if pack else ()
-        return (loss, -r[2], sorted(topology.place(g).address for g in ids))
+        return (packer.rank(objective, ids), -r[2], sorted(topology.place(g).address for g in ids))
 
     winner = min(good, key=final_key)
     ids = sorted(winner[3], key=lambda g: topology.place(g).address)
     dist = topology.set_distance(ids)
     losses = packer.loss(ids)
     reasons = [_describe(topology, ids, dist, policy, vm_numa_node)]
-    if pack and len(good) > 1:
+    if len(good) > 1 and objective == "pack":
         reasons.append(f"packing: of {len(good)} equally good choices took the one that breaks up free blocks least "
                        f"({packer.explain(losses)})")
+    elif len(good) > 1:
+        crowd = ", ".join(f"{kind}: {n}" for kind, n in zip(BLOCK_KINDS, packer.crowding(ids)) if kind != "host")
+        reasons.append(f"spreading: of {len(good)} equally good choices took the one whose blocks hold the fewest "
+                       f"busy GPUs ({{{crowd}}})")
     return SetChoice(tuple(ids), dist, losses, winner[2], tuple(reasons))
 
 

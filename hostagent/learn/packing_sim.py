@@ -134,7 +134,7 @@ def random_fit(topo: Topology, free: list[str], k: int, need: Level | None, rng:
 
 def packing(topo: Topology, free: list[str], k: int, need: Level | None, rng: random.Random) -> tuple[str, ...] | None:
     """The agent's chooser: closest set within `need`, then the one that breaks free blocks least."""
-    c = choose(topo, free, k, policy="any", max_distance=need, host_free=free, pack=True)
+    c = choose(topo, free, k, policy="any", max_distance=need, host_free=free, objective="pack")
     return None if c is None else c.gpu_ids
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,8 @@ class TopologyPlacer:
                  scorer: Callable[[], Scorer | None] = lambda: None,
                  probe_score: Callable[[str], float | None] = lambda gpu_id: None,
                  vm_numa_node: Callable[[str], int | None] = lambda domain_uuid: None,
-                 default_policy: str = "preferred", pack: bool = True, tolerance: float = 0.02,
+                 default_policy: str = "preferred", objective: str = "pack",
+                 objective_per_task: Mapping[str, str] | None = None, tolerance: float = 0.02,
                  top_k: int = 5) -> None:
         self.topology = topology
         self.free_ids = free_ids
@@ -51,7 +52,8 @@ class TopologyPlacer:
         self.probe_score = probe_score
         self.vm_numa_node = vm_numa_node
         self.default_policy = default_policy
-        self.pack = pack
+        self.objective = objective  # [placement] objective, or objective_per_task for the request's task type
+        self.objective_per_task = dict(objective_per_task or {})
         self.tolerance = tolerance  # relative: scores within this fraction of the best count as equally good
         self.top_k = top_k
         self._views = DeviceViews()
@@ -91,7 +93,8 @@ class TopologyPlacer:
         top = max(abs(s) for s in scored.scores)
         host_free = set(self.free_ids()) if self.free_ids is not None else set(free_ids)
         choice = choose(self.topology, list(by_id), count, scores=by_id, policy=policy, vm_numa_node=vm_node,
-                        host_free=host_free, pack=self.pack, tolerance=max(1e-9, self.tolerance * top))
+                        host_free=host_free, objective=self.objective_per_task.get(preq.task_type, self.objective),
+                        tolerance=max(1e-9, self.tolerance * top))
         if choice is None:
             raise Conflict(f"no {count} free GPU(s) on one NUMA node{'' if vm_node is None else f' ({vm_node})'} "
                            f"(numa_policy={policy}); wait or use numa_policy=preferred", field="numa_policy")

@@ -899,6 +899,22 @@ async def five_gpu_request(v: Variant) -> int:
     return status
 
 
+NO_EXPLORING = {"placement": {"explore_epsilon": 0.0}}  # exploration would try a random GPU now and then
+
+
+def second_gpu_distance(task_type: str = "training") -> Callable[[Variant], Awaitable[int]]:
+    """Two one-GPU leases one after the other (the second for `task_type`): how far the second's GPU is from the
+    first's, as GET /v1/topology measures it (1: behind the same switch; 4: across the sockets)."""
+    async def probe(v: Variant) -> int:
+        rig = await v.agent()
+        first = (await granted(rig, "vm-a"))["devices"][0]["gpu_id"]
+        second = (await granted(rig, "vm-b", task_type=task_type))["devices"][0]["gpu_id"]
+        status, topo = await call(rig, "GET", "/v1/topology")
+        assert status == 200, topo
+        return int(topo["distances"][first][second])
+    return probe
+
+
 async def ended_lease_listed_after_two_days(v: Variant) -> bool:
     """A lease released, mirrored to the store; two days later (service clock) the hourly journal prune runs."""
     rig = await v.agent()
@@ -1357,6 +1373,12 @@ TABLE: dict[str, Effect | Proven] = {
     "placement.retrain_interval_s": Effect(
         0.3, "the agent retrains this often (its log's \"retraining:\" lines)", retrainings_within,
         default=0, changed=lambda n: n >= 1),
+    "placement.objective": Effect(
+        "spread", "a second one-GPU lease goes across the sockets from the first (packing puts it beside it)",
+        second_gpu_distance(), default=1, changed=4, base=NO_EXPLORING),
+    "placement.objective_per_task": Effect(
+        {"inference": "spread"}, "an inference lease spreads away from a running one (others still pack)",
+        second_gpu_distance("inference"), default=1, changed=4, base=NO_EXPLORING),
     # [auth]
     "auth.operator_token_sha256": Effect(
         Dyn(lambda v: hash_token(v.operator), "the operator token's SHA-256"),

@@ -43,6 +43,9 @@ def test_file_env_and_overrides_layer(tmp_path: Path) -> None:
     ("[leases]\nnuma_policy = 'sometimes'\n", "leases.numa_policy"),
     ("[host]\nkernel = 'auto'\n", "host.kernel"),
     ("[libvirt]\ndetach_retries = -1\n", "libvirt.detach_retries"),
+    ("[placement]\nobjective = 'balance'\n", "placement.objective"),
+    ("[placement]\nobjective_per_task = { inference = 'balance' }\n", "placement.objective_per_task.inference"),
+    ("[placement]\nobjective_per_task = { inference = 1 }\n", "placement.objective_per_task.inference"),
 ])
 def test_invalid_file_names_the_key(tmp_path: Path, text: str, key: str) -> None:
     f = tmp_path / "h.toml"

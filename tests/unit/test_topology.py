@@ -12,6 +12,7 @@ from hostagent.domain.errors import ConfigError, InvalidInput
 from hostagent.domain.inventory import Gpu, PciFunction
 from hostagent.domain.pci import PciAddress
 from hostagent.domain.topology import (
+    OBJECTIVES,
     Level,
     Topology,
     block_losses,
@@ -123,11 +124,24 @@ def test_hand_computed_choices_with_everything_free() -> None:
 def test_single_gpu_packs_into_a_partly_used_switch() -> None:
     free = [A[1], *B, *C, *D]  # A[0] leased
     assert choose(TOPO, free, 1).gpu_ids == (A[1],)
-    assert choose(TOPO, free, 1, pack=False).gpu_ids == (A[1],)  # lowest address happens to agree
     free = [*A, *B, C[1], *D]  # C[0] leased: the partly used switch is on node 1, at higher addresses
     picked = choose(TOPO, free, 1)
     assert picked.gpu_ids == (C[1],) and "packing" in " ".join(picked.reasons)
-    assert choose(TOPO, free, 1, pack=False).gpu_ids == (A[0],)  # without packing it breaks switch A
+
+
+def test_spread_takes_the_gpu_whose_switch_and_node_are_least_busy() -> None:
+    free = [A[1], *B, *C, *D]  # A[0] leased: A[1] shares its switch, B its root complex and node
+    spread = choose(TOPO, free, 1, objective="spread")
+    assert spread is not None and spread.gpu_ids == (C[0],)
+    assert "spreading" in " ".join(spread.reasons) and "switch: 0" in " ".join(spread.reasons)
+    free = [*A, *B, C[1], *D]  # C[0] leased: node 0 is untouched
+    assert choose(TOPO, free, 1, objective="spread").gpu_ids == (A[0],)
+    free = [A[1], *B, *C, *D]
+    assert choose(TOPO, free, 2).gpu_ids == tuple(B)  # pack: the node already broken
+    assert choose(TOPO, free, 2, objective="spread").gpu_ids == tuple(C)  # spread: the idle node
+    with pytest.raises(InvalidInput) as err:
+        choose(TOPO, free, 1, objective="balance")
+    assert err.value.field == "objective"
 
 
 def test_pairs_take_the_node_that_is_already_broken() -> None:
@@ -182,10 +196,10 @@ def _best_distance(topo: Topology, free: list[str], k: int) -> Level | None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(free=st.sets(st.sampled_from(IDS), min_size=1), k=st.integers(1, 8), pack=st.booleans())
-def test_choice_is_valid_and_as_close_as_possible(free: set[str], k: int, pack: bool) -> None:
+@given(free=st.sets(st.sampled_from(IDS), min_size=1), k=st.integers(1, 8), objective=st.sampled_from(OBJECTIVES))
+def test_choice_is_valid_and_as_close_as_possible(free: set[str], k: int, objective: str) -> None:
     ordered = sorted(free)
-    c = choose(TOPO, ordered, k, policy="any", pack=pack)
+    c = choose(TOPO, ordered, k, policy="any", objective=objective)
     if k > len(free):
         assert c is None
         return
