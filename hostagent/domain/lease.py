@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hostagent.domain.capabilities import FEATURES
 from hostagent.domain.errors import Conflict, InvalidInput, InvalidTransition
 
 
@@ -118,10 +119,14 @@ class LeaseRequest:
     model: str | None = None
     numa_policy: str | None = None
     project: str | None = None
+    requires: tuple[str, ...] = ()  # features every GPU must have (domain.capabilities.FEATURES), sorted
+    total_memory_gib: float | None = None  # instead of gpus: the fewest GPUs holding this much, evenly
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (read in one C call: a listing of a thousand leases makes a thousand of these)."""
-        return dict(zip(_REQUEST_SLOTS, _request_values(self)))
+        d = dict(zip(_REQUEST_SLOTS, _request_values(self)))
+        d["requires"] = list(self.requires)  # JSON's form, as it reads back
+        return d
 
 
 _REQUEST_SLOTS: tuple[str, ...] = tuple(LeaseRequest.__slots__)
@@ -198,6 +203,18 @@ def parse_lease_request(body: Any, *, now: float, max_duration_s: int) -> LeaseR
         if body["numa_policy"] not in NUMA_POLICIES:
             raise InvalidInput(f"numa_policy must be one of {', '.join(NUMA_POLICIES)}", field="numa_policy")
         kw["numa_policy"] = body["numa_policy"]
+    if "requires" in body and body["requires"] is not None:
+        req = body["requires"]
+        if (not isinstance(req, list) or len(req) > 2 * len(FEATURES)
+                or not all(isinstance(f, str) and f in FEATURES for f in req)):
+            raise InvalidInput(f"requires must be a list of features from: {', '.join(FEATURES)}", field="requires")
+        kw["requires"] = tuple(sorted(set(req)))
+    if "total_memory_gib" in body and body["total_memory_gib"] is not None:
+        if "gpus" in body:
+            raise InvalidInput("ask for gpus or for total_memory_gib, not both (total_memory_gib takes the fewest "
+                               "GPUs that hold it)", field="total_memory_gib")
+        kw["total_memory_gib"] = float(_num(body, "total_memory_gib", integer=False, lo=0.001,
+                                            hi=4096 * MAX_GPUS_PER_REQUEST))
     return LeaseRequest(**kw)
 
 
@@ -323,7 +340,7 @@ class Lease:
             id=d["id"],
             domain_uuid=d["domain_uuid"],
             domain_name=d["domain_name"],
-            request=LeaseRequest(**d["request"]),
+            request=LeaseRequest(**{**d["request"], "requires": tuple(d["request"].get("requires", ()))}),
             state=LeaseState(d["state"]),
             created_at=d["created_at"],
             devices=tuple(LeaseDevice.from_dict(x) for x in d.get("devices", ())),

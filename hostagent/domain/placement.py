@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from hostagent.domain.capabilities import Capabilities, capabilities
 from hostagent.domain.errors import InvalidInput
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import LeaseRequest
@@ -61,6 +62,7 @@ class DeviceView:
     quarantined: bool = False
     viable: bool = True
     recent_errors: int = 0  # failed leases, probes or rebinds in the recent window
+    capabilities: Capabilities | None = None  # features (domain.capabilities), None: not worked out (tests)
 
     @property
     def memory_gib(self) -> float | None:
@@ -75,8 +77,9 @@ class DeviceView:
                    quarantined=quarantined, recent_errors=recent_errors)
 
 
-def _gpu_fields(gpu: Gpu) -> dict[str, Any]:
-    """What a view takes from the inventory GPU itself (fixed for the Gpu object's life)."""
+def _gpu_fields(gpu: Gpu, nvlink: bool = False) -> dict[str, Any]:
+    """What a view takes from the inventory GPU itself (fixed for the Gpu object's life) and whether the host's
+    NVLink hints put it in a clique."""
     chain = gpu.primary.parent_chain  # nearest bridge first, root port last
     return {
         "gpu_id": gpu.id, "model": gpu.model, "vendor": gpu.vendor, "memory_bytes": gpu.memory_bytes,
@@ -86,6 +89,7 @@ def _gpu_fields(gpu: Gpu) -> dict[str, Any]:
         "switch_id": str(chain[-2]) if len(chain) >= 3 else None,
         "root_port": str(chain[-1]) if chain else None,
         "viable": gpu.viable,
+        "capabilities": capabilities(gpu.primary.vendor_id, gpu.primary.device_name, nvlink=nvlink),
     }
 
 
@@ -97,11 +101,13 @@ class DeviceViews:
     def __init__(self) -> None:
         self._fields: dict[str, tuple[Gpu, dict[str, Any]]] = {}
 
-    def view(self, gpu: Gpu, *, free: bool, quarantined: bool = False, probe_score: float | None = None) -> DeviceView:
+    def view(self, gpu: Gpu, *, free: bool, quarantined: bool = False, probe_score: float | None = None,
+             nvlink: bool = False) -> DeviceView:
         """The GPU's view at this decision."""
         hit = self._fields.get(gpu.id)
-        if hit is None or hit[0] is not gpu:
-            hit = self._fields[gpu.id] = (gpu, _gpu_fields(gpu))
+        if hit is None or hit[0] is not gpu or (hit[1]["capabilities"].features is not None
+                                                 and ("nvlink" in hit[1]["capabilities"].features) != nvlink):
+            hit = self._fields[gpu.id] = (gpu, _gpu_fields(gpu, nvlink))
         return DeviceView(**hit[1], free=free, quarantined=quarantined, probe_score=probe_score)
 
 
@@ -120,6 +126,7 @@ class PlacementRequest:
     model: str | None = None
     numa_policy: str = "any"  # required | preferred | any
     vm_numa_node: int | None = None
+    requires: tuple[str, ...] = ()  # features every chosen GPU must have
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -138,7 +145,7 @@ class PlacementRequest:
             data_scale=request.data_scale, precision=request.precision, min_memory_gib=request.min_memory_gib,
             duration_s=request.duration_s, priority=request.priority, vendor=request.vendor, model=request.model,
             # unset means "preferred": keeping a VM's GPUs near its memory never hurts, refusing might
-            numa_policy=request.numa_policy or "preferred", vm_numa_node=vm_numa_node,
+            numa_policy=request.numa_policy or "preferred", vm_numa_node=vm_numa_node, requires=request.requires,
         )
 
 
@@ -202,6 +209,10 @@ def _device_reason(request: PlacementRequest, d: DeviceView) -> str | None:
         return "quarantined"
     if not d.viable:
         return "IOMMU group not viable"
+    if request.requires:
+        caps = d.capabilities or Capabilities(None, "capabilities not worked out")
+        if lacks := caps.lacks(request.requires):
+            return f"lacks {', '.join(lacks)} ({caps.source})"
     if not d.free:
         return "not free: leased or being released"
     if d.health_flags:

@@ -132,6 +132,11 @@ class Topology:
         except KeyError:
             raise InvalidInput(f"unknown GPU {gpu_id!r}", field="gpu_id") from None
 
+    @property
+    def nvlinked(self) -> frozenset[str]:
+        """GPUs in any NVLink clique (what a request's `requires: ["nvlink"]` admits)."""
+        return frozenset().union(*self.nvlink)
+
     def nvlink_peers(self, gpu_id: str) -> tuple[str, ...]:
         """GPUs that share an NVLink clique with this one."""
         peers = {g for c in self.nvlink if gpu_id in c for g in c} - {gpu_id}

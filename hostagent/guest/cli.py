@@ -31,7 +31,8 @@ LIVE_STATES = ["REQUESTED", "QUEUED", "BINDING", "ATTACHING", "ACTIVE", "RELEASI
 REQUEST_FIELDS = {"gpus": "gpus", "task_type": "task_type", "data_scale": "data_scale", "precision": "precision",
                   "min_memory_gib": "min_memory_gib", "duration": "duration_s", "priority": "priority",
                   "not_after": "not_after", "idempotency_key": "idempotency_key", "vendor": "vendor",
-                  "model": "model", "numa_policy": "numa_policy", "project": "project"}
+                  "model": "model", "numa_policy": "numa_policy", "project": "project", "requires": "requires",
+                  "total_memory_gib": "total_memory_gib"}
 
 
 # ---- argument parsing ------------------------------------------------------------------------------------------
@@ -52,6 +53,10 @@ def _common(p: argparse.ArgumentParser, suppress: bool) -> None:
 def _request_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("lease request (fields of POST /v1/leases)")
     g.add_argument("--gpus", type=int, default=None, help="how many GPUs (default 1)")
+    g.add_argument("--total-memory-gib", type=float, default=None,
+                   help="instead of --gpus: the fewest GPUs that hold this much GPU memory, sharded evenly")
+    g.add_argument("--requires", type=lambda v: [f for f in v.split(",") if f], default=None, metavar="F1,F2",
+                   help="features every GPU must have: fp16 bf16 tf32 fp64 int8 fp8 nvlink")
     g.add_argument("--task-type", default=None, help="e.g. training, inference")
     g.add_argument("--data-scale", type=float, default=None)
     g.add_argument("--precision", default=None, help="fp32 fp16 bf16 int8 fp8 fp64 tf32")

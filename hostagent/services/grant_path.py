@@ -18,10 +18,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hostagent.domain.admission import Shadow, may_backfill, shadow
+from hostagent.domain.capabilities import Capabilities, capabilities
 from hostagent.domain.errors import Conflict, HostAgentError, HostError, InvalidInput
 from hostagent.domain.hostdev import HostdevPci, free_guest_slots, guest_slots_needed
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.numa import VmNuma, vm_numa
+from hostagent.domain.terms import check_requires, resolve_memory
 from hostagent.domain.lease import (
     Arbitration,
     Lease,
@@ -59,8 +61,27 @@ def feasible(m: LeaseCore, request: LeaseRequest) -> list[Gpu]:
             continue
         if request.model and request.model.lower() not in g.model.lower():
             continue
+        if request.requires and gpu_capabilities(m, g).lacks(request.requires):
+            continue
         out.append(g)
     return out
+
+
+def gpu_capabilities(m: LeaseCore, g: Gpu) -> Capabilities:
+    """What the GPU can do (domain.capabilities), NVLink as the topology wiring found it (`m.nvlinked`)."""
+    return capabilities(g.primary.vendor_id, g.primary.device_name, nvlink=g.id in m.nvlinked)
+
+
+def in_tenant_terms(m: LeaseCore, request: LeaseRequest) -> tuple[LeaseRequest, str | None]:
+    """A request's `requires` checked against this host's GPUs (Conflict naming what they have when none has
+    them) and its `total_memory_gib` made a GPU count (domain.terms), with the note that says how."""
+    if not request.requires and request.total_memory_gib is None:
+        return request, None
+    admitted = feasible(m, dataclasses.replace(
+        request, requires=(), min_memory_gib=0.0 if request.total_memory_gib is not None else request.min_memory_gib))
+    check_requires(request, admitted, lambda g: gpu_capabilities(m, g))
+    able = [g for g in admitted if not gpu_capabilities(m, g).lacks(request.requires)]
+    return resolve_memory(request, able)
 
 
 async def read_vm_numa(m: LeaseCore, domain_uuid: str) -> VmNuma | None:
@@ -93,10 +114,12 @@ async def request_lease(m: LeaseCore, domain_uuid: str, request: LeaseRequest, *
     if request.duration_s is not None and request.duration_s > m.policy.max_duration_s:
         raise InvalidInput(f"duration_s exceeds the maximum of {m.policy.max_duration_s}", field="duration_s")
     await read_vm_numa(m, dom.uuid)
+    request, terms = in_tenant_terms(m, request)
     request, capped = apply_priority_policy(m, dom.uuid, dom.name, request, trusted=trusted)
+    notes = tuple(n for n in (terms, capped) if n)
     key = (dom.uuid, request.idempotency_key) if request.idempotency_key else None
     if key is None:
-        return await _decide_and_grant(m, dom.uuid, dom.name, request, actor, capped)
+        return await _decide_and_grant(m, dom.uuid, dom.name, request, actor, notes)
     async with m._decide:
         pending = m._idem_inflight.get(key)
         if pending is None:
@@ -115,7 +138,7 @@ async def request_lease(m: LeaseCore, domain_uuid: str, request: LeaseRequest, *
                 return await request_lease(m, domain_uuid, request, actor=actor, trusted=trusted)
             raise
     try:
-        lease = await _decide_and_grant(m, dom.uuid, dom.name, request, actor, capped)
+        lease = await _decide_and_grant(m, dom.uuid, dom.name, request, actor, notes)
     except Exception as exc:
         decided.set_exception(exc)
         decided.exception()  # retrieved: a key nobody else waits on must not log "never retrieved"
@@ -138,10 +161,10 @@ def _same_request(m: LeaseCore, earlier: Lease, request: LeaseRequest) -> Lease:
 
 
 async def _decide_and_grant(m: LeaseCore, domain_uuid: str, domain_name: str, request: LeaseRequest, actor: str,
-                            capped: str | None) -> Lease:
-    """Arbitrate under the decide lock (quotas, the queue, backfilling), then bind and attach outside it."""
+                            notes: tuple[str, ...]) -> Lease:
+    """Arbitrate under the decide lock (quotas, the queue, backfilling), then bind and attach outside it; `notes`:
+    what became of the request before (its terms as a GPU count, a priority the policy capped)."""
     now = m.clock()
-    notes = (capped,) if capped else ()
     async with m._decide:
         cap = quota_cap_for(m, domain_uuid, domain_name, request)
         # The new lease is journaled with its first real step (QUEUED, BINDING or FAILED): one fsync, and a

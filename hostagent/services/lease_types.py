@@ -128,6 +128,7 @@ class LeaseCore(Protocol):
     _idem_inflight: dict[tuple[str, str], asyncio.Future[Lease]]  # requests being decided, by (VM, key)
     numa_cells: dict[int, frozenset[int]]  # the host's NUMA nodes and their CPUs ({}: unknown)
     vm_numa: dict[str, VmNuma]  # domain uuid -> where the VM lives, read at its latest request
+    nvlinked: frozenset[str]  # GPUs in an NVLink clique (host.nvlink_hints), set by the topology wiring
 
     def get(self, lease_id: str, *, domain_uuid: str | None = None) -> Lease: ...
 

@@ -100,6 +100,7 @@ class LeaseManager:
         self._idem_inflight: dict[tuple[str, str], asyncio.Future[Lease]] = {}
         self.numa_cells: dict[int, frozenset[int]] = {}  # the runtime sets the host's (host.discovery.numa_cells)
         self.vm_numa: dict[str, VmNuma] = {}
+        self.nvlinked: frozenset[str] = frozenset()  # the topology wiring sets it from host.nvlink_hints
         self.ledger = Ledger()
         self.step_count = 0
         self.queue_cache: tuple[Any, float, dict[str, tuple[int, float | None]]] | None = None

@@ -75,8 +75,9 @@ class Placer:
             if request.numa_policy is None and self.default_numa_policy != preq.numa_policy:
                 preq = dataclasses.replace(preq, numa_policy=self.default_numa_policy)
             probe = self._probe_scores().get
-        views = [self._views.view(g, free=g.id in free, quarantined=g.id in quarantined, probe_score=probe(g.id))
-                 for g in self._gpus()]
+        nvlinked = topo.topology.nvlinked if topo is not None else frozenset()
+        views = [self._views.view(g, free=g.id in free, quarantined=g.id in quarantined, probe_score=probe(g.id),
+                                  nvlink=g.id in nvlinked) for g in self._gpus()]
         scored = score_devices(preq, views, self.scorer)
         dropped = tuple({"gpu_id": d.gpu_id, "reason": d.reason} for d in scored.dropped)
         try:

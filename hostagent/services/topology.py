@@ -61,7 +61,8 @@ class TopologyPlacer:
     def __call__(self, request: LeaseRequest, candidates: Sequence[Gpu], count: int, domain_uuid: str) -> Placement:
         """Choose `count` of the free candidates; Conflict when the NUMA policy cannot be met."""
         preq = self.request_for(request, count, domain_uuid)
-        views = [self._views.view(g, free=True, probe_score=self.probe_score(g.id)) for g in candidates]
+        views = [self._views.view(g, free=True, probe_score=self.probe_score(g.id),
+                                  nvlink=g.id in self.topology.nvlinked) for g in candidates]
         return self.pick(preq, score_devices(preq, views, self.scorer()), [g.id for g in candidates])
 
     def request_for(self, request: LeaseRequest, count: int, domain_uuid: str) -> PlacementRequest:

@@ -6,6 +6,7 @@ from typing import Any
 
 from hostagent import __version__
 from hostagent.config import LeaseSettings
+from hostagent.domain.capabilities import FEATURES
 from hostagent.domain.lease import (
     LABEL_FIELDS,
     LABEL_PATTERN,
@@ -76,6 +77,14 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
             "model": _label(128, nullable=True),
             "numa_policy": {"type": "string", "enum": list(NUMA_POLICIES), "nullable": True},
             "project": _label(128, nullable=True),
+            "requires": {"type": "array", "items": {"type": "string", "enum": list(FEATURES)},
+                         "maxItems": 2 * len(FEATURES), "nullable": True,
+                         "description": "features every GPU of the lease must have (from its chip and the host's "
+                                        "NVLink hints); a request no GPU here could serve is refused (409)"},
+            "total_memory_gib": {"type": "number", "minimum": 0.001, "maximum": 4096 * MAX_GPUS_PER_REQUEST,
+                                 "nullable": True,
+                                 "description": "instead of gpus: the fewest GPUs of which each holds at least this "
+                                                "much divided by their number (400 when gpus is given too)"},
             "domain": {"type": "string", "minLength": 1, "maxLength": 256,
                        "description": "the VM (name or UUID) to lease for: required from an operator (400 without "
                                       "it); a guest may send only its own VM's name or UUID (403 otherwise)"},
@@ -177,6 +186,7 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
             "post": {"summary": "ask for GPUs", "operationId": "createLease", "security": _SECURED,
                      "x-runtime-checks": {"domain": "an operator must name the VM; a guest may name only its own",
                                           "not_after": "must be in the future",
+                                          "total_memory_gib": "not together with gpus",
                                           **{f: "no tag characters (U+E0000-U+E007F, invisible), which lie "
                                                 "outside the BMP where schema patterns differ between validators"
                                              for f in LABEL_FIELDS}},

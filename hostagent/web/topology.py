@@ -53,6 +53,7 @@ def build_parts(runtime: AgentServices, *, probe_settings: ProbeSettings | None 
     settings = runtime.settings
     manager = runtime.manager
     topology = load_topology(list(manager.gpus.values()), settings.host.nvlink_hints)
+    manager.nvlinked = topology.nvlinked  # what `requires: ["nvlink"]` admits
     candidates = runners if runners is not None else default_runners(runtime.host.sysfs)
     chosen, status = select_runners(candidates)
     probes = ProbeService(manager, chosen, settings=probe_settings or ProbeSettings(), runner_status=status,

@@ -222,3 +222,11 @@ def test_guest_package_imports_nothing_host_only() -> None:
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_lease_flags_in_the_tenants_terms_become_request_fields() -> None:
+    from hostagent.guest.cli import build_parser, request_body
+
+    args = build_parser().parse_args(["lease", "--total-memory-gib", "100", "--requires", "bf16,fp64"])
+    body = request_body(args)
+    assert body["total_memory_gib"] == 100.0 and body["requires"] == ["bf16", "fp64"] and "gpus" not in body

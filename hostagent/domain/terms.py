@@ -1,0 +1,55 @@
+"""Requests in the tenant's terms, turned into GPU counts: `total_memory_gib` (the fewest GPUs that hold it between
+them) and `requires` (features every GPU must have), checked against what this host has before anything is
+decided, so a request no GPU here could ever serve is refused at once with what the host has instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from hostagent.domain.capabilities import Capabilities
+from hostagent.domain.errors import Conflict
+from hostagent.domain.inventory import Gpu
+from hostagent.domain.lease import MAX_GPUS_PER_REQUEST, LeaseRequest
+
+GIB = 1024**3
+
+
+def _gib(x: float) -> str:
+    return f"{x:.1f} GiB"
+
+
+def check_requires(request: LeaseRequest, gpus: Sequence[Gpu], caps: Callable[[Gpu], Capabilities]) -> None:
+    """Conflict (field `requires`) when no GPU of `gpus` (those the request's other filters admit) has every
+    required feature: what the host's models have instead."""
+    if not request.requires or any(not caps(g).lacks(request.requires) for g in gpus):
+        return
+    seen: dict[str, str] = {}
+    for g in gpus:
+        c = caps(g)
+        seen.setdefault(g.model, "unknown" if c.features is None else (", ".join(sorted(c.features)) or "none"))
+    have = "; ".join(f"{model}: {feats}" for model, feats in sorted(seen.items())) or "no GPU passes the other filters"
+    raise Conflict(f"no GPU on this host has {', '.join(request.requires)} (its GPUs have: {have})",
+                   field="requires")
+
+
+def resolve_memory(request: LeaseRequest, gpus: Sequence[Gpu]) -> tuple[LeaseRequest, str | None]:
+    """A `total_memory_gib` request as a GPU count: the fewest n GPUs of `gpus` (those the request's other filters
+    admit, free or not) of which each holds at least total / n (a model sharded evenly), and at least the
+    request's `min_memory_gib`. Returns the request with `gpus` and `min_memory_gib` set, and the note saying so;
+    Conflict (field `total_memory_gib`) when no set of this host's GPUs holds it."""
+    total = request.total_memory_gib
+    if total is None:
+        return request, None
+    mems = sorted((g.memory_bytes / GIB for g in gpus if g.memory_bytes), reverse=True)
+    for n in range(1, min(len(mems), MAX_GPUS_PER_REQUEST) + 1):
+        share = max(total / n, request.min_memory_gib)
+        if mems[n - 1] + 1e-9 >= share:
+            note = (f"total_memory_gib {total:g}: {n} GPU(s) of at least {_gib(share)} each, the fewest that hold it "
+                    "sharded evenly")
+            return dataclasses.replace(request, gpus=n, min_memory_gib=round(share, 6)), note
+    unknown = sum(1 for g in gpus if not g.memory_bytes)
+    raise Conflict(f"no set of this host's GPUs holds {total:g} GiB sharded evenly: the {len(mems)} that could serve "
+                   f"hold {_gib(sum(mems))} in all, the largest {_gib(mems[0]) if mems else '-'}"
+                   + (f" ({unknown} more of unknown memory)" if unknown else ""), field="total_memory_gib")
