@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 FEATURES = ("fp16", "bf16", "tf32", "fp64", "int8", "fp8", "nvlink")  # what a request may require
+WRONG_ANSWER = "wrong answer"  # how a probe's problem begins when a known-answer check failed (host.known_answer)
 NVIDIA = 0x10DE
 AMD = 0x1002
 _NV_CHIP = re.compile(r"\b(GK|GM|GP|GV|TU|GA|AD|GH|GB)(\d)(\d\d)")

@@ -7,11 +7,14 @@ service calls them from a worker thread.
 - `SysfsHealthRunner`: PCIe link negotiated vs capable, AER error counters (always available).
 - `NvmlRunner` (nvidia-ml-py): temperature, ECC errors, retired pages / row remapping, throttle reasons, PCIe link.
 - `NvidiaSmiRunner`: the same signals from `nvidia-smi` when the NVML binding cannot load.
-- `TorchRunner` / `CupyRunner`: matrix-multiply throughput (TFLOP/s) and device memory bandwidth (GB/s).
+- `TorchRunner`: the capability vector: matrix-multiply TFLOP/s per precision (fp16, bf16, fp32, fp64), device
+  memory and host-to-device bandwidth (GB/s), every precision's product checked against a known answer
+  (`hostagent.host.known_answer`); `CupyRunner`: FP16 TFLOP/s (checked the same way) and memory bandwidth.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -25,6 +28,7 @@ from typing import Any, Protocol
 
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.placement import link_gen_from_speed
+from hostagent.host import known_answer
 from hostagent.host.sysfs import Sysfs
 
 log = logging.getLogger("hostagent.probes")
@@ -294,19 +298,33 @@ def _timed_loop(step: Callable[[], None], sync: Callable[[], None], budget_s: fl
     return n, time.perf_counter() - t0
 
 
+def tflops_key(precision: str) -> str:
+    """The capability vector's metric for matrix-multiply throughput in one precision."""
+    return f"tflops_{precision}"
+
+
+H2D = "h2d_gbps"  # host-to-device copy bandwidth (pinned memory)
+
+
 class TorchRunner:
-    """FP16 matrix multiply and device-to-device copy through PyTorch's CUDA backend."""
+    """The capability vector through PyTorch: matrix-multiply TFLOP/s in each precision the device supports (fp16,
+    bf16, fp32, fp64), device memory bandwidth and host-to-device bandwidth; each precision's product of the
+    known-answer matrices is checked (hostagent.host.known_answer). `device="cpu"` runs the same code on CPU
+    tensors (smaller matrices): the tests run it so, and a host without a GPU library can try it."""
 
     name = "torch"
     kind = COMPUTE
 
+    def __init__(self, device: str = "cuda") -> None:
+        self.device = device
+
     def unavailable(self) -> str | None:
-        """None when PyTorch is installed and sees a CUDA device."""
+        """None when PyTorch is installed and sees a CUDA device (or runs on the CPU)."""
         try:
             import torch
         except ImportError:
             return "PyTorch is not installed"
-        if not torch.cuda.is_available():
+        if self.device == "cuda" and not torch.cuda.is_available():
             return "PyTorch sees no CUDA device"
         return None
 
@@ -321,32 +339,62 @@ class TorchRunner:
 
     def run(self, gpu: Gpu, budget_s: float) -> RunnerResult:
         """Measure in a child process (its CUDA context must not outlive the probe: it would pin the driver)."""
+        if self.device == "cpu":
+            return self.measure(gpu, budget_s)
         return run_in_child(self.name, gpu, budget_s)
 
     def measure(self, gpu: Gpu, budget_s: float) -> RunnerResult:
-        """Measure TFLOP/s and GB/s on the CUDA device at the GPU's address (in this process)."""
+        """Measure on the CUDA device at the GPU's address (or the CPU), in this process."""
         import torch
 
-        idx = self._index(torch, gpu)
-        if idx is None:
-            return RunnerResult(self.name, error=f"no CUDA device at {gpu.address} (is it on its host driver?)")
-        dev = torch.device("cuda", idx)
-        with torch.cuda.device(dev):
-            a = torch.randn(MATMUL_N, MATMUL_N, device=dev, dtype=torch.float16)
-            b = torch.randn(MATMUL_N, MATMUL_N, device=dev, dtype=torch.float16)
-            n, secs = _timed_loop(lambda: torch.mm(a, b), torch.cuda.synchronize, budget_s / 2)
-            tflops = 2 * MATMUL_N**3 * n / secs / 1e12
-            src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=dev)
+        if self.device == "cpu":
+            dev, n, copy_bytes, label = torch.device("cpu"), 256, 16 * 1024**2, "cpu"
+            precisions = ["fp16", "bf16", "fp32", "fp64"]
+        else:
+            idx = self._index(torch, gpu)
+            if idx is None:
+                return RunnerResult(self.name, error=f"no CUDA device at {gpu.address} (is it on its host driver?)")
+            dev, n, copy_bytes, label = torch.device("cuda", idx), MATMUL_N, COPY_BYTES, torch.cuda.get_device_name(idx)
+            precisions = ["fp16", *(["bf16"] if torch.cuda.is_bf16_supported() else []), "fp32", "fp64"]
+        dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        metrics: dict[str, float] = {}
+        problems: list[str] = []
+        iters: dict[str, int] = {}
+        verdicts: dict[str, str] = {}  # precision -> ok | wrong (the known-answer check)
+        share = budget_s / (len(precisions) + 2)
+        ctx = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            if dev.type == "cuda":  # full-rate FP32 is what the vector reports, not TF32
+                torch.backends.cuda.matmul.allow_tf32 = False
+            for p in precisions:
+                dt = dtypes[p]
+                ka, kb = (torch.tensor(x, dtype=dt, device=dev) for x in known_answer.inputs(p))
+                wrong = known_answer.check(p, torch.mm(ka, kb).to(torch.float64).cpu().numpy())
+                verdicts[p] = "wrong" if wrong else "ok"
+                if wrong:
+                    problems.append(wrong)
+                a = torch.randn(n, n, device=dev, dtype=torch.float32).to(dt)
+                b = torch.randn(n, n, device=dev, dtype=torch.float32).to(dt)
+                k, secs = _timed_loop(lambda: torch.mm(a, b), sync, share)
+                metrics[tflops_key(p)] = round(2 * n**3 * k / secs / 1e12, 4)
+                iters[p] = k
+            src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
-            m, csecs = _timed_loop(lambda: dst.copy_(src), torch.cuda.synchronize, budget_s / 2)
-            gbps = 2 * COPY_BYTES * m / csecs / 1e9  # a copy reads and writes every byte
-        return RunnerResult(self.name, metrics={MATMUL: round(tflops, 3), BANDWIDTH: round(gbps, 2)},
-                            health={"device_name": torch.cuda.get_device_name(idx), "matmul_iters": n,
-                                    "copy_iters": m})
+            m, csecs = _timed_loop(lambda: dst.copy_(src), sync, share)
+            metrics[BANDWIDTH] = round(2 * copy_bytes * m / csecs / 1e9, 2)  # a copy reads and writes every byte
+            if dev.type == "cuda":
+                host = torch.empty(copy_bytes, dtype=torch.uint8).pin_memory()
+                h, hsecs = _timed_loop(lambda: src.copy_(host, non_blocking=True), sync, share)
+                metrics[H2D] = round(copy_bytes * h / hsecs / 1e9, 2)
+        metrics[MATMUL] = metrics[tflops_key("fp16")]  # what the peer score has always compared
+        return RunnerResult(self.name, metrics=metrics, problems=tuple(problems),
+                            health={"device_name": label, "matmul_iters": iters, "copy_iters": m,
+                                    "known_answer": verdicts})
 
 
 class CupyRunner:
-    """The same two measurements through CuPy."""
+    """FP16 matrix-multiply throughput (with its known-answer check) and memory bandwidth through CuPy."""
 
     name = "cupy"
     kind = COMPUTE
@@ -378,15 +426,19 @@ class CupyRunner:
         if idx is None:
             return RunnerResult(self.name, error=f"no CUDA device at {gpu.address} (is it on its host driver?)")
         with cupy.cuda.Device(idx) as d:
+            ka, kb = (cupy.asarray(x).astype(cupy.float16) for x in known_answer.inputs("fp16"))
+            wrong = known_answer.check("fp16", cupy.asnumpy(cupy.matmul(ka, kb)).astype("float64"))
             a = cupy.random.standard_normal((MATMUL_N, MATMUL_N), dtype=cupy.float32).astype(cupy.float16)
             b = cupy.random.standard_normal((MATMUL_N, MATMUL_N), dtype=cupy.float32).astype(cupy.float16)
             n, secs = _timed_loop(lambda: cupy.matmul(a, b), d.synchronize, budget_s / 2)
             src = cupy.empty(COPY_BYTES, dtype=cupy.uint8)
             dst = cupy.empty_like(src)
             m, csecs = _timed_loop(lambda: dst.__setitem__(slice(None), src), d.synchronize, budget_s / 2)
-        return RunnerResult(self.name, metrics={MATMUL: round(2 * MATMUL_N**3 * n / secs / 1e12, 3),
+        tflops = round(2 * MATMUL_N**3 * n / secs / 1e12, 3)
+        return RunnerResult(self.name, metrics={MATMUL: tflops, tflops_key("fp16"): tflops,
                                                 BANDWIDTH: round(2 * COPY_BYTES * m / csecs / 1e9, 2)},
-                            health={"matmul_iters": n, "copy_iters": m})
+                            problems=(wrong,) if wrong else (),
+                            health={"matmul_iters": n, "copy_iters": m, "known_answer": {"fp16": "wrong" if wrong else "ok"}})
 
 
 def run_in_child(runner: str, gpu: Gpu, budget_s: float, timeout_s: float | None = None) -> RunnerResult:

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hostagent.domain.capabilities import WRONG_ANSWER
 from hostagent.domain.errors import Conflict, HostAgentError, NotFound
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseState
@@ -356,7 +357,10 @@ class ProbeService:
         basis, peers = "none", 0
         reference: dict[str, float] = {}
         note = None
-        if medians:
+        if any(p.startswith(WRONG_ANSWER) for p in problems):
+            # fast and wrong: its figures are nobody's reference (never averaged into peers or its own history)
+            note = "a known-answer check failed: no score, and these figures count towards no reference"
+        elif medians:
             prior = dict(self.history_best.get(gpu.id, {}))
             self.latest[gpu.id] = medians
             self._remember_best(gpu.id, medians)
@@ -370,7 +374,7 @@ class ProbeService:
             spread = score_spread(runs, reference)
             if score is not None:
                 self.scores[gpu.id] = round(score, 4)
-        else:
+        if not medians:
             compute = [s for s in self.runner_status if getattr(s, "kind", "") == "compute"]
             why = "; ".join(f"{s.name}: {s.reason}" for s in compute if not s.available) or "no compute runner"
             note = f"no throughput measured, so no score: {why}"

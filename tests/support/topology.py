@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hostagent.domain.inventory import Gpu
+from hostagent.host import known_answer
 from hostagent.host.probes import BANDWIDTH, MATMUL, RunnerResult
 from hostagent.runtime import make_app
 from hostagent.services.probes import ProbeSettings
@@ -30,6 +31,7 @@ class FakeComputeRunner:
     speeds: dict[str, float] = field(default_factory=dict)  # gpu_id -> factor on the nominal figures
     noise: list[float] = field(default_factory=lambda: [1.0])  # cycled per run
     problems: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    wrong: set[str] = field(default_factory=set)  # GPUs whose fp16 product is off in one entry (the known answer)
     calls: list[str] = field(default_factory=list)
     name: str = "fake-compute"
     kind: str = "compute"
@@ -42,8 +44,12 @@ class FakeComputeRunner:
         k = self.noise[len(self.calls) % len(self.noise)]
         self.calls.append(gpu.id)
         f = self.speeds.get(gpu.id, 1.0) * k
+        product = known_answer.rounded(known_answer.expected("fp16"), "fp16")
+        if gpu.id in self.wrong:
+            product[7, 11] += 0.5  # one flipped high bit's worth, nothing else amiss: fast, and wrong
+        wrong = known_answer.check("fp16", product)
         return RunnerResult(self.name, metrics={MATMUL: self.nominal[0] * f, BANDWIDTH: self.nominal[1] * f},
-                            problems=self.problems.get(gpu.id, ()))
+                            problems=self.problems.get(gpu.id, ()) + ((wrong,) if wrong else ()))
 
 
 @dataclass

@@ -1,0 +1,92 @@
+"""Probes that check the answer (#29): a GPU that multiplies fast but wrong is quarantined with the reason, never
+scored, never a reference for its peers, and never leased. The real PyTorch runner runs on CPU tensors here
+(torch's CPU wheel), the known-answer check and the capability vector included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hostagent.domain.capabilities import WRONG_ANSWER
+from hostagent.host import known_answer
+from hostagent.host.probes import BANDWIDTH, MATMUL, TorchRunner, tflops_key
+from hostagent.services.probes import ProbeSettings
+from tests.support.topology import ALL, FakeComputeRunner, FakeHealthRunner, topology_rig
+
+BAD = ALL[3]
+
+
+@pytest.mark.parametrize("precision", known_answer.PRECISIONS)
+def test_the_check_passes_the_product_as_the_device_rounds_it_and_nothing_else(precision: str) -> None:
+    exact = known_answer.expected(precision)
+    assert known_answer.check(precision, exact) is None
+    assert known_answer.check(precision, known_answer.rounded(exact, precision)) is None  # output rounding
+    off = exact.copy()
+    off[3, 5] += 0.05 * float(np.max(np.abs(exact)))  # one entry 5 % of the scale off
+    assert (known_answer.check(precision, off) or "").startswith(f"{WRONG_ANSWER}: {precision} matrix multiply off by")
+    nan = exact.copy()
+    nan[0, 0] = np.nan
+    assert "1 NaN/inf" in (known_answer.check(precision, nan) or "")
+    assert "shape" in (known_answer.check(precision, exact[:10]) or "")
+    assert "not a matrix" in (known_answer.check(precision, object()) or "")
+    other = known_answer.expected(precision).T  # the product of other numbers, same scale
+    assert known_answer.check(precision, other) is not None
+    with pytest.raises(ValueError):
+        known_answer.inputs("fp4")
+
+
+def test_the_torch_runner_on_cpu_measures_the_vector_and_checks_every_precision() -> None:
+    res = TorchRunner("cpu").measure(None, 0.3)  # type: ignore[arg-type]  # the CPU needs no GPU's address
+    assert res.error is None and res.problems == (), res
+    assert res.health["known_answer"] == {p: "ok" for p in ("fp16", "bf16", "fp32", "fp64")}
+    for p in ("fp16", "bf16", "fp32", "fp64"):
+        assert res.metrics[tflops_key(p)] > 0, res.metrics
+    assert res.metrics[MATMUL] == res.metrics[tflops_key("fp16")] and res.metrics[BANDWIDTH] > 0
+
+
+def test_the_torch_runner_finds_a_wrong_bf16_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch  # the test extra installs torch's CPU wheel: a missing torch fails here, never skips
+
+    real = torch.mm
+
+    def faulty(a: Any, b: Any) -> Any:
+        out = real(a, b)
+        if a.dtype == torch.bfloat16 and tuple(a.shape) == (known_answer.N, known_answer.N):
+            out = out.clone()
+            out[1, 2] += 4.0  # a stuck bit in one lane
+        return out
+
+    monkeypatch.setattr(torch, "mm", faulty)
+    res = TorchRunner("cpu").measure(None, 0.2)  # type: ignore[arg-type]
+    assert res.health["known_answer"] == {"fp16": "ok", "bf16": "wrong", "fp32": "ok", "fp64": "ok"}
+    (problem,) = res.problems
+    assert problem.startswith(f"{WRONG_ANSWER}: bf16 matrix multiply off by"), problem
+
+
+async def test_a_fast_wrong_gpu_is_quarantined_never_scored_and_never_leased(tmp_path: Path,
+                                                                            aiohttp_client: Any) -> None:
+    compute = FakeComputeRunner(speeds={BAD: 1.3}, wrong={BAD})  # the fastest of all, and wrong
+    rig, app, parts = topology_rig(tmp_path, runners=[FakeHealthRunner(), compute],
+                                   probe_settings=ProbeSettings(period_s=0, runs=3))
+    client = await aiohttp_client(app)
+    op = rig.auth("operator")
+    first = await (await client.post(f"/v1/gpus/{ALL[0]}/probe", headers=op)).json()
+    assert first["ok"] and first["score"] == 1.0
+    bad = await (await client.post(f"/v1/gpus/{BAD}/probe", headers=op)).json()
+    assert not bad["ok"] and bad["score"] is None and "known-answer check failed" in bad["note"], bad
+    assert bad["quarantined"].startswith(f"probe: {WRONG_ANSWER}: fp16 matrix multiply"), bad
+    assert BAD not in parts.probes.latest and BAD not in parts.probes.history_best  # nobody's reference
+    peer = await (await client.post(f"/v1/gpus/{ALL[1]}/probe", headers=op)).json()
+    assert peer["score"] == pytest.approx(1.0) and peer["reference"]["matmul_tflops"] == pytest.approx(100.0)
+    gpus = {g["id"]: g for g in (await (await client.get("/v1/gpus", headers=op)).json())["gpus"]}
+    assert gpus[BAD]["state"] == "quarantined"
+    leases = [await (await client.post("/v1/leases", json={"gpus": 1}, headers=rig.auth(vm))).json()
+              for vm in ("vm-a", "vm-b", "vm-c", "vm-d")]
+    taken = {d["gpu_id"] for x in leases for d in x.get("devices", [])}
+    assert len(taken) == 4 and BAD not in taken
+    r = await client.post("/v1/leases", json={"gpus": 8, "domain": "vm-a"}, headers=op)
+    assert r.status == 409  # seven GPUs in service, never the eighth
