@@ -55,6 +55,12 @@ def build_parts(runtime: AgentServices, *, probe_settings: ProbeSettings | None 
     topology = load_topology(list(manager.gpus.values()), settings.host.nvlink_hints)
     manager.nvlinked = topology.nvlinked  # what `requires: ["nvlink"]` admits
     candidates = runners if runners is not None else default_runners(runtime.host.sysfs)
+    if runners is None and settings.host.kernel == "fake":
+        # a fake tree's GPUs answer no real library: the simulated compute runner measures them (per-model figures,
+        # the known-answer check), composed with the fake kernel as the demo and the test rigs choose it
+        from hostagent.host.fakeprobes import SimulatedComputeRunner
+
+        candidates = [SimulatedComputeRunner(runtime.host.sysfs), *candidates]
     chosen, status = select_runners(candidates)
     probes = ProbeService(manager, chosen, settings=probe_settings or ProbeSettings(), runner_status=status,
                           gpu_row=gpu_record, clock=runtime.clock)

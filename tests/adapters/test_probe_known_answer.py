@@ -15,6 +15,8 @@ from hostagent.domain.capabilities import WRONG_ANSWER
 from hostagent.host import known_answer
 from hostagent.host.probes import BANDWIDTH, MATMUL, TorchRunner, tflops_key
 from hostagent.services.probes import ProbeSettings
+from hostagent.runtime import make_app
+from tests.support.agent import make_rig
 from tests.support.topology import ALL, FakeComputeRunner, FakeHealthRunner, topology_rig
 
 BAD = ALL[3]
@@ -90,3 +92,32 @@ async def test_a_fast_wrong_gpu_is_quarantined_never_scored_and_never_leased(tmp
     assert len(taken) == 4 and BAD not in taken
     r = await client.post("/v1/leases", json={"gpus": 8, "domain": "vm-a"}, headers=op)
     assert r.status == 409  # seven GPUs in service, never the eighth
+
+
+async def test_the_fake_hosts_gpus_probe_with_per_model_figures_and_can_be_told_to_answer_wrong(
+        tmp_path: Path, aiohttp_client: Any) -> None:
+    """The composition of a fake host (host.kernel = fake: the demo, the rigs) adds the simulated compute runner:
+    a probe on demo16 shows each model's capability vector and verdict; a GPU whose `sim_compute` file says
+    `wrong` is quarantined by the known-answer check, one that says `throttle 0.5` by its peers' score."""
+    rig = make_rig(tmp_path, scenario="demo16")
+    client = await aiohttp_client(make_app(rig.runtime, probe_settings=ProbeSettings(period_s=0, runs=3)))
+    op = rig.auth("operator")
+    gpus = (await (await client.get("/v1/gpus", headers=op)).json())["gpus"]
+    by_model: dict[str, list[dict[str, Any]]] = {}
+    for g in gpus:
+        by_model.setdefault(g["model"].split(" ", 1)[0], []).append(g)
+    a100, t4 = by_model["GA100"], by_model["TU104GL"]
+    first = await (await client.post(f"/v1/gpus/{a100[0]['id']}/probe", headers=op)).json()
+    assert first["ok"] and first["metrics"][tflops_key("bf16")] == pytest.approx(312.0, rel=0.02), first
+    assert first["health"]["sim-compute"]["known_answer"] == {p: "ok" for p in ("fp16", "bf16", "fp32", "fp64")}
+    slow = await (await client.post(f"/v1/gpus/{t4[0]['id']}/probe", headers=op)).json()
+    assert slow["ok"] and tflops_key("bf16") not in slow["metrics"] and slow["metrics"][tflops_key("fp64")] < 1
+    assert first["metrics"][tflops_key("fp16")] > 4 * slow["metrics"][tflops_key("fp16")]  # comparable across models
+    sysfs = tmp_path / "host" / "sys" / "bus" / "pci" / "devices"
+    (sysfs / a100[1]["address"] / "sim_compute").write_text("wrong\n")
+    (sysfs / a100[2]["address"] / "sim_compute").write_text("throttle 0.5\n")
+    wrong = await (await client.post(f"/v1/gpus/{a100[1]['id']}/probe", headers=op)).json()
+    assert wrong["quarantined"].startswith(f"probe: {WRONG_ANSWER}: fp16"), wrong
+    await client.post(f"/v1/gpus/{a100[3]['id']}/probe", headers=op)  # a second healthy peer
+    throttled = await (await client.post(f"/v1/gpus/{a100[2]['id']}/probe", headers=op)).json()
+    assert throttled["score"] == pytest.approx(0.5, abs=0.03) and "below 0.70" in throttled["quarantined"], throttled
