@@ -345,8 +345,8 @@ class ProbeService:
 
     def _report(self, gpu: Gpu, results: Sequence[Any], duration: float) -> ProbeReport:
         runs = [dict(r.metrics) for r in results if r.metrics]
-        problems = [p for r in results for p in r.problems]
-        warnings = [w for r in results for w in r.warnings]
+        problems = list(dict.fromkeys(p for r in results for p in r.problems))  # each once, however many runs saw it
+        warnings = list(dict.fromkeys(w for r in results for w in r.warnings))
         errors = [f"{r.runner}: {r.error}" for r in results if r.error]
         health: dict[str, Any] = {}
         for r in results:

@@ -118,6 +118,7 @@ async def test_the_fake_hosts_gpus_probe_with_per_model_figures_and_can_be_told_
     (sysfs / a100[2]["address"] / "sim_compute").write_text("throttle 0.5\n")
     wrong = await (await client.post(f"/v1/gpus/{a100[1]['id']}/probe", headers=op)).json()
     assert wrong["quarantined"].startswith(f"probe: {WRONG_ANSWER}: fp16"), wrong
+    assert len(wrong["problems"]) == 1 and len(wrong["runs"]) == 3  # three runs, one problem said once
     await client.post(f"/v1/gpus/{a100[3]['id']}/probe", headers=op)  # a second healthy peer
     throttled = await (await client.post(f"/v1/gpus/{a100[2]['id']}/probe", headers=op)).json()
     assert throttled["score"] == pytest.approx(0.5, abs=0.03) and "below 0.70" in throttled["quarantined"], throttled
