@@ -23,7 +23,6 @@ from hostagent.domain.errors import Conflict, HostAgentError, HostError, Invalid
 from hostagent.domain.hostdev import HostdevPci, free_guest_slots, guest_slots_needed
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.numa import VmNuma, vm_numa
-from hostagent.domain.terms import check_requires, resolve_memory
 from hostagent.domain.lease import (
     Arbitration,
     Lease,
@@ -37,6 +36,7 @@ from hostagent.domain.lease import (
     estimate_eta,
     new_lease,
 )
+from hostagent.domain.terms import check_requires, resolve_memory
 from hostagent.services.admission import apply_priority_policy, cap_length, check_queue_share, quota_cap_for
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import LOGGER, LeaseCore, clocked, guest_addr, render_hostdevs, step_hook
@@ -49,11 +49,12 @@ BACKFILL_DEPTH = 64  # queued requests looked at per decision (the head, then ba
 S = LeaseState
 
 
-def feasible(m: LeaseCore, request: LeaseRequest) -> list[Gpu]:
-    """GPUs that could ever serve the request (viable, not quarantined, memory and model fit)."""
+def feasible(m: LeaseCore, request: LeaseRequest, *, in_service: bool = True) -> list[Gpu]:
+    """GPUs that could ever serve the request (viable, not quarantined, memory and model fit); `in_service=False`
+    counts quarantined GPUs and those awaiting an operator too (the host's inventory, as it stands when whole)."""
     out = []
     for g in m.gpus.values():
-        if not g.viable or g.id in m.quarantined or g.id in m.attention:
+        if not g.viable or (in_service and (g.id in m.quarantined or g.id in m.attention)):
             continue
         if request.min_memory_gib and (g.memory_bytes or 0) < request.min_memory_gib * 1024**3:
             continue
@@ -77,8 +78,11 @@ def in_tenant_terms(m: LeaseCore, request: LeaseRequest) -> tuple[LeaseRequest, 
     them) and its `total_memory_gib` made a GPU count (domain.terms), with the note that says how."""
     if not request.requires and request.total_memory_gib is None:
         return request, None
+    # Against the whole inventory (a quarantine comes and goes): the same request resolves the same way each time,
+    # so a retry with its idempotency key finds the lease it made.
     admitted = feasible(m, dataclasses.replace(
-        request, requires=(), min_memory_gib=0.0 if request.total_memory_gib is not None else request.min_memory_gib))
+        request, requires=(), min_memory_gib=0.0 if request.total_memory_gib is not None else request.min_memory_gib),
+        in_service=False)
     check_requires(request, admitted, lambda g: gpu_capabilities(m, g))
     able = [g for g in admitted if not gpu_capabilities(m, g).lacks(request.requires)]
     return resolve_memory(request, able)

@@ -134,3 +134,18 @@ async def test_total_memory_with_an_idempotency_key_answers_the_same_lease(tmp_p
 def test_every_feature_is_documented() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "placement.md").read_text()
     assert all(f"`{f}`" in doc for f in FEATURES), [f for f in FEATURES if f"`{f}`" not in doc]
+
+
+async def test_total_memory_resolves_against_the_whole_inventory(tmp_path: Path, aiohttp_client: Any) -> None:
+    """A quarantine comes and goes: the request resolves the same way either side of one, so its retry with the
+    same idempotency key finds the lease it made (rather than a refusal, or a 409 for a 'different' request)."""
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    status, other = await post(rig, "vm-b", gpus=4)
+    assert status == 201
+    status, lease = await post(rig, "vm-a", total_memory_gib=200, idempotency_key="k", accept_deferred=True)
+    assert status == 202 and lease["request"]["gpus"] == 5, lease  # 5 of 40 GiB; 4 free: it waits
+    held = {d["gpu_id"] for d in other["devices"]}
+    for gid in [g for g in rig.runtime.manager.gpus if g not in held]:
+        await rig.runtime.manager._quarantine(gid, "test: out of service", "test")
+    status, again = await post(rig, "vm-a", total_memory_gib=200, idempotency_key="k", accept_deferred=True)
+    assert again.get("id") == lease["id"] and again["request"]["gpus"] == 5, (status, again)
