@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from lxml import etree
 
 from hostagent.domain.hostdev import parse_domain_hostdevs
+from hostagent.domain.errors import HypervisorError
 from hostagent.domain.lease import LeaseRequest, LeaseState
+from hostagent.services.lease_types import guest_addr
 from hostagent.runtime import build_runtime
 from hostagent.virt.port import DomainEvent, EventKind
 from tests.support.agent import AgentRig, make_rig
@@ -31,10 +34,11 @@ def live_sources(rig: AgentRig, vm: str, *, config: bool = False) -> set[str]:
     return {str(h.source) for h in parse_domain_hostdevs(etree.tostring(el, encoding="unicode"))}
 
 
-async def _lease_then_eject_while_down(tmp_path: Path, *, refuse: bool) -> tuple[AgentRig, str, list[str]]:
+async def _lease_then_eject_while_down(tmp_path: Path, *, refuse: bool,
+                                       layout: str = "auto") -> tuple[AgentRig, str, list[str]]:
     """A two-function lease (the workstation's 4090 + its audio); the agent stops; the guest ejects one function;
     the agent starts again over the same host and hypervisor (refusing attaches from then on when `refuse`)."""
-    rig = make_rig(tmp_path, scenario="workstation-vfio")
+    rig = make_rig(tmp_path, scenario="workstation-vfio", host={"guest_layout": layout})
     rig.runtime.use_store = False
     await rig.runtime.start()
     lease = await rig.runtime.manager.request(rig.uuids["vm-a"], LeaseRequest(gpus=1, min_memory_gib=20),
@@ -53,10 +57,21 @@ async def _lease_then_eject_while_down(tmp_path: Path, *, refuse: bool) -> tuple
     return rig, lease.id, functions
 
 
-async def test_start_reattaches_what_the_running_domain_lost(tmp_path: Path) -> None:
-    rig, lease_id, functions = await _lease_then_eject_while_down(tmp_path, refuse=False)
+def guest_addresses(rig: AgentRig, vm: str) -> dict[str, str]:
+    """Each hostdev's host source -> its guest PCI address, in the running domain."""
+    dom = rig.hv._find(vm)
+    assert dom.live is not None
+    return {str(h.source): guest_addr(h) for h in parse_domain_hostdevs(etree.tostring(dom.live, encoding="unicode"))}
+
+
+@pytest.mark.parametrize("layout", ["auto", "per-function"])
+async def test_start_reattaches_what_the_running_domain_lost(tmp_path: Path, layout: str) -> None:
+    rig, lease_id, functions = await _lease_then_eject_while_down(tmp_path, refuse=False, layout=layout)
     try:
         rt = rig.runtime
+        if layout == "per-function":  # the function goes back to the guest slot it had
+            had = dict(zip(functions, rt.manager.leases[lease_id].devices[0].guest_addresses))
+            assert guest_addresses(rig, "vm-a") == had and len(set(had.values())) == 2, had
         assert rt.manager.leases[lease_id].state is S.ACTIVE
         assert live_sources(rig, "vm-a") == set(functions)  # only the missing function went back in
         assert live_sources(rig, "vm-a", config=True) == set(functions)  # and the definition has each once
@@ -117,5 +132,32 @@ async def test_reconnect_finds_a_device_the_guest_gave_up_while_away(tmp_path: P
         assert live_sources(rig, "vm-a") == {fb}
         assert live_sources(rig, "vm-a", config=True) == {fb}
         assert [r.action for r in rt.repairs if r.subject == a.id][0].startswith("re-attach refused")
+    finally:
+        await rt.stop()
+
+
+async def test_a_release_whose_definition_cleanup_fails_still_ends_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The guest gave the device up by itself; removing it from the persistent definition then fails: the release
+    is not held up by the definition (the device is out of the guest), and the log says what is left to clean."""
+    rig = make_rig(tmp_path)
+    rt = rig.runtime
+    rt.use_store = False
+    await rt.start()
+    try:
+        lease = await rt.manager.request(rig.uuids["vm-a"], LeaseRequest(gpus=1), actor="test")
+        fn = lease.devices[0].functions[0]
+        rig.hv.eject("vm-a", fn)
+
+        async def refuse(*_: object, **__: object) -> None:
+            raise HypervisorError("libvirt: cannot write the definition")
+
+        rig.hv.detach_hostdevs = refuse  # type: ignore[method-assign]
+        done = await rt.manager.release(lease.id, actor="test")
+        assert done.state is S.RELEASED and rig.sysfs_driver(fn) == "nvidia"
+        (line,) = [r for r in caplog.records if "removing its devices from the definition" in r.getMessage()]
+        assert line.levelname == "WARNING" and getattr(line, "lease_id", None) == lease.id
+        assert line.getMessage() == (f"lease {lease.id}: removing its devices from the definition of vm-a failed: "
+                                     "libvirt: cannot write the definition")
     finally:
         await rt.stop()

@@ -219,7 +219,8 @@ async def test_a_failed_lease_counts_one_step_failure(tmp_path: Path, aiohttp_cl
         assert s.value("hostagent_gpus", state="free") == 8  # rolled back
 
 
-async def test_detach_alerts_count_leases_out_of_retries(tmp_path: Path, aiohttp_client: Any) -> None:
+async def test_detach_alerts_count_leases_out_of_retries(tmp_path: Path, aiohttp_client: Any,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
     rig = await start_rig(make_rig(tmp_path, libvirt={"detach_retries": 1}), aiohttp_client)
     lease = await post_lease(rig.client, rig, "vm-a")
     rig.hv.set_refuse_detach("vm-a")  # the guest never acknowledges a detach
@@ -231,6 +232,9 @@ async def test_detach_alerts_count_leases_out_of_retries(tmp_path: Path, aiohttp
     await rig.runtime.manager.retry_pending()  # the retry, unacknowledged too: out of retries, the operator alerted
     s = await op(rig)
     assert s.value("hostagent_detach_alerts") == 1 and s.value("hostagent_gpus", state="detach-pending") == 1
+    # the ERROR line carries the lease's id as a field (the JSON log's lease_id: what an operator searches by)
+    (alert,) = [r for r in caplog.records if r.levelname == "ERROR" and "automatic retries stopped" in r.getMessage()]
+    assert getattr(alert, "lease_id", None) == lease["id"], alert.__dict__
     assert rig.hv.acknowledge_detaches("vm-a") == 1  # the guest lets go after all: DEVICE_REMOVED ends the lease
     await until(lambda: lease["id"] not in rig.runtime.manager.leases, 10, "the lease ended")
     s = await op(rig)

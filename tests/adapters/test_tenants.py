@@ -322,6 +322,11 @@ async def test_a_queued_request_expires_after_the_default_wait(tmp_path: Path, a
     await rig.runtime.manager.expire_due()
     got = await (await rig.client.get(f"/v1/leases/{q['id']}", headers=rig.auth("vm-a"))).json()
     assert got["state"] == "EXPIRED" and "queue_max_wait_s" in got["end_reason"], got
+    early = await (await rig.client.get(f"/v1/leases/{soon['id']}", headers=rig.auth("vm-b"))).json()
+    assert early["state"] == "EXPIRED" and early["end_reason"] == "not granted before not_after", early
+    for lid in (q["id"], soon["id"]):  # the expiry's own steps, by its own name
+        steps = rig.runtime.journal.events(lease_id=lid, kinds=["transition"])
+        assert [e.actor for e in steps if e.to_state == "EXPIRED"] == ["expiry"], steps
 
 
 async def test_requests_queued_at_the_same_instant_keep_their_order_across_a_restart(
