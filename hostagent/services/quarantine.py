@@ -41,14 +41,14 @@ async def clear_quarantine(m: LeaseCore, gpu_id: str, *, actor: str) -> None:
     """
     gpu = m.gpus.get(gpu_id)
     if gpu is None:
-        raise NotFound(f"no GPU {gpu_id!r}", field="id")
+        raise NotFound(f"no GPU {gpu_id!r}", field="gpu_id")
     if gpu_id not in m.quarantined and gpu_id not in m.attention:
-        raise Conflict(f"GPU {gpu_id} is not quarantined, nor waiting for an operator's attention", field="id")
+        raise Conflict(f"GPU {gpu_id} is not quarantined, nor waiting for an operator's attention", field="gpu_id")
     if gpu_id not in m.claims:
         await give_back_unleased(m, gpu, actor)
     if gpu_id in m.quarantined:
         if not await m._run(m.journal.clear_quarantine, gpu_id, actor=actor):
-            raise Conflict(f"GPU {gpu_id} is not quarantined", field="id")
+            raise Conflict(f"GPU {gpu_id} is not quarantined", field="gpu_id")
         m.quarantined.pop(gpu_id, None)
     why = m.attention.pop(gpu_id, None)
     if why is not None:

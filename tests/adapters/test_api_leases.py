@@ -347,12 +347,19 @@ async def test_quarantine_clear_is_operator_only(rig: AgentRig) -> None:
     r = await rig.client.post(f"/v1/gpus/{gid}/clear-quarantine", json={}, headers=rig.auth("vm-a"))
     assert r.status == 403
     r = await rig.client.post(f"/v1/gpus/{gid}/clear-quarantine", json={}, headers=rig.auth("operator"))
-    assert r.status == 409
+    assert r.status == 409 and (await r.json())["error"]["field"] == "gpu_id"
     await rig.runtime.manager._quarantine(gid, "test", "test")
     gpu = await (await rig.client.get(f"/v1/gpus/{gid}", headers=rig.auth("operator"))).json()
     assert gpu["state"] == "quarantined"
-    r = await rig.client.post(f"/v1/gpus/{gid}/clear-quarantine", json={}, headers=rig.auth("operator"))
-    assert r.status == 200 and (await r.json())["state"] == "free"
+    # two operators clear it at once: one clears it, the other hears it is no longer quarantined
+    both = await asyncio.gather(*(rig.client.post(f"/v1/gpus/{gid}/clear-quarantine", json={},
+                                                  headers=rig.auth("operator")) for _ in range(2)))
+    assert sorted(r.status for r in both) == [200, 409], [r.status for r in both]
+    (lost,) = [r for r in both if r.status == 409]
+    err = (await lost.json())["error"]
+    assert err["field"] == "gpu_id" and "is not quarantined" in err["message"], err
+    (won,) = [r for r in both if r.status == 200]
+    assert (await won.json())["state"] == "free"
 
 
 async def test_events_record_every_transition(rig: AgentRig) -> None:

@@ -210,3 +210,47 @@ def test_compute_runners_measure_in_a_child_process(tmp_path: Path) -> None:
     res = run_in_child("torch", ghost, 0.1)
     assert res.runner == "torch" and res.metrics == {} and "no GPU at 0000:ff:1f.7" in (res.error or "")
     assert TorchRunner().run(ghost, 0.1).error == res.error
+
+
+async def test_what_a_probe_says_in_its_report_the_journal_and_the_status(tmp_path: Path, aiohttp_client: Any) -> None:
+    """A clean probe has no note; its journal event gives the score; GET /v1/probes lists it per GPU. A runner
+    that raises is said in the note by its exception's type, beside the other runners' results."""
+
+    class Broken(FakeHealthRunner):
+        def run(self, gpu: Any, budget_s: float) -> Any:
+            raise RuntimeError("the library went away")
+
+    rig, app, _ = topology_rig(tmp_path, runners=[FakeHealthRunner(), FakeComputeRunner()],
+                               probe_settings=ProbeSettings(period_s=0, runs=1))
+    client = await aiohttp_client(app)
+    body = await probe(client, rig, ALL[0])
+    assert body["ok"] and body["score"] == 1.0 and body["note"] is None, body
+    (event,) = [e for e in rig.runtime.journal.events(gpu_id=ALL[0]) if e.kind == "probe"]
+    assert event.detail == "score 1.00 ± 0.00 (first)", event.detail
+    status = await (await client.get("/v1/probes", headers=rig.auth("operator"))).json()
+    mine = status["gpus"][ALL[0]]
+    assert mine["score"] == 1.0 and mine["ok"] is True and mine["last_probe"] == pytest.approx(body["ts"]), mine
+    assert status["gpus"][ALL[1]] == {"score": None, "last_probe": None, "ok": None}
+
+    rig2, app2, _ = topology_rig(tmp_path / "two", runners=[Broken(name="broken"), FakeComputeRunner()],
+                                 probe_settings=ProbeSettings(period_s=0, runs=1))
+    client2 = await aiohttp_client(app2)
+    body = await probe(client2, rig2, ALL[1])
+    assert body["score"] == 1.0 and body["note"] == "broken: RuntimeError: the library went away", body
+
+
+async def test_a_probe_refuses_a_gpu_off_its_host_driver_or_not_leasable(tmp_path: Path, aiohttp_client: Any) -> None:
+    compute = FakeComputeRunner()
+    rig, app, _ = topology_rig(tmp_path, runners=[compute])
+    client = await aiohttp_client(app)
+    gpu = rig.runtime.manager.gpus[ALL[4]]
+    assert (await rig.runtime.run(rig.runtime.host.bind, gpu, None)).ok  # on vfio-pci, with no lease
+    body = await probe(client, rig, ALL[4], status=409)
+    assert body["error"]["field"] == "gpu_id" and "is on vfio-pci, not its host driver" in body["error"]["message"]
+    assert compute.calls == [] and ALL[4] not in rig.runtime.manager.claims  # nothing ran, nothing held
+
+    rig2, app2, _ = topology_rig(tmp_path / "off", runners=[compute], scenario="iommu-off")
+    client2 = await aiohttp_client(app2)
+    unviable = next(iter(rig2.runtime.manager.gpus))
+    body = await probe(client2, rig2, unviable, status=409)
+    assert body["error"]["field"] == "gpu_id" and "is not leasable" in body["error"]["message"], body

@@ -69,7 +69,9 @@ async def test_idle_lease_is_warned_then_reclaimed_and_given_back(rig: AgentRig)
     assert await check(rig, body["id"], 61, util=0.0) is Action.RECLAIM  # strike two: the notice
     view = await (await rig.client.get(f"/v1/leases/{body['id']}", headers=h)).json()
     assert view["state"] == "ACTIVE" and view["reclaim"]["notice"] == "reclaim"
-    assert any(w["code"] == "reclaim_notice" for w in view["warnings"])
+    (notice,) = [w for w in view["warnings"] if w["code"] == "reclaim_notice"]
+    assert notice == {"code": "reclaim_notice", "reason": "idle", "deadline": view["reclaim"]["notice_deadline"],
+                      "message": "GPU is being reclaimed for idleness; release it now"}, notice
     assert await check(rig, body["id"], 31) is Action.RECLAIM  # the guest did not release in the window
     done = await (await rig.client.get(f"/v1/leases/{body['id']}", headers=h)).json()
     assert done["state"] == "RELEASED" and done["end_reason"] == "reclaimed: idle"
