@@ -573,3 +573,16 @@ async def test_a_bind_that_fails_midway_rolls_back_the_devices_already_bound(
     assert not m.claims and rig.runtime.journal.live_leases() == []
     states = [e.to_state for e in rig.runtime.journal.events() if e.to_state]
     assert "ATTACHING" not in states and states[-1] == "FAILED"
+
+
+async def test_a_full_queue_refuses_saying_so_and_a_grant_says_how_it_was_verified(tmp_path: Path,
+                                                                                   aiohttp_client: Any) -> None:
+    rig = await start_rig(make_rig(tmp_path, leases={"queue_max": 1}), aiohttp_client)
+    held = await lease(rig, "vm-a", gpus=8)
+    steps = rig.runtime.journal.events(lease_id=held["id"], kinds=["transition"])
+    assert [(e.to_state, e.detail) for e in steps if e.to_state == "ACTIVE"] == [
+        ("ACTIVE", "attached and verified in the domain XML")]
+    await lease(rig, "vm-b", status=202, accept_deferred=True)
+    full = await lease(rig, "vm-c", status=409, accept_deferred=True)
+    assert full["error"] == {**full["error"], "field": "accept_deferred",
+                             "message": "the lease queue is full; retry later"}, full

@@ -146,7 +146,8 @@ async def test_the_notice_is_withdrawn_when_the_request_no_longer_waits(tmp_path
     await asyncio.sleep(NOTICE_S + 0.6)
     kept = await get(rig, "vm-b", b["id"])
     assert kept["state"] == "ACTIVE" and kept["reclaim"]["notice"] is None and kept["reclaim"]["preempted_by"] is None
-    assert "preempt-withdrawn" in [e.kind for e in rig.runtime.journal.events(lease_id=b["id"])]
+    (withdrawn,) = [e for e in rig.runtime.journal.events(lease_id=b["id"]) if e.kind == "preempt-withdrawn"]
+    assert withdrawn.detail == f"{c['id']} no longer waits" and withdrawn.actor == "reaper", withdrawn
 
 
 async def test_no_preemption_that_cannot_start_the_request(tmp_path: Path, aiohttp_client: Any) -> None:

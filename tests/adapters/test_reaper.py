@@ -268,3 +268,10 @@ async def test_the_agent_detects_posted_interrupts_and_stops_trusting_flat_count
         await reaper.check(body["id"], clock(), {a: 5 for a in body["devices"][0]["functions"]})
     row = next(x for x in reaper.status() if x["lease_id"] == body["id"])
     assert row["strike"] == "none" and "not trusted" in row["last_verdict"]["reason"], row
+
+
+async def test_a_busy_heartbeat_with_no_strike_to_clear_changes_nothing(rig: AgentRig) -> None:
+    body = await lease(rig)
+    before = rig.runtime.journal.events(lease_id=body["id"])
+    await rig.runtime.reaper.activity_seen(body["id"], "busy heartbeat")
+    assert rig.runtime.journal.events(lease_id=body["id"]) == before  # no 'strike cleared' for a strike never made
