@@ -20,14 +20,14 @@ from tests.support.agent import AgentRig, make_rig
 S = LeaseState
 
 
-async def _leased_then_stopped(tmp_path: Path) -> tuple[AgentRig, str, list[str]]:
-    """One ACTIVE lease of vm-a, then the agent stops (the lease stays in the journal, its GPU on vfio-pci)."""
+async def _leased_then_stopped(tmp_path: Path, gpus: int = 1) -> tuple[AgentRig, str, list[str]]:
+    """One ACTIVE lease of vm-a, then the agent stops (the lease stays in the journal, its GPUs on vfio-pci)."""
     rig = make_rig(tmp_path)
     rig.runtime.use_store = False
     await rig.runtime.start()
-    lease = await rig.runtime.manager.request(rig.uuids["vm-a"], LeaseRequest(gpus=1), actor="test")
+    lease = await rig.runtime.manager.request(rig.uuids["vm-a"], LeaseRequest(gpus=gpus), actor="test")
     assert lease.state is S.ACTIVE
-    functions = list(lease.devices[0].functions)
+    functions = [f for d in lease.devices for f in d.functions]
     await rig.runtime.stop()
     return rig, lease.id, functions
 
@@ -104,6 +104,33 @@ async def test_a_lease_stopped_in_rebinding_is_finished_under_its_own_id(tmp_pat
         (note,) = [r for r in rt.repairs if r.subject == lease_id]
         assert note.found == "lease stopped in REBINDING" and note.action == "gave devices back: now RELEASED"
         assert _repair_events(rig, lease_id) == ["found lease stopped in REBINDING; gave devices back: now RELEASED"]
+        assert all(rig.sysfs_driver(f) == "nvidia" for f in functions)
+    finally:
+        await rig.runtime.stop()
+
+
+async def test_a_lease_stopped_in_attaching_without_its_device_is_rolled_back_saying_where_it_stopped(
+        tmp_path: Path) -> None:
+    rig, lease_id, functions = await _leased_then_stopped(tmp_path, gpus=2)
+    for f in functions:
+        rig.hv.eject("vm-a", f)  # the attach never completed, as far as the domain shows
+    journal = Journal(rig.settings.state_dir / "journal.sqlite3")
+    try:
+        lease = journal.get(lease_id)
+        assert lease is not None
+        journal.record(dataclasses.replace(lease, state=S.ATTACHING), from_state=lease.state, actor="test")
+    finally:
+        journal.close()
+    await _start_again(rig)
+    try:
+        rt = rig.runtime
+        done = rt.journal.get(lease_id)
+        assert done is not None and done.state is S.FAILED, done
+        (note,) = [r for r in rt.repairs if r.subject == lease_id]
+        gave = "; ".join(f"gave {d.gpu_id} back to its host driver" for d in done.devices)
+        assert note.found == "lease stopped in ATTACHING" and note.action == f"rolled back to FAILED: {gave}", note
+        (step,) = [e for e in rt.journal.events(lease_id=lease_id, kinds=["transition"]) if e.to_state == "FAILED"]
+        assert step.detail == gave and step.actor == Reconciler.ACTOR, step
         assert all(rig.sysfs_driver(f) == "nvidia" for f in functions)
     finally:
         await rig.runtime.stop()
