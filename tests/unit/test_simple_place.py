@@ -37,3 +37,33 @@ def test_the_topology_placer_as_a_place_function(tmp_path: Path) -> None:
     assert pair.distance == 1 and len(pair.gpu_ids) == 2 and pair.gpu_ids == tuple(g.id for g in gpus[:2]), pair
     with pytest.raises(Conflict):
         placer(LeaseRequest(gpus=1, requires=("fp8",)), gpus, 1, "uuid")
+
+
+def test_the_learned_placer_without_topology_picks_greedily_and_remembers_why(tmp_path: Path) -> None:
+    """Placer's own set choice, when no topology placer is wired (build_runtime without the web app): the distance
+    callable decides the spread, candidates carry their ids and scores, each decision is remembered with its
+    reasons, and a request nothing passes is refused with the filters' reason."""
+    import pytest
+
+    from hostagent.domain.errors import Conflict
+    from hostagent.services.placement import Placer
+
+    tree = build_tree(tmp_path, "dgx8")
+    gpus = list(discover(Sysfs(tree.sys_root), vendors=("10de",)).gpus)
+    asked: list[tuple[str, str]] = []
+
+    def distance(a: object, b: object) -> float:
+        asked.append((getattr(a, "gpu_id"), getattr(b, "gpu_id")))
+        return 0.0
+
+    placer = Placer(lambda: gpus, quarantined=lambda: {}, distance=distance)
+    got = placer(LeaseRequest(gpus=2), gpus, 2, "uuid")
+    assert len(got.gpu_ids) == 2 and asked, "the distance callable chose the second GPU"
+    ids = {g.id for g in gpus}
+    assert got.candidates and all(c["gpu_id"] in ids and c["score"] > 0 for c in got.candidates), got.candidates
+    assert placer.last_decisions[-1]["reasons"] == list(got.reasons) and got.reasons
+    with pytest.raises(Conflict) as err:
+        placer(LeaseRequest(gpus=1, min_memory_gib=100), gpus, 1, "uuid")
+    assert err.value.field == "gpus" and err.value.message == "0 of 8 device(s) passed the filters, 1 needed"
+    assert placer.last_decisions[-1]["reasons"] == [err.value.message]
+    assert all(d["reason"].startswith("memory") for d in placer.last_decisions[-1]["dropped"])
