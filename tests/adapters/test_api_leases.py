@@ -586,3 +586,18 @@ async def test_a_full_queue_refuses_saying_so_and_a_grant_says_how_it_was_verifi
     full = await lease(rig, "vm-c", status=409, accept_deferred=True)
     assert full["error"] == {**full["error"], "field": "accept_deferred",
                              "message": "the lease queue is full; retry later"}, full
+
+
+async def test_renew_names_an_unknown_field_and_events_filter_by_several_kinds(rig: AgentRig) -> None:
+    body = await lease(rig, "vm-a")
+    for sent, field in (({"bogus": 1}, "bogus"), ({"duration_s": 60, "zzz": 1, "aaa": 2}, "aaa")):
+        r = await rig.client.post(f"/v1/leases/{body['id']}/renew", json=sent, headers=rig.auth("vm-a"))
+        assert r.status == 400 and (await r.json())["error"]["field"] == field, (sent, await r.text())
+    r = await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
+    assert r.status == 200
+    op = rig.auth("operator")
+    every = (await (await rig.client.get(f"/v1/events?lease_id={body['id']}", headers=op)).json())["events"]
+    assert every and {e["kind"] for e in every} == {"transition"}
+    got = (await (await rig.client.get(f"/v1/events?lease_id={body['id']}&kind=repair,transition",
+                                       headers=op)).json())["events"]
+    assert got == every  # a list of kinds: any of them

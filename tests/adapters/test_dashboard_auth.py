@@ -10,7 +10,7 @@ import pytest
 
 from hostagent.web.auth import hash_token, new_token
 from hostagent.web.dashboard import CSP
-from hostagent.web.dashboard_auth import SESSION_COOKIE, safe_next
+from hostagent.web.dashboard_auth import LOGIN_COOKIE, SESSION_COOKIE, safe_next
 from hostagent.web.dashboard_plumbing import DASHBOARD
 from tests.support.agent import AgentRig, Clock, make_rig, start_rig
 
@@ -159,3 +159,26 @@ async def test_unknown_things_render_an_html_404(rig: AgentRig) -> None:
     assert r.status == 400 and "sort must be one of" in await r.text()
     r = await rig.client.get("/ui/gpus/x?range=9y")
     assert r.status == 404  # the GPU check comes first
+
+
+async def test_the_login_form_is_titled_and_its_nonce_cookie_is_httponly(rig: AgentRig) -> None:
+    r = await rig.client.get("/ui/login")
+    assert "<title>Log in" in await r.text()
+    nonce = next(v for k, v in r.headers.items() if k == "Set-Cookie" and v.startswith(LOGIN_COOKIE))
+    assert "HttpOnly" in nonce and "SameSite=Strict" in nonce and "Path=/ui/login" in nonce, nonce
+
+
+async def test_a_new_login_ends_the_session_the_browser_had(rig: AgentRig) -> None:
+    """Logging in again (another operator at the same browser, or a fixated id) drops the old session: its id no
+    longer opens a page."""
+    await login(rig, rig.operator)
+    old = rig.client.session.cookie_jar.filter_cookies(rig.client.make_url("/"))[SESSION_COOKIE].value
+    await login(rig, rig.operator)
+    new = rig.client.session.cookie_jar.filter_cookies(rig.client.make_url("/"))[SESSION_COOKIE].value
+    assert new != old
+    rig.client.session.cookie_jar.clear()
+    with_new = await rig.client.get("/", headers={"Cookie": f"{SESSION_COOKIE}={new}"}, allow_redirects=False)
+    assert with_new.status == 200
+    rig.client.session.cookie_jar.clear()
+    with_old = await rig.client.get("/", headers={"Cookie": f"{SESSION_COOKIE}={old}"}, allow_redirects=False)
+    assert with_old.status == 303  # the old id is gone

@@ -106,3 +106,24 @@ def test_label_pattern_is_the_parsers_rule() -> None:
     assert not accepted("a\U000e0041b") and not accepted("\U000e007f")
     declared = document()["paths"]["/v1/leases"]["post"]["x-runtime-checks"]
     assert {"task_type", "project", "idempotency_key", "vendor", "model"} <= set(declared)
+
+
+def test_every_operation_is_secured_by_a_defined_scheme_and_every_required_field_is_a_property() -> None:
+    doc = document()
+    schemes = set(doc["components"]["securitySchemes"])
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            for requirement in op.get("security", []):
+                assert set(requirement) <= schemes, (method, path, requirement)
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            if "required" in node and isinstance(node["required"], list) and "properties" in node:
+                assert set(node["required"]) <= set(node["properties"]), (where, node["required"])
+            for k, v in node.items():
+                walk(v, f"{where}/{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{where}/{i}")
+
+    walk(doc, "#")

@@ -226,6 +226,7 @@ async def test_a_lease_sends_samples_at_its_rate(tmp_path: Path, aiohttp_client:
     r = await rig.client.post(f"/v1/leases/{a}/heartbeat", data=b"[" * 5000, headers={
         **rig.auth("vm-a"), "Content-Type": "application/json"})
     assert r.status == 429, "told to wait, it is refused before its body is even parsed"
+    assert (await r.json())["error"]["field"] == "samples"
     assert (await beat(rig, "vm-b", b, samples(gb, 60))).status == 200  # another lease has its own rate
     await asyncio.sleep(5.1)
     r = await beat(rig, "vm-a", a, samples(ga, 61))
