@@ -12,7 +12,7 @@ import logging
 import math
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -63,6 +63,7 @@ class DeviceView:
     viable: bool = True
     recent_errors: int = 0  # failed leases, probes or rebinds in the recent window
     capabilities: Capabilities | None = None  # features (domain.capabilities), None: not worked out (tests)
+    figures: Mapping[str, float] | None = None  # its latest probe's capability vector (tflops_fp16, ...), if any
 
     @property
     def memory_gib(self) -> float | None:
@@ -102,13 +103,13 @@ class DeviceViews:
         self._fields: dict[str, tuple[Gpu, dict[str, Any]]] = {}
 
     def view(self, gpu: Gpu, *, free: bool, quarantined: bool = False, probe_score: float | None = None,
-             nvlink: bool = False) -> DeviceView:
+             nvlink: bool = False, figures: Mapping[str, float] | None = None) -> DeviceView:
         """The GPU's view at this decision."""
         hit = self._fields.get(gpu.id)
         if hit is None or hit[0] is not gpu or (hit[1]["capabilities"].features is not None
                                                  and ("nvlink" in hit[1]["capabilities"].features) != nvlink):
             hit = self._fields[gpu.id] = (gpu, _gpu_fields(gpu, nvlink))
-        return DeviceView(**hit[1], free=free, quarantined=quarantined, probe_score=probe_score)
+        return DeviceView(**hit[1], free=free, quarantined=quarantined, probe_score=probe_score, figures=figures)
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,11 +264,28 @@ def filter_devices(request: PlacementRequest,
     return survivors, dropped
 
 
+def measured_speed(request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float] | None:
+    """Each device's probed throughput in the request's precision (`tflops_<precision>` of its capability vector)
+    relative to the fastest measured among `devices` (0..1; 0.5 for one not measured), or None when the request
+    names no precision or no device has a figure for it: the prior for models the learned scorer has not seen,
+    comparable across models (unlike the peer-relative probe score)."""
+    if not request.precision:
+        return None
+    key = f"tflops_{request.precision}"
+    got = [(d.figures or {}).get(key) for d in devices]
+    best = max((v for v in got if v), default=None)
+    if best is None:
+        return None
+    return [0.5 if v is None else max(0.0, v) / best for v in got]
+
+
 def cold_start_scores(request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
-    """The rule used until a model is trusted: tight memory fit, probe score, NUMA locality, few recent errors."""
+    """The rule used until a model is trusted: tight memory fit, probe score, NUMA locality, few recent errors; and
+    for a request that names a precision the devices' probes measured, their measured speed in it."""
     numa_weight = 0.25 if request.numa_policy == "any" else 1.0
+    speeds = measured_speed(request, devices)
     out: list[float] = []
-    for d in devices:
+    for i, d in enumerate(devices):
         mem = d.memory_gib
         if request.min_memory_gib > 0 and mem:
             # best fit keeps the big devices for the requests that need them
@@ -280,7 +298,8 @@ def cold_start_scores(request: PlacementRequest, devices: Sequence[DeviceView]) 
         else:
             numa = 1.0 if d.numa_node == request.vm_numa_node else 0.0
         penalty = min(0.5, 0.1 * d.recent_errors)
-        out.append(0.4 * fit + 0.4 * probe + 0.2 * numa_weight * numa - penalty)
+        speed = 0.0 if speeds is None else 0.4 * speeds[i]
+        out.append(0.4 * fit + 0.4 * probe + 0.2 * numa_weight * numa + speed - penalty)
     return out
 
 
@@ -366,8 +385,11 @@ def score_devices(request: PlacementRequest, devices: Sequence[DeviceView], scor
         return Scored(tuple(survivors), tuple(float(s) for s in scorer.score(request, survivors)), tuple(dropped),
                       RULE_MODEL, f"rule=model: scored by {scorer.name} (predicted relative work rate)")
     why = "no active model" if scorer is None else f"{scorer.name} has too few records for this request"
+    terms = "memory fit, probe score, NUMA locality"
+    if measured_speed(request, survivors) is not None:
+        terms += f", measured {request.precision} speed (probes' capability vectors)"
     return Scored(tuple(survivors), tuple(cold_start_scores(request, survivors)), tuple(dropped), RULE_COLD_START,
-                  f"rule=cold-start ({why}): memory fit, probe score, NUMA locality")
+                  f"rule=cold-start ({why}): {terms}")
 
 
 def explore(request: PlacementRequest, scored: Scored, best: str, exploration: Exploration | None,

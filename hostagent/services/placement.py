@@ -69,15 +69,16 @@ class Placer:
         free = {g.id for g in candidates}
         quarantined = self._quarantined()
         if topo is not None:
-            preq, probe = topo.request_for(request, count, domain_uuid), topo.probe_score
+            preq, probe, figures = topo.request_for(request, count, domain_uuid), topo.probe_score, topo.probe_figures
         else:
             preq = PlacementRequest.from_lease(request, count=count)
             if request.numa_policy is None and self.default_numa_policy != preq.numa_policy:
                 preq = dataclasses.replace(preq, numa_policy=self.default_numa_policy)
             probe = self._probe_scores().get
+            figures = lambda gpu_id: None  # noqa: E731
         nvlinked = topo.topology.nvlinked if topo is not None else frozenset()
         views = [self._views.view(g, free=g.id in free, quarantined=g.id in quarantined, probe_score=probe(g.id),
-                                  nvlink=g.id in nvlinked) for g in self._gpus()]
+                                  nvlink=g.id in nvlinked, figures=figures(g.id)) for g in self._gpus()]
         scored = score_devices(preq, views, self.scorer)
         dropped = tuple({"gpu_id": d.gpu_id, "reason": d.reason} for d in scored.dropped)
         try:

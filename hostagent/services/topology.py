@@ -42,6 +42,7 @@ class TopologyPlacer:
     def __init__(self, topology: Topology, *, free_ids: Callable[[], Collection[str]] | None = None,
                  scorer: Callable[[], Scorer | None] = lambda: None,
                  probe_score: Callable[[str], float | None] = lambda gpu_id: None,
+                 probe_figures: Callable[[str], Mapping[str, float] | None] = lambda gpu_id: None,
                  vm_numa_node: Callable[[str], int | None] = lambda domain_uuid: None,
                  default_policy: str = "preferred", objective: str = "pack",
                  objective_per_task: Mapping[str, str] | None = None, tolerance: float = 0.02,
@@ -50,6 +51,7 @@ class TopologyPlacer:
         self.free_ids = free_ids
         self.scorer = scorer
         self.probe_score = probe_score
+        self.probe_figures = probe_figures  # each GPU's latest capability vector (the cold-start rule's speed term)
         self.vm_numa_node = vm_numa_node
         self.default_policy = default_policy
         self.objective = objective  # [placement] objective, or objective_per_task for the request's task type
@@ -62,7 +64,8 @@ class TopologyPlacer:
         """Choose `count` of the free candidates; Conflict when the NUMA policy cannot be met."""
         preq = self.request_for(request, count, domain_uuid)
         views = [self._views.view(g, free=True, probe_score=self.probe_score(g.id),
-                                  nvlink=g.id in self.topology.nvlinked) for g in candidates]
+                                  nvlink=g.id in self.topology.nvlinked, figures=self.probe_figures(g.id))
+                 for g in candidates]
         return self.pick(preq, score_devices(preq, views, self.scorer()), [g.id for g in candidates])
 
     def request_for(self, request: LeaseRequest, count: int, domain_uuid: str) -> PlacementRequest:

@@ -122,3 +122,48 @@ async def test_the_fake_hosts_gpus_probe_with_per_model_figures_and_can_be_told_
     await client.post(f"/v1/gpus/{a100[3]['id']}/probe", headers=op)  # a second healthy peer
     throttled = await (await client.post(f"/v1/gpus/{a100[2]['id']}/probe", headers=op)).json()
     assert throttled["score"] == pytest.approx(0.5, abs=0.03) and "below 0.70" in throttled["quarantined"], throttled
+
+
+async def test_measured_speed_is_the_prior_for_a_request_that_names_its_precision(tmp_path: Path,
+                                                                                   aiohttp_client: Any) -> None:
+    """No model has records here (the cold-start rule decides). With the A100s and V100s taken, an fp64 request
+    goes to the Quadro RTX 6000 (0.51 TFLOP/s fp64 measured) over the T4 (0.25) once the probes have measured
+    them, and by address (the T4 first) before any probe."""
+
+    async def third_lease(rig_dir: Path, probed: bool, **body: Any) -> str:
+        rig = make_rig(rig_dir, scenario="demo16", placement={"explore_epsilon": 0.0})  # no random tries
+        client = await aiohttp_client(make_app(rig.runtime, probe_settings=ProbeSettings(enabled=False, period_s=0,
+                                                                                        runs=3)))
+        # three runs: every GPU's median is its model's figure, so the peer-relative scores tie at 1.0
+        op = rig.auth("operator")
+        if probed:
+            for g in rig.runtime.manager.gpus:
+                r = await client.post(f"/v1/gpus/{g}/probe", headers=op)
+                assert r.status == 200, await r.text()
+        for vm, need in (("vm-a", ["bf16"]), ("vm-b", ["fp64"])):  # the four A100s, then the four V100s
+            r = await client.post("/v1/leases", json={"gpus": 4, "requires": need}, headers=rig.auth(vm))
+            assert r.status == 201, await r.text()
+        r = await client.post("/v1/leases", json={"gpus": 1, **body}, headers=rig.auth("vm-c"))
+        lease = await r.json()
+        assert r.status == 201, lease
+        gpus = (await (await client.get("/v1/gpus", headers=op)).json())["gpus"]
+        model = {g["id"]: g["model"] for g in gpus}[lease["devices"][0]["gpu_id"]]
+        speed_said = any("measured fp64 speed" in r for r in lease["reasons"])
+        assert speed_said == (probed and body.get("precision") == "fp64"), lease["reasons"]
+        return model.split(" ", 1)[0]
+
+    assert await third_lease(tmp_path / "probed", True, precision="fp64") == "TU102GL"
+    assert await third_lease(tmp_path / "unprobed", False, precision="fp64") == "TU104GL"
+
+
+def test_the_speed_term_needs_a_named_precision_and_a_figure_for_it() -> None:
+    from hostagent.domain.placement import DeviceView, PlacementRequest, measured_speed
+
+    fast = DeviceView("a", "A", figures={"tflops_fp64": 10.0, "tflops_fp16": 100.0})
+    slow = DeviceView("b", "B", figures={"tflops_fp64": 2.5})
+    unmeasured = DeviceView("c", "C")
+    devices = [fast, slow, unmeasured]
+    assert measured_speed(PlacementRequest(precision="fp64"), devices) == [1.0, 0.25, 0.5]
+    assert measured_speed(PlacementRequest(precision="fp16"), devices) == [1.0, 0.5, 0.5]
+    assert measured_speed(PlacementRequest(), devices) is None  # no precision named: no speed term
+    assert measured_speed(PlacementRequest(precision="int8"), devices) is None  # nothing measured it
