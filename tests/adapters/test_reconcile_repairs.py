@@ -38,6 +38,19 @@ async def _start_again(rig: AgentRig) -> None:
     await rig.runtime.start()
 
 
+def _journal_steps(rig: AgentRig, lease_id: str, *states: LeaseState) -> None:
+    """Journal the stopped agent's lease through `states`, as if it had died in the last of them."""
+    journal = Journal(rig.settings.state_dir / "journal.sqlite3")
+    try:
+        lease = journal.get(lease_id)
+        assert lease is not None
+        for st in states:
+            prev, lease = lease.state, dataclasses.replace(lease, state=st)
+            journal.record(lease, from_state=prev, actor="test")
+    finally:
+        journal.close()
+
+
 def _repair_events(rig: AgentRig, lease_id: str) -> list[str]:
     return [e.detail or "" for e in rig.runtime.journal.events(lease_id=lease_id, kinds=["repair"])]
 
@@ -87,15 +100,7 @@ async def test_a_lease_stopped_in_rebinding_is_finished_under_its_own_id(tmp_pat
     rig, lease_id, functions = await _leased_then_stopped(tmp_path)
     # the agent died after the guest let go and before the GPU was back on its host driver
     rig.hv.eject("vm-a", functions[0])
-    journal = Journal(rig.settings.state_dir / "journal.sqlite3")
-    try:
-        lease = journal.get(lease_id)
-        assert lease is not None
-        for st in (S.RELEASING, S.DETACHING, S.REBINDING):
-            prev, lease = lease.state, dataclasses.replace(lease, state=st)
-            journal.record(lease, from_state=prev, actor="test")
-    finally:
-        journal.close()
+    _journal_steps(rig, lease_id, S.RELEASING, S.DETACHING, S.REBINDING)
     await _start_again(rig)
     try:
         rt = rig.runtime
@@ -114,13 +119,7 @@ async def test_a_lease_stopped_in_attaching_without_its_device_is_rolled_back_sa
     rig, lease_id, functions = await _leased_then_stopped(tmp_path, gpus=2)
     for f in functions:
         rig.hv.eject("vm-a", f)  # the attach never completed, as far as the domain shows
-    journal = Journal(rig.settings.state_dir / "journal.sqlite3")
-    try:
-        lease = journal.get(lease_id)
-        assert lease is not None
-        journal.record(dataclasses.replace(lease, state=S.ATTACHING), from_state=lease.state, actor="test")
-    finally:
-        journal.close()
+    _journal_steps(rig, lease_id, S.ATTACHING)
     await _start_again(rig)
     try:
         rt = rig.runtime
