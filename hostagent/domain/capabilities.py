@@ -28,6 +28,7 @@ class Capabilities:
 
     features: frozenset[str] | None
     source: str
+    chip: str | None = None  # the chip code read from the name (GA100, TU104, ...), None when unknown
 
     def lacks(self, required: tuple[str, ...]) -> tuple[str, ...]:
         """The required features this GPU does not have (all of them when its features are unknown)."""
@@ -73,15 +74,17 @@ def capabilities(vendor_id: int, device_name: str | None, *, nvlink: bool = Fals
     it in a clique."""
     name = device_name or ""
     found: tuple[str, frozenset[str]] | None = None
+    chip = None
     if vendor_id == NVIDIA and (m := _NV_CHIP.search(name)):
+        chip = m.group(0)
         found = _nvidia(m.group(1), m.group(2), m.group(3))
     elif vendor_id == AMD and (m := _AMD_INSTINCT.search(name)):
-        gen = int(m.group(1))  # MI100 (CDNA), MI200 (CDNA 2), MI300 (CDNA 3)
+        gen, chip = int(m.group(1)), m.group(0)  # MI100 (CDNA), MI200 (CDNA 2), MI300 (CDNA 3)
         feats = {"fp64", "fp16", "bf16"} | ({"int8"} if gen >= 2 else set()) | ({"tf32", "fp8"} if gen >= 3 else set())
         found = (f"Instinct MI{gen}xx (CDNA{'' if gen == 1 else f' {gen}'})", frozenset(feats))
     if found is None:
         return Capabilities(None, f"unknown chip ({name or f'{vendor_id:04x}'!r})")
     source, feats = found
     if nvlink:
-        return Capabilities(feats | {"nvlink"}, f"{source}; NVLink per host.nvlink_hints")
-    return Capabilities(feats, source)
+        return Capabilities(feats | {"nvlink"}, f"{source}; NVLink per host.nvlink_hints", chip)
+    return Capabilities(feats, source, chip)

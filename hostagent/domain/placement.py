@@ -100,16 +100,15 @@ class DeviceViews:
     replaces one is noticed by identity."""
 
     def __init__(self) -> None:
-        self._fields: dict[str, tuple[Gpu, dict[str, Any]]] = {}
+        self._fields: dict[str, tuple[Gpu, bool, dict[str, Any]]] = {}
 
     def view(self, gpu: Gpu, *, free: bool, quarantined: bool = False, probe_score: float | None = None,
              nvlink: bool = False, figures: Mapping[str, float] | None = None) -> DeviceView:
         """The GPU's view at this decision."""
         hit = self._fields.get(gpu.id)
-        if hit is None or hit[0] is not gpu or (hit[1]["capabilities"].features is not None
-                                                 and ("nvlink" in hit[1]["capabilities"].features) != nvlink):
-            hit = self._fields[gpu.id] = (gpu, _gpu_fields(gpu, nvlink))
-        return DeviceView(**hit[1], free=free, quarantined=quarantined, probe_score=probe_score, figures=figures)
+        if hit is None or hit[0] is not gpu or hit[1] != nvlink:
+            hit = self._fields[gpu.id] = (gpu, nvlink, _gpu_fields(gpu, nvlink))
+        return DeviceView(**hit[2], free=free, quarantined=quarantined, probe_score=probe_score, figures=figures)
 
 
 @dataclass(frozen=True, slots=True)

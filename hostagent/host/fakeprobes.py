@@ -28,6 +28,15 @@ FIGURES: dict[str, dict[str, float]] = {
 JITTER = (1.0, 0.985, 1.015)  # run-to-run noise, cycled
 
 
+def answer(precision: str, *, wrong: bool = False) -> str | None:
+    """The known-answer check of a simulated device's product in `precision`: the exact one as the device rounds
+    it, or (`wrong`) one entry off by a flipped high bit's worth; None when it passes, else the problem."""
+    product = known_answer.rounded(known_answer.expected(precision), precision)
+    if wrong:
+        product[7, 11] += 0.5
+    return known_answer.check(precision, product)
+
+
 class SimulatedComputeRunner:
     """Per-model figures for the fake tree's GPUs, checked by the same known-answer test as the real runner."""
 
@@ -45,8 +54,8 @@ class SimulatedComputeRunner:
     def run(self, gpu: Gpu, budget_s: float) -> RunnerResult:
         """The GPU model's nominal figures (times its `sim_compute` throttle and a little noise), and the known-answer
         check of the fp16 product it 'computed'."""
-        chip = capabilities(gpu.primary.vendor_id, gpu.primary.device_name).source.split(" ", 1)[0]
-        figures = FIGURES.get(chip)
+        chip = capabilities(gpu.primary.vendor_id, gpu.primary.device_name).chip
+        figures = FIGURES.get(chip or "")
         if figures is None:
             return RunnerResult(self.name, error=f"no simulated figures for {gpu.model!r}")
         mode = (self.sysfs.read_str(f"bus/pci/devices/{gpu.address}/sim_compute") or "").split()
@@ -58,10 +67,7 @@ class SimulatedComputeRunner:
         verdicts: dict[str, Any] = {}
         problems = []
         for p in (k for k in figures if k in known_answer.TOLERANCE):
-            product = known_answer.rounded(known_answer.expected(p), p)
-            if mode[:1] == ["wrong"] and p == "fp16":
-                product[7, 11] += 0.5
-            wrong = known_answer.check(p, product)
+            wrong = answer(p, wrong=mode[:1] == ["wrong"] and p == "fp16")
             verdicts[p] = "wrong" if wrong else "ok"
             if wrong:
                 problems.append(wrong)

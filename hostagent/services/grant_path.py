@@ -83,8 +83,9 @@ def in_tenant_terms(m: LeaseCore, request: LeaseRequest) -> tuple[LeaseRequest, 
     admitted = feasible(m, dataclasses.replace(
         request, requires=(), min_memory_gib=0.0 if request.total_memory_gib is not None else request.min_memory_gib),
         in_service=False)
-    check_requires(request, admitted, lambda g: gpu_capabilities(m, g))
-    able = [g for g in admitted if not gpu_capabilities(m, g).lacks(request.requires)]
+    caps = {g.id: gpu_capabilities(m, g) for g in admitted}
+    check_requires(request, admitted, lambda g: caps[g.id])
+    able = [g for g in admitted if not caps[g.id].lacks(request.requires)]
     return resolve_memory(request, able)
 
 

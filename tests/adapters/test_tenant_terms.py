@@ -45,8 +45,10 @@ def test_features_from_the_chip(vendor: int, name: str, has: set[str], lacks: se
 
 
 def test_an_unknown_chip_has_no_known_features_and_nvlink_comes_from_the_hints() -> None:
+    assert capabilities(0x10DE, "GV100GL [Tesla V100 PCIe 32GB]").chip == "GV100"
+    assert capabilities(0x1002, "Aldebaran/MI200 [Instinct MI250X]").chip == "MI200"
     unknown = capabilities(0x10DE, "Some Future Thing")
-    assert unknown.features is None and unknown.lacks(("fp16",)) == ("fp16",) and "unknown chip" in unknown.source
+    assert unknown.chip is None and unknown.features is None and unknown.lacks(("fp16",)) == ("fp16",) and "unknown chip" in unknown.source
     assert capabilities(0x8086, "Data Center GPU Max 1550").features is None
     linked = capabilities(0x10DE, "GA100 [A100 SXM4 40GB]", nvlink=True)
     assert linked.features is not None and "nvlink" in linked.features and "nvlink_hints" in linked.source
