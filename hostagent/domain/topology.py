@@ -135,7 +135,9 @@ class Topology:
     @property
     def nvlinked(self) -> frozenset[str]:
         """GPUs in any NVLink clique (what a request's `requires: ["nvlink"]` admits)."""
-        return frozenset().union(*self.nvlink)
+        if "nvlinked" not in self._cache:
+            self._cache["nvlinked"] = frozenset().union(*self.nvlink)
+        return self._cache["nvlinked"]  # type: ignore[no-any-return]
 
     def nvlink_peers(self, gpu_id: str) -> tuple[str, ...]:
         """GPUs that share an NVLink clique with this one."""
