@@ -88,7 +88,7 @@ def _position(cursor: str) -> tuple[float, int]:
         position = (float(created_at), int(rowid))
     except ValueError:  # bad base64, bytes that are not UTF-8, or numbers that are not numbers
         position = None
-    if (position is None or not math.isfinite(position[0]) or not -2**63 <= position[1] < 2**63  # SQLite's INTEGER
+    if (position is None or not math.isfinite(position[0]) or not listing.sqlite_integer(position[1])
             or _cursor(*position) != cursor):
         raise InvalidInput("cursor is not one this API issued", field="cursor")
     return position

@@ -115,11 +115,16 @@ def decode_cursor(cursor: str, sort: str, desc: bool, *, field: str = "cursor") 
     return float(as_of), position
 
 
+def sqlite_integer(value: int) -> bool:
+    """Whether SQLite can bind the int (a signed 64-bit INTEGER; a larger one raises OverflowError)."""
+    return -2**63 <= value < 2**63
+
+
 def _number(value: Any) -> bool:
-    """A finite float, or an int SQLite can bind (a signed 64-bit INTEGER); never a bool."""
+    """A finite float, or an int SQLite can bind; never a bool."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
-    return -2**63 <= value < 2**63 if isinstance(value, int) else math.isfinite(value)
+    return sqlite_integer(value) if isinstance(value, int) else math.isfinite(value)
 
 
 def _plain(value: Any) -> bool:
@@ -214,4 +219,4 @@ LABELS_SQL = ("SELECT DISTINCT json_extract(doc, '$.request.task_type'), json_ex
 
 
 __all__ = ["LABELS_SQL", "SORTS", "LeaseFilter", "Order", "Position", "count_sql", "decode_cursor", "encode_cursor",
-           "page_sql", "positions_sql"]
+           "page_sql", "positions_sql", "sqlite_integer"]

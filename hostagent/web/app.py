@@ -20,6 +20,7 @@ from hostagent.domain.errors import (Conflict, Forbidden, HostAgentError, Invali
                                      Unauthorized)
 from hostagent.domain.lease import LeaseState, parse_lease_request
 from hostagent.services.leases import lease_view
+from hostagent.store.lease_listing import sqlite_integer
 from hostagent.web.auth import Identity, bearer, require
 from hostagent.web.keys import IDENTITY, RUNTIME, SAMPLES_ACCEPTED
 from hostagent.web.lease_json import LeaseJson, listing_body
@@ -505,8 +506,8 @@ async def list_events(request: web.Request) -> web.Response:
     before = None
     if "cursor" in request.query:
         cursor = request.query["cursor"]
-        # a journal sequence number: SQLite's signed 64-bit integer (19 digits can be more, and would not bind)
-        if not cursor.isascii() or not cursor.isdigit() or len(cursor) > 19 or int(cursor) >= 2**63:
+        # a journal sequence number: 19 digits can be more than SQLite binds
+        if not cursor.isascii() or not cursor.isdigit() or len(cursor) > 19 or not sqlite_integer(int(cursor)):
             raise InvalidInput("cursor must be a next_cursor this API gave", field="cursor")
         before = int(cursor)
     events = await rt.run(rt.journal.events, lease_id=request.query.get("lease_id"),
