@@ -29,6 +29,7 @@ from hostagent.host.interrupts import irq_bypass
 from hostagent.host.sysfs import Sysfs
 from hostagent.learn import MODEL_KIND
 from hostagent.domain.placement import Exploration
+from hostagent.services.grant_path import gpu_capabilities
 from hostagent.services.leases import LeaseManager, LeasePolicy, lease_view
 from hostagent.services.placement import Placer
 from hostagent.services.reaper import Reaper, host_signal_untrusted, reaper_settings
@@ -211,6 +212,7 @@ class Runtime:
         return {
             **body,
             "state": self.manager.gpu_state(gpu_id).value,
+            "capabilities": gpu_capabilities(self.manager, g).to_dict(),
             "quarantine_reason": self.manager.quarantined.get(gpu_id),
             "attention": self.manager.attention.get(gpu_id),
             "lease": None if lease is None else {"id": lease.id, "domain": lease.domain_name, "state": lease.state.value},
@@ -640,7 +642,8 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
     pl = settings.placement
     placer = Placer(lambda: list(holder["m"].gpus.values()), quarantined=lambda: holder["m"].quarantined,
                     exploration=Exploration(epsilon=pl.explore_epsilon, max_priority=pl.explore_max_priority),
-                    default_numa_policy=settings.leases.numa_policy)
+                    default_numa_policy=settings.leases.numa_policy,
+                    measured=lambda gpu_id: holder["m"].measured.get(gpu_id))
     manager = LeaseManager(gpus=inventory.gpus, host=host, hypervisor=hypervisor, journal=journal,
                            policy=lease_policy(settings), clock=clock, place=placer)
     holder["m"] = manager

@@ -138,7 +138,7 @@ class Gpu:
     functions: tuple[PciFunction, ...]  # primary first, then the group's other non-bridge members
     group: IommuGroup | None
     memory_bytes: int | None = None
-    memory_source: str = "unknown"  # sysfs | name | bar | unknown
+    memory_source: str = "unknown"  # sysfs | name | bar | probe (the driver, through a probe) | unknown
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property

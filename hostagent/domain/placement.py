@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from hostagent.domain.capabilities import Capabilities, capabilities
+from hostagent.domain.capabilities import Capabilities, Measured, capabilities
 from hostagent.domain.errors import InvalidInput
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import LeaseRequest
@@ -78,9 +78,9 @@ class DeviceView:
                    quarantined=quarantined, recent_errors=recent_errors)
 
 
-def _gpu_fields(gpu: Gpu, nvlink: bool = False) -> dict[str, Any]:
-    """What a view takes from the inventory GPU itself (fixed for the Gpu object's life) and whether the host's
-    NVLink hints put it in a clique."""
+def _gpu_fields(gpu: Gpu, nvlink: bool = False, measured: Measured | None = None) -> dict[str, Any]:
+    """What a view takes from the inventory GPU itself (fixed for the Gpu object's life), whether the host's
+    NVLink hints put it in a clique, and what its latest probe measured (capabilities, the capability vector)."""
     chain = gpu.primary.parent_chain  # nearest bridge first, root port last
     return {
         "gpu_id": gpu.id, "model": gpu.model, "vendor": gpu.vendor, "memory_bytes": gpu.memory_bytes,
@@ -90,25 +90,27 @@ def _gpu_fields(gpu: Gpu, nvlink: bool = False) -> dict[str, Any]:
         "switch_id": str(chain[-2]) if len(chain) >= 3 else None,
         "root_port": str(chain[-1]) if chain else None,
         "viable": gpu.viable,
-        "capabilities": capabilities(gpu.primary.vendor_id, gpu.primary.device_name, nvlink=nvlink),
+        "capabilities": capabilities(gpu.primary.vendor_id, gpu.primary.device_name, nvlink=nvlink,
+                                     measured=measured),
+        "figures": None if measured is None else measured.figures,
     }
 
 
 class DeviceViews:
     """DeviceView.from_gpu for a placer that decides again and again over the same inventory: what comes from the
     Gpu object (model, link, topology ids) is worked out once per object; a Gpu is immutable, and a rescan that
-    replaces one is noticed by identity."""
+    replaces one is noticed by identity, as is a new probe's `Measured`."""
 
     def __init__(self) -> None:
-        self._fields: dict[str, tuple[Gpu, bool, dict[str, Any]]] = {}
+        self._fields: dict[str, tuple[Gpu, bool, Measured | None, dict[str, Any]]] = {}
 
     def view(self, gpu: Gpu, *, free: bool, quarantined: bool = False, probe_score: float | None = None,
-             nvlink: bool = False, figures: Mapping[str, float] | None = None) -> DeviceView:
+             nvlink: bool = False, measured: Measured | None = None) -> DeviceView:
         """The GPU's view at this decision."""
         hit = self._fields.get(gpu.id)
-        if hit is None or hit[0] is not gpu or hit[1] != nvlink:
-            hit = self._fields[gpu.id] = (gpu, nvlink, _gpu_fields(gpu, nvlink))
-        return DeviceView(**hit[2], free=free, quarantined=quarantined, probe_score=probe_score, figures=figures)
+        if hit is None or hit[0] is not gpu or hit[1] != nvlink or hit[2] is not measured:
+            hit = self._fields[gpu.id] = (gpu, nvlink, measured, _gpu_fields(gpu, nvlink, measured))
+        return DeviceView(**hit[3], free=free, quarantined=quarantined, probe_score=probe_score)
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,6 +134,19 @@ def check_gpu_groups(inventory: Any) -> list[Check]:
     return out
 
 
+def check_pci_names(inventory: Any) -> Check:
+    """GPUs the pci.ids database does not name: their features and memory are unknown (or the largest BAR's size)
+    until a probe reads them from the driver."""
+    unnamed = sorted({f"{g.primary.vendor_id:04x}:{g.primary.device_id:04x}" for g in inventory.gpus
+                      if not g.primary.device_name})
+    if not unnamed:
+        return Check("pci-ids", OK, "every GPU is named in pci.ids")
+    return Check("pci-ids", WARN, f"not in pci.ids: {', '.join(unnamed)}; requests that name features or memory "
+                                  "cannot use them until a probe has read them from the driver",
+                 "update the database (`update-pciids`, or a newer pci.ids package) or point host.pci_ids_path at a "
+                 "current copy; meanwhile probe them (`hostagent probe GPU`)")
+
+
 def check_host_processes(proc_root: Path) -> Check:
     """Host processes with a GPU device node open (/dev/nvidia*, /dev/dri/*)."""
     holders = [str(h) for h in node_holders(proc_root)]
@@ -165,6 +178,8 @@ def run_checks(sysfs: Sysfs, proc_root: str | os.PathLike[str], dev_root: str | 
                             "check that devtmpfs is mounted on /dev"))
     checks.append(check_libvirt(libvirt_probe))
     checks += check_gpu_groups(inventory)
+    if inventory.gpus:
+        checks.append(check_pci_names(inventory))
     checks.append(check_host_processes(proc))
     checks.append(check_framebuffers(sysfs, proc, inventory))
     return checks

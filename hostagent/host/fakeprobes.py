@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from hostagent.domain.capabilities import capabilities
 from hostagent.domain.inventory import Gpu
 from hostagent.host import known_answer
 from hostagent.host.probes import BANDWIDTH, COMPUTE, H2D, MATMUL, RunnerResult, tflops_key
@@ -26,6 +25,18 @@ FIGURES: dict[str, dict[str, float]] = {
     "AD102": {"fp16": 165.0, "bf16": 165.0, "fp32": 82.6, "fp64": 1.3, BANDWIDTH: 1008.0, H2D: 25.0},
 }
 JITTER = (1.0, 0.985, 1.015)  # run-to-run noise, cycled
+# What the driver says of each simulated board, by PCI device id (the fake tree's cards): its chip (the figures
+# above), compute capability, name and memory, as NVML reports them. Keyed by the id, not the pci.ids name, so a
+# host whose pci.ids is older than its cards still measures them (and learns their capabilities and memory).
+BOARDS: dict[int, tuple[str, str, str, float]] = {
+    0x20B0: ("GA100", "8.0", "NVIDIA A100-SXM4-40GB", 40.0),
+    0x20F1: ("GA100", "8.0", "NVIDIA A100-PCIE-40GB", 40.0),
+    0x1DB6: ("GV100", "7.0", "Tesla V100-PCIE-32GB", 32.0),
+    0x1EB8: ("TU104", "7.5", "Tesla T4", 15.0),
+    0x1E30: ("TU102", "7.5", "Quadro RTX 6000", 24.0),
+    0x1E07: ("TU102", "7.5", "NVIDIA GeForce RTX 2080 Ti", 11.0),
+    0x2684: ("AD102", "8.9", "NVIDIA GeForce RTX 4090", 24.0),
+}
 
 
 def answer(precision: str, *, wrong: bool = False) -> str | None:
@@ -54,10 +65,11 @@ class SimulatedComputeRunner:
     def run(self, gpu: Gpu, budget_s: float) -> RunnerResult:
         """The GPU model's nominal figures (times its `sim_compute` throttle and a little noise), and the known-answer
         check of the fp16 product it 'computed'."""
-        chip = capabilities(gpu.primary.vendor_id, gpu.primary.device_name).chip
-        figures = FIGURES.get(chip or "")
-        if figures is None:
+        board = BOARDS.get(gpu.primary.device_id) if gpu.primary.vendor_id == 0x10DE else None
+        figures = FIGURES.get(board[0]) if board else None
+        if board is None or figures is None:
             return RunnerResult(self.name, error=f"no simulated figures for {gpu.model!r}")
+        _, cc, name, memory_gib = board
         mode = (self.sysfs.read_str(f"bus/pci/devices/{gpu.address}/sim_compute") or "").split()
         factor = float(mode[1]) if mode[:1] == ["throttle"] and len(mode) > 1 else 1.0
         factor *= JITTER[self.runs % len(JITTER)]
@@ -72,4 +84,6 @@ class SimulatedComputeRunner:
             if wrong:
                 problems.append(wrong)
         return RunnerResult(self.name, metrics=metrics, problems=tuple(problems),
-                            health={"device_name": gpu.model, "simulated": True, "known_answer": verdicts})
+                            health={"device_name": name, "compute_capability": cc,
+                                    "memory_total_bytes": int(memory_gib * 1024**3), "simulated": True,
+                                    "known_answer": verdicts})

@@ -76,6 +76,10 @@ def _nvml_bus_id(gpu: Gpu) -> str:
 
 # -- sysfs -------------------------------------------------------------------------------------------------------
 
+def _decoded(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _aer_counts(text: str | None) -> dict[str, int]:
     """Parse an `aer_dev_*` file: 'NAME COUNT' lines, TOTAL_ERR_* included."""
     out: dict[str, int] = {}
@@ -178,6 +182,10 @@ class NvmlRunner:
                 return None
             return health[key]
 
+        # what the driver knows of the board (placement's capabilities and memory where pci.ids is older than the card)
+        read("name", lambda: _decoded(nv.nvmlDeviceGetName(h)))
+        read("memory_total_bytes", lambda: int(nv.nvmlDeviceGetMemoryInfo(h).total))
+        read("compute_capability", lambda: "{}.{}".format(*nv.nvmlDeviceGetCudaComputeCapability(h)))
         read("temperature_c", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
         unc = read("ecc_uncorrected_volatile", lambda: nv.nvmlDeviceGetTotalEccErrors(
             h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC))
@@ -347,6 +355,7 @@ class TorchRunner:
         """Measure on the CUDA device at the GPU's address (or the CPU), in this process."""
         import torch
 
+        facts: dict[str, Any] = {}
         if self.device == "cpu":
             dev, n, copy_bytes, label = torch.device("cpu"), 256, 16 * 1024**2, "cpu"
             precisions = ["fp16", "bf16", "fp32", "fp64"]
@@ -355,6 +364,8 @@ class TorchRunner:
             if idx is None:
                 return RunnerResult(self.name, error=f"no CUDA device at {gpu.address} (is it on its host driver?)")
             dev, n, copy_bytes, label = torch.device("cuda", idx), MATMUL_N, COPY_BYTES, torch.cuda.get_device_name(idx)
+            props = torch.cuda.get_device_properties(idx)
+            facts = {"compute_capability": f"{props.major}.{props.minor}", "memory_total_bytes": int(props.total_memory)}
             precisions = ["fp16", *(["bf16"] if torch.cuda.is_bf16_supported() else []), "fp32", "fp64"]
         dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -390,7 +401,7 @@ class TorchRunner:
         metrics[MATMUL] = metrics[tflops_key("fp16")]  # what the peer score has always compared
         return RunnerResult(self.name, metrics=metrics, problems=tuple(problems),
                             health={"device_name": label, "matmul_iters": iters, "copy_iters": m,
-                                    "known_answer": verdicts})
+                                    "known_answer": verdicts, **facts})
 
 
 class CupyRunner:

@@ -69,8 +69,10 @@ def feasible(m: LeaseCore, request: LeaseRequest, *, in_service: bool = True) ->
 
 
 def gpu_capabilities(m: LeaseCore, g: Gpu) -> Capabilities:
-    """What the GPU can do (domain.capabilities), NVLink as the topology wiring found it (`m.nvlinked`)."""
-    return capabilities(g.primary.vendor_id, g.primary.device_name, nvlink=g.id in m.nvlinked)
+    """What the GPU can do (domain.capabilities): NVLink as the topology wiring found it (`m.nvlinked`), adjusted by
+    what its latest probe measured (`m.measured`)."""
+    return capabilities(g.primary.vendor_id, g.primary.device_name, nvlink=g.id in m.nvlinked,
+                        measured=m.measured.get(g.id))
 
 
 def in_tenant_terms(m: LeaseCore, request: LeaseRequest) -> tuple[LeaseRequest, str | None]:

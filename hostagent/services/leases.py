@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from hostagent.domain.capabilities import Measured
 from hostagent.domain.errors import Conflict, Forbidden, InvalidInput, InvalidTransition, NotFound
 from hostagent.domain.inventory import Gpu, GpuState
 from hostagent.domain.admission import DAY_S, LEDGER_MAX, Ledger
@@ -101,6 +102,7 @@ class LeaseManager:
         self.numa_cells: dict[int, frozenset[int]] = {}  # the runtime sets the host's (host.discovery.numa_cells)
         self.vm_numa: dict[str, VmNuma] = {}
         self.nvlinked: frozenset[str] = frozenset()  # the topology wiring sets it from host.nvlink_hints
+        self.measured: dict[str, Measured] = {}  # gpu_id -> what its latest probe established (services.probes)
         self.ledger = Ledger()
         self.step_count = 0
         self.queue_cache: tuple[Any, float, dict[str, tuple[int, float | None]]] | None = None

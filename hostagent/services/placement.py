@@ -7,6 +7,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hostagent.domain.capabilities import Measured
 from hostagent.domain.errors import Conflict
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import LeaseRequest
@@ -35,8 +36,10 @@ class Placer:
                  probe_scores: Callable[[], dict[str, float]] | None = None,
                  exploration: Exploration | None = None, seed: int | None = None,
                  distance: Callable[[DeviceView, DeviceView], float] | None = None,
-                 default_numa_policy: str = "preferred") -> None:
+                 default_numa_policy: str = "preferred",
+                 measured: Callable[[str], Measured | None] = lambda gpu_id: None) -> None:
         self._gpus = gpus
+        self._measured = measured  # what each GPU's latest probe established (capabilities, capability vector)
         self._quarantined = quarantined
         self._probe_scores = probe_scores or (lambda: {})
         self.exploration = exploration
@@ -69,16 +72,15 @@ class Placer:
         free = {g.id for g in candidates}
         quarantined = self._quarantined()
         if topo is not None:
-            preq, probe, figures = topo.request_for(request, count, domain_uuid), topo.probe_score, topo.probe_figures
+            preq, probe = topo.request_for(request, count, domain_uuid), topo.probe_score
         else:
             preq = PlacementRequest.from_lease(request, count=count)
             if request.numa_policy is None and self.default_numa_policy != preq.numa_policy:
                 preq = dataclasses.replace(preq, numa_policy=self.default_numa_policy)
             probe = self._probe_scores().get
-            figures = lambda gpu_id: None  # noqa: E731
         nvlinked = topo.topology.nvlinked if topo is not None else frozenset()
         views = [self._views.view(g, free=g.id in free, quarantined=g.id in quarantined, probe_score=probe(g.id),
-                                  nvlink=g.id in nvlinked, figures=figures(g.id)) for g in self._gpus()]
+                                  nvlink=g.id in nvlinked, measured=self._measured(g.id)) for g in self._gpus()]
         scored = score_devices(preq, views, self.scorer)
         dropped = tuple({"gpu_id": d.gpu_id, "reason": d.reason} for d in scored.dropped)
         try:

@@ -4,7 +4,9 @@ A probe runs only on a GPU that is free and on its host driver; while it runs th
 cannot lease it. Each runner runs K times; every metric's median over the K runs is compared with the same
 model's peers on this host, and the geometric mean of those ratios is the GPU's score (1.0 = like its peers).
 The spread is half the range of the K per-run scores. A score far below the peers, or an uncorrectable error,
-quarantines the GPU with the reason. Results go to the usage store and to placement (`score_of`).
+quarantines the GPU with the reason. Results go to the usage store and to placement (`score_of`), and what the
+probe established about the board (`learn`: compute capability, the driver's memory size, the capability vector,
+wrong answers) to the lease service's `measured`, which the GPU's capabilities and its memory size follow.
 
 Probes are scheduled after a lease ends (RELEASED / EXPIRED), on a period, and on demand (API / CLI).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import statistics
@@ -21,7 +24,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hostagent.domain.capabilities import WRONG_ANSWER
+from hostagent.domain.capabilities import WRONG_ANSWER, Measured
 from hostagent.domain.errors import Conflict, HostAgentError, NotFound
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseState
@@ -196,9 +199,10 @@ class ProbeService:
             gid = row["gpu_id"]
             if gid not in self.manager.gpus:
                 continue
-            if details.get("metrics"):
+            if details.get("metrics") and not any(str(p).startswith(WRONG_ANSWER) for p in details.get("problems", [])):
                 self.latest[gid] = dict(details["metrics"])
                 self._remember_best(gid, self.latest[gid])
+            self.learn(gid, details.get("health") or {})
             if row.get("score") is not None:
                 self.scores[gid] = float(row["score"])
             self.last_probe[gid] = float(row["ts"])
@@ -313,6 +317,7 @@ class ProbeService:
                 except asyncio.TimeoutError:
                     results = [_timeout_result(self.settings.timeout_s)]
                 report = self._report(gpu, results, time.perf_counter() - t0)
+                self.learn(gpu_id, report.health)
                 verdict = judge(report.score, report.peers, report.problems, self.settings)
                 if verdict.quarantine and verdict.reason:
                     # quarantined while still claimed, so no grant can slip in between the verdict and the quarantine
@@ -337,6 +342,19 @@ class ProbeService:
                     out.append(_error_result(runner.name, f"{type(exc).__name__}: {exc}"))
                     break
         return out
+
+    def learn(self, gpu_id: str, health: Mapping[str, Any]) -> Measured:
+        """What a probe established about the board becomes the lease service's `measured[gpu_id]` (capabilities
+        follow it); a memory size the driver reports replaces discovery's where that was only the largest BAR or
+        unknown (pci.ids older than the card)."""
+        measured = Measured.from_probe(health, self.latest.get(gpu_id, {}))
+        self.manager.measured[gpu_id] = measured
+        gpu = self.manager.gpus[gpu_id]
+        if (measured.memory_bytes and measured.memory_bytes != gpu.memory_bytes
+                and gpu.memory_source in ("bar", "unknown", "probe")):
+            self.manager.gpus[gpu_id] = dataclasses.replace(gpu, memory_bytes=measured.memory_bytes,
+                                                            memory_source="probe")
+        return measured
 
     def _remember_best(self, gpu_id: str, medians: Mapping[str, float]) -> None:
         best = self.history_best.setdefault(gpu_id, {})
@@ -402,8 +420,8 @@ class ProbeService:
         try:
             await self.store.add_probe_result(gpu.id, score=report.score, spread=report.spread, ok=report.ok,
                                               details=report.to_dict(), ts=report.ts)
-            if self.gpu_row is not None and report.score is not None:
-                await self.store.upsert_gpus([self.gpu_row(gpu, probe_score=report.score)])
+            if self.gpu_row is not None and report.score is not None:  # the GPU as learned (its memory, say)
+                await self.store.upsert_gpus([self.gpu_row(self.manager.gpus[gpu.id], probe_score=report.score)])
         except HostAgentError as exc:
             log.warning("probe result of %s not stored: %s", gpu.id, exc.message)
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hostagent.domain.capabilities import Measured
 from hostagent.domain.errors import ConfigError, Conflict
 from hostagent.domain.inventory import Gpu, GpuState
 from hostagent.domain.lease import LeaseRequest
@@ -42,7 +43,7 @@ class TopologyPlacer:
     def __init__(self, topology: Topology, *, free_ids: Callable[[], Collection[str]] | None = None,
                  scorer: Callable[[], Scorer | None] = lambda: None,
                  probe_score: Callable[[str], float | None] = lambda gpu_id: None,
-                 probe_figures: Callable[[str], Mapping[str, float] | None] = lambda gpu_id: None,
+                 probe_measured: Callable[[str], Measured | None] = lambda gpu_id: None,
                  vm_numa_node: Callable[[str], int | None] = lambda domain_uuid: None,
                  default_policy: str = "preferred", objective: str = "pack",
                  objective_per_task: Mapping[str, str] | None = None, tolerance: float = 0.02,
@@ -51,7 +52,8 @@ class TopologyPlacer:
         self.free_ids = free_ids
         self.scorer = scorer
         self.probe_score = probe_score
-        self.probe_figures = probe_figures  # each GPU's latest capability vector (the cold-start rule's speed term)
+        # what each GPU's latest probe measured: capabilities, the capability vector (the cold-start speed term)
+        self.probe_measured = probe_measured
         self.vm_numa_node = vm_numa_node
         self.default_policy = default_policy
         self.objective = objective  # [placement] objective, or objective_per_task for the request's task type
@@ -64,7 +66,7 @@ class TopologyPlacer:
         """Choose `count` of the free candidates; Conflict when the NUMA policy cannot be met."""
         preq = self.request_for(request, count, domain_uuid)
         views = [self._views.view(g, free=True, probe_score=self.probe_score(g.id),
-                                  nvlink=g.id in self.topology.nvlinked, figures=self.probe_figures(g.id))
+                                  nvlink=g.id in self.topology.nvlinked, measured=self.probe_measured(g.id))
                  for g in candidates]
         return self.pick(preq, score_devices(preq, views, self.scorer()), [g.id for g in candidates])
 

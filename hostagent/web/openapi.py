@@ -132,6 +132,15 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
             "vendor": {"type": "string"},
             "model": {"type": "string"},
             "memory_bytes": {"type": "integer", "nullable": True},
+            "memory_source": {"type": "string", "enum": ["sysfs", "name", "bar", "probe", "unknown"],
+                              "description": "where memory_bytes comes from: the driver's sysfs, the pci.ids name, "
+                                             "the largest BAR (an upper bound), a probe (the driver's own figure, "
+                                             "replacing bar or unknown), or unknown"},
+            "capabilities": {"type": "object", "required": ["features", "source"], "properties": {
+                "features": {"type": "array", "nullable": True, "items": {"type": "string", "enum": list(FEATURES)},
+                             "description": "what a request may require of this GPU; null when its chip is unknown"},
+                "source": {"type": "string", "description": "where the features were read from, and what its "
+                                                            "latest probe added or removed"}}},
             "numa_node": {"type": "integer", "nullable": True},
             "iommu_group": {"type": "integer", "nullable": True},
             "functions": {"type": "array", "items": {"type": "object", "required": ["address", "class", "driver"],

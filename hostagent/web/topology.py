@@ -66,7 +66,7 @@ def build_parts(runtime: AgentServices, *, probe_settings: ProbeSettings | None 
                           gpu_row=gpu_record, clock=runtime.clock)
 
     placer = make_topology_place(manager, topology, scorer=scorer or (lambda: None), probe_score=probes.score_of,
-                                 probe_figures=probes.latest.get,
+                                 probe_measured=manager.measured.get,
                                  default_policy=settings.leases.numa_policy,
                                  objective=settings.placement.objective,
                                  objective_per_task=settings.placement.objective_per_task)

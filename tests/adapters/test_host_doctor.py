@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from hostagent.host.discovery import discover
 from hostagent.host.doctor import run_checks
 from tests.support.host import fake_host
 
@@ -27,7 +28,8 @@ def test_dgx8_all_ok(tmp_path) -> None:
     assert lines[:6] == ["OK    iommu: 30 IOMMU groups", "OK    kernel-cmdline: intel_iommu=on iommu=pt",
                          *COMMON_OK, "OK    libvirt: reachable"]
     assert lines[6] == "OK    gpu 0000:03:00.0: GA100 [A100 SXM4 40GB]: group 8 viable (1 function)"
-    assert len(lines) == 6 + 8 + 2 and all(ln.startswith("OK") for ln in lines)
+    assert lines[14] == "OK    pci-ids: every GPU is named in pci.ids"
+    assert len(lines) == 6 + 8 + 3 and all(ln.startswith("OK") for ln in lines)
 
 
 def test_workstation_warns_about_pt_xorg_and_efifb(tmp_path) -> None:
@@ -39,6 +41,7 @@ def test_workstation_warns_about_pt_xorg_and_efifb(tmp_path) -> None:
         "OK    gpu 0000:01:00.0: AD102 [GeForce RTX 4090]: group 1 viable (2 functions)",
         "OK    gpu 0000:02:00.0: TU102 [GeForce RTX 2080 Ti Rev. A]: group 6 viable (4 functions)",
         "OK    gpu 0000:03:00.0: Navi 21 [Radeon RX 6800/6800 XT / 6900 XT]: group 7 viable (2 functions)",
+        "OK    pci-ids: every GPU is named in pci.ids",
         "WARN  host-processes: pid 1234 (Xorg) holds /dev/nvidia0, /dev/nvidiactl",
         "WARN  framebuffer: efifb uses 0000:01:00.0's BAR",
     ]
@@ -61,6 +64,7 @@ def test_iommu_off(tmp_path) -> None:
         "OK    libvirt: reachable",
         f"FAIL  gpu 0000:01:00.0: GA100 [A100 PCIe 40GB]: {reason}",
         f"FAIL  gpu 0000:02:00.0: GA100 [A100 PCIe 40GB]: {reason}",
+        "OK    pci-ids: every GPU is named in pci.ids",
         "OK    host-processes: no host process holds a GPU device node",
         "OK    framebuffer: no boot framebuffer on a GPU",
     ]
@@ -84,3 +88,14 @@ def test_a_raising_probe_is_a_fail_line(tmp_path) -> None:
 
     assert "FAIL  libvirt: RuntimeError: boom" in _lines(tmp_path, "dgx8", probe)
     assert os.path.exists(tmp_path / "sys")
+
+
+def test_gpus_pci_ids_does_not_name_are_warned_about(tmp_path) -> None:
+    """What a Debian 12 host with H100 or H200 boards sees: pci.ids (2023) names the vendor, not the card."""
+    host, k, _ = fake_host(tmp_path, "shared-rootport")
+    ids = tmp_path / "pci.ids"
+    ids.write_text("10de  NVIDIA Corporation\n\t1eb8  TU104GL [Tesla T4]\n")
+    inv = discover(k, pci_ids_path=str(ids))
+    check = {c.name: c for c in run_checks(k, host.proc_root, host.dev_root, inv, lambda: None)}["pci-ids"]
+    assert check.status == "WARN" and check.detail.startswith("not in pci.ids: 10de:2236;"), check
+    assert "update-pciids" in check.hint and "host.pci_ids_path" in check.hint and "hostagent probe" in check.hint

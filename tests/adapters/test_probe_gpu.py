@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from hostagent.domain.capabilities import Measured, capabilities
 from hostagent.host.discovery import discover
 from hostagent.host.probes import BANDWIDTH, MATMUL, CupyRunner, NvidiaSmiRunner, NvmlRunner, TorchRunner
 from hostagent.host.sysfs import Sysfs
@@ -51,3 +54,24 @@ def test_compute_runner_measures_throughput(runner) -> None:  # type: ignore[no-
     assert res.error is None, res.error
     assert res.metrics[MATMUL] > 1.0  # TFLOP/s: any datacenter GPU does far more in FP16
     assert res.metrics[BANDWIDTH] > 50.0  # GB/s
+
+
+def test_the_driver_tells_what_pci_ids_may_not() -> None:
+    """Name, memory size and compute capability from NVML; with them a card pci.ids does not name has features."""
+    gpu = _nvidia_gpu()
+    nv = NvmlRunner().run(gpu, 1.0).health
+    assert nv["name"] and nv["memory_total_bytes"] > 1024**3 and re.fullmatch(r"\d+\.\d+", nv["compute_capability"])
+    caps = capabilities(gpu.primary.vendor_id, None, measured=Measured.from_probe({"nvml": nv}, {}))
+    assert caps.features and "fp16" in caps.features, caps
+
+
+def test_torch_checks_every_precision_and_reports_the_board() -> None:
+    gpu = _nvidia_gpu()
+    runner = TorchRunner()
+    if runner.unavailable():
+        pytest.skip(runner.unavailable())
+    res = runner.run(gpu, 4.0)
+    assert res.error is None and not res.problems, (res.error, res.problems)
+    assert set(res.health["known_answer"].values()) == {"ok"} and {"fp16", "fp32", "fp64"} <= set(res.health["known_answer"])
+    assert res.health["compute_capability"] == NvmlRunner().run(gpu, 1.0).health["compute_capability"]
+    assert res.metrics["tflops_fp16"] > res.metrics["tflops_fp32"] > 0 and res.metrics["h2d_gbps"] > 1.0
