@@ -138,6 +138,7 @@ class PlacementSettings:
     retrain_interval_s: float = 6 * 3600.0
     objective: str = "pack"  # among equally good sets: pack (keep whole free blocks) | spread (share links least)
     objective_per_task: dict[str, str] = field(default_factory=dict)  # task_type -> pack | spread
+    cap_at_scaling_limit: bool = False  # cut a request to where its task type's records stop gaining
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,7 @@ def lease_policy(settings: Settings) -> LeasePolicy:
         project_quotas=projects, queue_max_per_vm=lz.queue_max_per_vm, queue_max_wait_s=lz.queue_max_wait_s,
         pinned=frozenset(settings.host.pinned), preempt_min_priority=lz.preempt_min_priority,
         preempt_notice_s=settings.reclaim.notice_window_s,
+        cap_at_scaling_limit=settings.placement.cap_at_scaling_limit,
     )
 
 
@@ -642,12 +643,11 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
     pl = settings.placement
     placer = Placer(lambda: list(holder["m"].gpus.values()), quarantined=lambda: holder["m"].quarantined,
                     exploration=Exploration(epsilon=pl.explore_epsilon, max_priority=pl.explore_max_priority),
-                    default_numa_policy=settings.leases.numa_policy,
-                    measured=lambda gpu_id: holder["m"].measured.get(gpu_id))
+                    default_numa_policy=settings.leases.numa_policy, measured=lambda g: holder["m"].measured.get(g))
     manager = LeaseManager(gpus=inventory.gpus, host=host, hypervisor=hypervisor, journal=journal,
                            policy=lease_policy(settings), clock=clock, place=placer)
     holder["m"] = manager
-    manager.numa_cells = numa_cells(sysfs)
+    manager.scaling, manager.numa_cells = placer.scaling, numa_cells(sysfs)
     tokens = TokenBook(settings.auth.operator_token_sha256, journal.lookup_token)
     rt = Runtime(settings=settings, inventory=inventory, host=host, hypervisor=hypervisor, journal=journal,
                  manager=manager, tokens=tokens, clock=clock, placer=placer)

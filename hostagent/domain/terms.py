@@ -1,12 +1,15 @@
 """Requests in the tenant's terms, turned into GPU counts: `total_memory_gib` (the fewest GPUs that hold it between
 them) and `requires` (features every GPU must have), checked against what this host has before anything is
-decided, so a request no GPU here could ever serve is refused at once with what the host has instead.
+decided, so a request no GPU here could ever serve is refused at once with what the host has instead; and what the
+records say of a task type's scaling (`Scaling`: past how many GPUs it stops gaining).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from hostagent.domain.capabilities import Capabilities
 from hostagent.domain.errors import Conflict
@@ -53,3 +56,46 @@ def resolve_memory(request: LeaseRequest, gpus: Sequence[Gpu]) -> tuple[LeaseReq
     raise Conflict(f"no set of this host's GPUs holds {total:g} GiB sharded evenly: the {len(mems)} that could serve "
                    f"hold {_gib(sum(mems))} in all, the largest {_gib(mems[0]) if mems else '-'}"
                    + (f" ({unknown} more of unknown memory)" if unknown else ""), field="total_memory_gib")
+
+
+MIN_GAIN = 0.10  # a GPU count gains over the next smaller one recorded when its median total rate is this much higher
+MIN_LEASES = 3  # finished leases of one GPU count a task type needs before that count's median is believed
+
+
+@dataclass(frozen=True, slots=True)
+class Scaling:
+    """What the records say of a task type's total work rate by GPU count: for each count with at least MIN_LEASES
+    finished leases that reported work, the median of (per-GPU work rate x GPUs) over them."""
+
+    task_type: str
+    totals: Mapping[int, float]  # GPU count -> median total work rate (the tenant's unit per second)
+
+    @property
+    def limit(self) -> int | None:
+        """The count past which the next recorded count gains less than MIN_GAIN; None where every recorded count
+        gained (or fewer than two are recorded)."""
+        counts = sorted(self.totals)
+        for a, b in zip(counts, counts[1:]):
+            if self.totals[b] / self.totals[a] < 1 + MIN_GAIN - 1e-9:
+                return a
+        return None
+
+    def say(self) -> str:
+        """The finding, with its figures."""
+        figures = ", ".join(f"{n} GPU(s) {self.totals[n]:.3g}/s" for n in sorted(self.totals))
+        return (f"the records show {self.task_type} gains less than {MIN_GAIN:.0%} past {self.limit} GPU(s) "
+                f"(median total work rate: {figures})")
+
+
+def scaling_totals(leases: Sequence[tuple[str, int, float]]) -> dict[str, dict[int, float]]:
+    """Per task type, the median total work rate by GPU count from (task type, GPUs, per-GPU work rate) of finished
+    leases; counts with fewer than MIN_LEASES leases are left out, and task types with fewer than two counts."""
+    by: dict[str, dict[int, list[float]]] = {}
+    for task, n, rate in leases:
+        by.setdefault(task, {}).setdefault(n, []).append(rate * n)
+    out: dict[str, dict[int, float]] = {}
+    for task, counts in by.items():
+        kept = {n: statistics.median(v) for n, v in counts.items() if len(v) >= MIN_LEASES}
+        if len(kept) >= 2:
+            out[task] = kept
+    return out

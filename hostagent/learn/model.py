@@ -22,7 +22,8 @@ from hostagent.domain.errors import InvalidInput
 from hostagent.domain.placement import DeviceView, PlacementRequest
 from hostagent.learn.features import FeatureEncoder, fit_vocabulary
 from hostagent.learn.forest import CompiledForest
-from hostagent.learn.records import Example, tenant_weights
+from hostagent.domain.terms import scaling_totals
+from hostagent.learn.records import FAILED_OUTCOMES, Example, tenant_weights
 
 TARGETS = ("work_rate", "utilization", "completion")
 FORMAT = 1
@@ -76,6 +77,7 @@ class ModelBundle:
     trained_on: int = 0
     params: dict[str, Any] = field(default_factory=dict)
     trained_until: float = 0.0  # creation time of the newest record it was fitted on
+    scaling: dict[str, dict[int, float]] = field(default_factory=dict)  # task -> GPUs -> median total work rate
 
     def __post_init__(self) -> None:
         self.encoder = FeatureEncoder(self.vocabulary)
@@ -109,6 +111,7 @@ class ModelBundle:
             "format": FORMAT, "estimator": self.estimator, "vocabulary": self.vocabulary, "target": self.target,
             "norms": self.norms, "task_counts": self.task_counts, "trained_on": self.trained_on,
             "params": _jsonable(self.params), "trained_until": self.trained_until,
+            "scaling": {task: {str(n): v for n, v in totals.items()} for task, totals in self.scaling.items()},
         })
         return blob
 
@@ -125,7 +128,9 @@ class ModelBundle:
             raise InvalidInput("not a hostagent placement model artifact", field="artifact")
         return cls(estimator=d["estimator"], vocabulary=d["vocabulary"], target=d["target"], norms=d["norms"],
                    task_counts=d["task_counts"], trained_on=d["trained_on"], params=d["params"],
-                   trained_until=float(d.get("trained_until", 0.0)))
+                   trained_until=float(d.get("trained_until", 0.0)),
+                   scaling={str(task): {int(n): float(v) for n, v in totals.items()}
+                            for task, totals in (d.get("scaling") or {}).items()})
 
 
 def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
@@ -150,7 +155,16 @@ def fit(examples: Sequence[Example], *, target: str = "work_rate",
     counts: dict[str, int] = {}
     for e in kept:
         counts[e.request.task_type] = counts.get(e.request.task_type, 0) + 1
-    return ModelBundle(est, vocab, target, norms, counts, len(kept), p, max(e.created_at for e in kept))
+    return ModelBundle(est, vocab, target, norms, counts, len(kept), p, max(e.created_at for e in kept),
+                       scaling=scaling_of(examples))
+
+
+def scaling_of(examples: Sequence[Example]) -> dict[str, dict[int, float]]:
+    """What the records say of each task type's total work rate by GPU count (domain.terms.scaling_totals), from
+    the finished leases that reported work (one entry per lease: its examples share the per-GPU mean)."""
+    leases = {e.lease_id: (e.request.task_type, e.request.count, e.work_rate) for e in examples
+              if e.work_rate is not None and e.work_rate > 0 and e.outcome not in FAILED_OUTCOMES}
+    return scaling_totals(list(leases.values()))
 
 
 class LearnedScorer:

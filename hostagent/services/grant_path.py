@@ -77,18 +77,30 @@ def gpu_capabilities(m: LeaseCore, g: Gpu) -> Capabilities:
 
 def in_tenant_terms(m: LeaseCore, request: LeaseRequest) -> tuple[LeaseRequest, str | None]:
     """A request's `requires` checked against this host's GPUs (Conflict naming what they have when none has
-    them) and its `total_memory_gib` made a GPU count (domain.terms), with the note that says how."""
-    if not request.requires and request.total_memory_gib is None:
-        return request, None
-    # Against the whole inventory (a quarantine comes and goes): the same request resolves the same way each time,
-    # so a retry with its idempotency key finds the lease it made.
-    admitted = feasible(m, dataclasses.replace(
-        request, requires=(), min_memory_gib=0.0 if request.total_memory_gib is not None else request.min_memory_gib),
-        in_service=False)
-    caps = {g.id: gpu_capabilities(m, g) for g in admitted}
-    check_requires(request, admitted, lambda g: caps[g.id])
-    able = [g for g in admitted if not caps[g.id].lacks(request.requires)]
-    return resolve_memory(request, able)
+    them), its `total_memory_gib` made a GPU count (domain.terms), and its count held against where the records say
+    its task type stops gaining (`m.scaling`: said, and cut there under `placement.cap_at_scaling_limit`); with the
+    note that says how."""
+    notes: list[str] = []
+    if request.requires or request.total_memory_gib is not None:
+        # Against the whole inventory (a quarantine comes and goes): the same request resolves the same way each
+        # time, so a retry with its idempotency key finds the lease it made.
+        admitted = feasible(m, dataclasses.replace(
+            request, requires=(),
+            min_memory_gib=0.0 if request.total_memory_gib is not None else request.min_memory_gib), in_service=False)
+        caps = {g.id: gpu_capabilities(m, g) for g in admitted}
+        check_requires(request, admitted, lambda g: caps[g.id])
+        able = [g for g in admitted if not caps[g.id].lacks(request.requires)]
+        request, note = resolve_memory(request, able)
+        notes += [note] if note else []
+    scaling = m.scaling(request.task_type) if request.gpus > 1 else None
+    limit = scaling.limit if scaling is not None else None
+    if scaling is not None and limit is not None and request.gpus > limit:
+        if m.policy.cap_at_scaling_limit:
+            notes.append(f"{scaling.say()}: cut from {request.gpus} to {limit} GPU(s) (placement.cap_at_scaling_limit)")
+            request = dataclasses.replace(request, gpus=limit)
+        else:
+            notes.append(scaling.say())
+    return request, "; ".join(notes) or None
 
 
 async def read_vm_numa(m: LeaseCore, domain_uuid: str) -> VmNuma | None:

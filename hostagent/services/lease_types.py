@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hostagent.domain.admission import Ledger
+from hostagent.domain.capabilities import Measured
 from hostagent.domain.hostdev import HostdevPci, hostdevs_for_layout
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Quota, Step
 from hostagent.domain.numa import VmNuma
 from hostagent.domain.pci import PciAddress
+from hostagent.domain.terms import Scaling
 from hostagent.services.faults import crash_point
 from hostagent.services.ports import HostPort
 
@@ -53,6 +55,7 @@ class LeasePolicy:
     pinned: frozenset[str] = frozenset()
     preempt_min_priority: int = 0  # a queued request of at least this priority may reclaim lower ones (0: never)
     preempt_notice_s: float = 60.0  # a preempted lease's notice window (reclaim.notice_window_s)
+    cap_at_scaling_limit: bool = False  # cut a request to where its task type's records stop gaining
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +132,8 @@ class LeaseCore(Protocol):
     numa_cells: dict[int, frozenset[int]]  # the host's NUMA nodes and their CPUs ({}: unknown)
     vm_numa: dict[str, VmNuma]  # domain uuid -> where the VM lives, read at its latest request
     nvlinked: frozenset[str]  # GPUs in an NVLink clique (host.nvlink_hints), set by the topology wiring
+    measured: dict[str, Measured]  # gpu_id -> what its latest probe established (services.probes.learn)
+    scaling: Callable[[str], Scaling | None]  # task type -> what the active model's records say of its scaling
 
     def get(self, lease_id: str, *, domain_uuid: str | None = None) -> Lease: ...
 

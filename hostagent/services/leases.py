@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from typing import Any
 
 from hostagent.domain.capabilities import Measured
+from hostagent.domain.terms import Scaling
 from hostagent.domain.errors import Conflict, Forbidden, InvalidInput, InvalidTransition, NotFound
 from hostagent.domain.inventory import Gpu, GpuState
 from hostagent.domain.admission import DAY_S, LEDGER_MAX, Ledger
@@ -103,6 +104,8 @@ class LeaseManager:
         self.vm_numa: dict[str, VmNuma] = {}
         self.nvlinked: frozenset[str] = frozenset()  # the topology wiring sets it from host.nvlink_hints
         self.measured: dict[str, Measured] = {}  # gpu_id -> what its latest probe established (services.probes)
+        # what the active model's records say of a task type's scaling (the runtime sets the placer's)
+        self.scaling: Callable[[str], Scaling | None] = lambda task_type: None
         self.ledger = Ledger()
         self.step_count = 0
         self.queue_cache: tuple[Any, float, dict[str, tuple[int, float | None]]] | None = None

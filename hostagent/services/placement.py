@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from hostagent.domain.capabilities import Measured
 from hostagent.domain.errors import Conflict
+from hostagent.domain.terms import Scaling
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import LeaseRequest
 from hostagent.domain.placement import (
@@ -53,6 +54,12 @@ class Placer:
         # The topology-aware set choice (same switch < root complex < NUMA node < sockets, packing); set by
         # the topology wiring. Without it the greedy choice of domain.placement decides.
         self.topology_place: TopologyPlacer | None = None
+
+    def scaling(self, task_type: str) -> Scaling | None:
+        """What the active model's records say of the task type's total work rate by GPU count (None without a
+        model, or where they hold fewer than two counts of it)."""
+        totals = getattr(getattr(self.scorer, "bundle", None), "scaling", {}).get(task_type)
+        return Scaling(task_type, totals) if totals else None
 
     def use(self, scorer: Scorer | None, version: str | None) -> None:
         """Switch to a newly trained (or rolled back) model."""

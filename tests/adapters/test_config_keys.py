@@ -1379,6 +1379,9 @@ TABLE: dict[str, Effect | Proven] = {
     "placement.objective_per_task": Effect(
         {"inference": "spread"}, "an inference lease spreads away from a running one (others still pack)",
         second_gpu_distance("inference"), default=1, changed=4, base=NO_EXPLORING),
+    "placement.cap_at_scaling_limit": Proven(
+        "tests/adapters/test_scaling_limit.py::test_a_request_past_the_limit_is_told_and_cut_when_the_operator_caps",
+        "a request for more GPUs than its task type's records show it gaining from is cut to that count"),
     # [auth]
     "auth.operator_token_sha256": Effect(
         Dyn(lambda v: hash_token(v.operator), "the operator token's SHA-256"),
