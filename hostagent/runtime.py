@@ -647,7 +647,7 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
     manager = LeaseManager(gpus=inventory.gpus, host=host, hypervisor=hypervisor, journal=journal,
                            policy=lease_policy(settings), clock=clock, place=placer)
     holder["m"] = manager
-    manager.scaling, manager.numa_cells = placer.scaling, numa_cells(sysfs)
+    manager.scaling, manager.predict_rates, manager.numa_cells = placer.scaling, placer.predict_rates, numa_cells(sysfs)
     tokens = TokenBook(settings.auth.operator_token_sha256, journal.lookup_token)
     rt = Runtime(settings=settings, inventory=inventory, host=host, hypervisor=hypervisor, journal=journal,
                  manager=manager, tokens=tokens, clock=clock, placer=placer)

@@ -121,6 +121,7 @@ class LeaseRequest:
     project: str | None = None
     requires: tuple[str, ...] = ()  # features every GPU must have (domain.capabilities.FEATURES), sorted
     total_memory_gib: float | None = None  # instead of gpus: the fewest GPUs holding this much, evenly
+    target_work_rate: float | None = None  # instead of gpus: the fewest GPUs the model predicts do this much work/s
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (read in one C call: a listing of a thousand leases makes a thousand of these)."""
@@ -215,6 +216,14 @@ def parse_lease_request(body: Any, *, now: float, max_duration_s: int) -> LeaseR
                                "GPUs that hold it)", field="total_memory_gib")
         kw["total_memory_gib"] = float(_num(body, "total_memory_gib", integer=False, lo=0.001,
                                             hi=4096 * MAX_GPUS_PER_REQUEST))
+    if "target_work_rate" in body and body["target_work_rate"] is not None:
+        if "gpus" in body or kw.get("total_memory_gib") is not None:
+            raise InvalidInput("ask for gpus, total_memory_gib or target_work_rate, one of them (target_work_rate "
+                               "takes the fewest GPUs predicted to reach it)", field="target_work_rate")
+        if kw.get("task_type", "unspecified") == "unspecified":
+            raise InvalidInput("target_work_rate needs the task_type whose work rate it is (the unit the guest "
+                               "agent reports as work_rate)", field="task_type")
+        kw["target_work_rate"] = float(_num(body, "target_work_rate", integer=False, lo=1e-6, hi=1e15))
     return LeaseRequest(**kw)
 
 

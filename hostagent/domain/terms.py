@@ -58,6 +58,28 @@ def resolve_memory(request: LeaseRequest, gpus: Sequence[Gpu]) -> tuple[LeaseReq
                    + (f" ({unknown} more of unknown memory)" if unknown else ""), field="total_memory_gib")
 
 
+def resolve_throughput(request: LeaseRequest, rates: Sequence[float], model: str,
+                       scaling: Scaling | None) -> tuple[LeaseRequest, str]:
+    """A `target_work_rate` request as a GPU count: the fewest n whose n fastest of `rates` (each GPU's predicted
+    work rate for the task type, among those the request's filters admit, free or not) sum to the target, no more
+    than where the records show the task type stops gaining (`scaling`). Conflict (field `target_work_rate`) when
+    no set reaches it."""
+    target, task = request.target_work_rate or 0.0, request.task_type
+    ranked = sorted(rates, reverse=True)
+    limit = scaling.limit if scaling is not None else None
+    most = min(len(ranked), MAX_GPUS_PER_REQUEST, limit or MAX_GPUS_PER_REQUEST)
+    total = 0.0
+    for n in range(1, most + 1):
+        total += ranked[n - 1]
+        if total >= target:
+            return dataclasses.replace(request, gpus=n), (
+                f"target_work_rate {target:g}/s of {task}: {n} GPU(s), the fewest that model {model} predicts reach "
+                f"it ({total:.4g}/s on the fastest {n} here)")
+    why = (f"; {scaling.say()}" if scaling is not None and limit is not None and limit < len(ranked) else "")
+    raise Conflict(f"no set of this host's GPUs is predicted to reach {target:g}/s of {task}: model {model} predicts at "
+                   f"most {total:.4g}/s, with {most} GPU(s){why}", field="target_work_rate")
+
+
 MIN_GAIN = 0.10  # a GPU count gains over the next smaller one recorded when its median total rate is this much higher
 MIN_LEASES = 3  # finished leases of one GPU count a task type needs before that count's median is believed
 

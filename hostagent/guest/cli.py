@@ -32,7 +32,7 @@ REQUEST_FIELDS = {"gpus": "gpus", "task_type": "task_type", "data_scale": "data_
                   "min_memory_gib": "min_memory_gib", "duration": "duration_s", "priority": "priority",
                   "not_after": "not_after", "idempotency_key": "idempotency_key", "vendor": "vendor",
                   "model": "model", "numa_policy": "numa_policy", "project": "project", "requires": "requires",
-                  "total_memory_gib": "total_memory_gib"}
+                  "total_memory_gib": "total_memory_gib", "target_work_rate": "target_work_rate"}
 
 
 # ---- argument parsing ------------------------------------------------------------------------------------------
@@ -55,6 +55,9 @@ def _request_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus", type=int, default=None, help="how many GPUs (default 1)")
     g.add_argument("--total-memory-gib", type=float, default=None,
                    help="instead of --gpus: the fewest GPUs that hold this much GPU memory, sharded evenly")
+    g.add_argument("--target-work-rate", type=float, default=None, metavar="PER_S",
+                   help="instead of --gpus: the fewest GPUs the host's model predicts reach this work rate of "
+                        "--task-type (the unit the guest agent's work-rate source reports)")
     g.add_argument("--requires", type=lambda v: [f for f in v.split(",") if f], default=None, metavar="F1,F2",
                    help="features every GPU must have: fp16 bf16 tf32 fp64 int8 fp8 nvlink")
     g.add_argument("--task-type", default=None, help="e.g. training, inference")

@@ -93,6 +93,13 @@ class ModelBundle:
         out: np.ndarray = np.exp(raw) if self.target == "work_rate" else raw
         return out
 
+    def predict_rates(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> np.ndarray:
+        """Each device's predicted work rate for the request's task type, in the guest's unit ("work_rate" target,
+        a task type it was trained on)."""
+        raw = self._raw(self.encoder.matrix(request, devices))
+        out: np.ndarray = np.exp(raw + self.norms[request.task_type])
+        return out
+
     def predict_examples(self, examples: Sequence[Example]) -> np.ndarray:
         """Predictions in the target's natural unit (work rate in the guest's unit for "work_rate")."""
         if not examples:

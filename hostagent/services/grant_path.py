@@ -36,7 +36,7 @@ from hostagent.domain.lease import (
     estimate_eta,
     new_lease,
 )
-from hostagent.domain.terms import check_requires, resolve_memory
+from hostagent.domain.terms import check_requires, resolve_memory, resolve_throughput
 from hostagent.services.admission import apply_priority_policy, cap_length, check_queue_share, quota_cap_for
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import LOGGER, LeaseCore, clocked, guest_addr, render_hostdevs, step_hook
@@ -81,7 +81,7 @@ def in_tenant_terms(m: LeaseCore, request: LeaseRequest) -> tuple[LeaseRequest, 
     its task type stops gaining (`m.scaling`: said, and cut there under `placement.cap_at_scaling_limit`); with the
     note that says how."""
     notes: list[str] = []
-    if request.requires or request.total_memory_gib is not None:
+    if request.requires or request.total_memory_gib is not None or request.target_work_rate is not None:
         # Against the whole inventory (a quarantine comes and goes): the same request resolves the same way each
         # time, so a retry with its idempotency key finds the lease it made.
         admitted = feasible(m, dataclasses.replace(
@@ -92,6 +92,13 @@ def in_tenant_terms(m: LeaseCore, request: LeaseRequest) -> tuple[LeaseRequest, 
         able = [g for g in admitted if not caps[g.id].lacks(request.requires)]
         request, note = resolve_memory(request, able)
         notes += [note] if note else []
+        if request.target_work_rate is not None:
+            predicted = m.predict_rates(request, able)
+            if predicted is None:
+                raise Conflict(f"no model predicts the work rate of {request.task_type} yet (a work-rate model needs "
+                               "5 finished leases of it that reported work): ask for gpus", field="target_work_rate")
+            request, note = resolve_throughput(request, predicted[0], predicted[1], m.scaling(request.task_type))
+            notes.append(note)
     scaling = m.scaling(request.task_type) if request.gpus > 1 else None
     limit = scaling.limit if scaling is not None else None
     if scaling is not None and limit is not None and request.gpus > limit:
@@ -333,6 +340,21 @@ def busy_until(m: LeaseCore, gpu_id: str, now: float) -> float:
     return end
 
 
+def granted_forecast(m: LeaseCore, request: LeaseRequest, chosen: Sequence[Gpu]) -> str | None:
+    """For a `target_work_rate` request: the model's prediction for the GPUs granted, against the target."""
+    target = request.target_work_rate
+    if target is None:
+        return None
+    predicted = m.predict_rates(request, chosen)
+    if predicted is None:
+        return "no model predicts this task type's work rate any more (retrained or rolled back since the request)"
+    total = sum(predicted[0])
+    if total >= target:
+        return f"model {predicted[1]} predicts {total:.4g}/s on the GPUs granted: meets the target of {target:g}/s"
+    return (f"model {predicted[1]} predicts {total:.4g}/s on the GPUs granted: short of the target of {target:g}/s "
+            "(the faster GPUs are taken)")
+
+
 async def claim(m: LeaseCore, lease: Lease, free: Sequence[Gpu], count: int, actor: str, why: str,
                 earlier: Sequence[Step] = (), *, notes: Sequence[str] = ()) -> Lease:
     """Place, claim devices in memory and journal BINDING with the original drivers (under the decide lock)."""
@@ -355,7 +377,9 @@ async def claim(m: LeaseCore, lease: Lease, free: Sequence[Gpu], count: int, act
     try:
         duration, cut = cap_length(m, lease, len(chosen), lease.request.duration_s or m.policy.default_duration_s)
         vm = m.vm_numa.get(lease.domain_uuid)
-        reasons = (*notes, why, *((vm.reason,) if vm else ()), *placement.reasons, *((cut,) if cut else ()))
+        forecast = granted_forecast(m, lease.request, chosen)
+        reasons = (*notes, why, *((vm.reason,) if vm else ()), *placement.reasons, *((cut,) if cut else ()),
+                   *((forecast,) if forecast else ()))
         record = {"rule": placement.rule, "candidates": [dict(c) for c in placement.candidates],
                   "dropped": [dict(d) for d in placement.dropped], "distance": placement.distance}
         # the original drivers are read in the BINDING write's own worker hop (one hop for both)

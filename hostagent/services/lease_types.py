@@ -134,6 +134,8 @@ class LeaseCore(Protocol):
     nvlinked: frozenset[str]  # GPUs in an NVLink clique (host.nvlink_hints), set by the topology wiring
     measured: dict[str, Measured]  # gpu_id -> what its latest probe established (services.probes.learn)
     scaling: Callable[[str], Scaling | None]  # task type -> what the active model's records say of its scaling
+    # each GPU's predicted work rate for a request's task type, and the model's version (None: no model covers it)
+    predict_rates: Callable[[LeaseRequest, Sequence[Gpu]], tuple[list[float], str] | None]
 
     def get(self, lease_id: str, *, domain_uuid: str | None = None) -> Lease: ...
 

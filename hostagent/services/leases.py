@@ -106,6 +106,8 @@ class LeaseManager:
         self.measured: dict[str, Measured] = {}  # gpu_id -> what its latest probe established (services.probes)
         # what the active model's records say of a task type's scaling (the runtime sets the placer's)
         self.scaling: Callable[[str], Scaling | None] = lambda task_type: None
+        self.predict_rates: Callable[[LeaseRequest, Sequence[Gpu]], tuple[list[float], str] | None] = (
+            lambda request, gpus: None)  # the runtime sets the placer's
         self.ledger = Ledger()
         self.step_count = 0
         self.queue_cache: tuple[Any, float, dict[str, tuple[int, float | None]]] | None = None

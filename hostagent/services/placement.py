@@ -55,6 +55,17 @@ class Placer:
         # the topology wiring. Without it the greedy choice of domain.placement decides.
         self.topology_place: TopologyPlacer | None = None
 
+    def predict_rates(self, request: LeaseRequest, gpus: Sequence[Gpu]) -> tuple[list[float], str] | None:
+        """Each GPU's work rate for the request's task type as the active model predicts it (the guest's unit), and
+        the model's version; None without a work-rate model that covers the task type."""
+        bundle = getattr(self.scorer, "bundle", None)
+        preq = PlacementRequest.from_lease(request, count=1)
+        if (bundle is None or getattr(bundle, "target", None) != "work_rate" or self.scorer is None
+                or not self.scorer.covers(preq) or request.task_type not in bundle.norms):
+            return None
+        views = [self._views.view(g, free=True, measured=self._measured(g.id)) for g in gpus]
+        return [float(x) for x in bundle.predict_rates(preq, views)], self.model_version or "unnamed"
+
     def scaling(self, task_type: str) -> Scaling | None:
         """What the active model's records say of the task type's total work rate by GPU count (None without a
         model, or where they hold fewer than two counts of it)."""

@@ -85,6 +85,12 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                                  "nullable": True,
                                  "description": "instead of gpus: the fewest GPUs of which each holds at least this "
                                                 "much divided by their number (400 when gpus is given too)"},
+            "target_work_rate": {"type": "number", "minimum": 1e-6, "maximum": 1e15, "nullable": True,
+                                 "description": "instead of gpus: the fewest GPUs whose work rates, as the active "
+                                                "model predicts them for task_type (required), sum to this (the unit "
+                                                "the guest agent reports as work_rate, per second); the reasons give "
+                                                "the prediction for the GPUs granted. 409 without a model that "
+                                                "covers the task type, or when no set of this host's GPUs reaches it"},
             "domain": {"type": "string", "minLength": 1, "maxLength": 256,
                        "description": "the VM (name or UUID) to lease for: required from an operator (400 without "
                                       "it); a guest may send only its own VM's name or UUID (403 otherwise)"},
@@ -196,6 +202,8 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                      "x-runtime-checks": {"domain": "an operator must name the VM; a guest may name only its own",
                                           "not_after": "must be in the future",
                                           "total_memory_gib": "not together with gpus",
+                                          "target_work_rate": "not together with gpus or total_memory_gib; needs "
+                                                              "task_type",
                                           **{f: "no tag characters (U+E0000-U+E007F, invisible), which lie "
                                                 "outside the BMP where schema patterns differ between validators"
                                              for f in LABEL_FIELDS}},

@@ -230,3 +230,6 @@ def test_lease_flags_in_the_tenants_terms_become_request_fields() -> None:
     args = build_parser().parse_args(["lease", "--total-memory-gib", "100", "--requires", "bf16,fp64"])
     body = request_body(args)
     assert body["total_memory_gib"] == 100.0 and body["requires"] == ["bf16", "fp64"] and "gpus" not in body
+    args = build_parser().parse_args(["lease", "--target-work-rate", "2500", "--task-type", "resnet"])
+    body = request_body(args)
+    assert body["target_work_rate"] == 2500.0 and body["task_type"] == "resnet" and "gpus" not in body
