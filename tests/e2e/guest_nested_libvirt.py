@@ -17,12 +17,18 @@ Four phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt
               group), function 1 is refused ("Only PCI device addresses with function=0 are supported"), and the
               undo detach of function 0 is never confirmed (no OS; libvirt also refuses to hot-unplug a
               multifunction address). Records how the agent leaves the group: it must not reach e1000e.
+  numa        the guest has two NUMA nodes and one e1000e behind an expander bridge on each; the agent's lease
+              service with the production placement (Placer + TopologyPlacer, numa_policy=required) grants a
+              request from an inner domain pinned to node 1 (numatune nodeset=1, vCPU on CPU 1) the node-1 device
+              although the node-0 one is free and first by address, one pinned to node 0 the node-0 device, and
+              refuses another node-1 request while only the node-0 device is free.
 Only facts are recorded here; the test decides.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -41,6 +47,9 @@ from hostagent.host.adapter import SysfsHost
 from hostagent.host.discovery import discover
 from hostagent.host.sysfs import Sysfs
 from hostagent.services.leases import LeaseManager, LeasePolicy
+from hostagent.host.discovery import numa_cells
+from hostagent.services.placement import Placer
+from hostagent.services.topology import load_topology, make_topology_place
 from hostagent.store.journal import Journal
 from hostagent.virt.libvirt_adapter import LibvirtHypervisor
 from hostagent.virt.port import DomainEvent
@@ -224,7 +233,81 @@ async def lease_phase(conn: Any, hv: LibvirtHypervisor, address: str, name: str,
     return rec
 
 
-async def run(single: str, pair: list[str], out: Path) -> dict[str, Any]:
+def pinned_domain_xml(name: str, node: int, cpu: int, mode: str) -> str:
+    """The tiny inner domain with its memory on `node` (numatune `mode`) and its vCPU on `cpu`."""
+    from lxml import etree
+
+    root = etree.fromstring(tiny_domain_xml(name, root_ports=2).encode())
+    root.find("vcpu").set("cpuset", str(cpu))
+    numatune = etree.Element("numatune")
+    etree.SubElement(numatune, "memory", mode=mode, nodeset=str(node))
+    root.find("vcpu").addnext(numatune)
+    return str(etree.tostring(root, encoding="unicode"))
+
+
+def start_pinned(conn: Any, name: str, node: int, cpu: int) -> tuple[Any, str, str | None]:
+    """Start a pinned inner domain: numatune strict, or preferred where this libvirtd cannot enforce strict here
+    (no cpuset cgroup controller); the domain and the mode used, and why strict was not."""
+    try:
+        return conn.createXML(pinned_domain_xml(name, node, cpu, "strict"), 0), "strict", None
+    except libvirt.libvirtError as exc:
+        return conn.createXML(pinned_domain_xml(name, node, cpu, "preferred"), 0), "preferred", str(exc)[:300]
+
+
+async def numa_phase(conn: Any, hv: LibvirtHypervisor, by_node: list[str]) -> dict[str, Any]:
+    """Leases from pinned inner domains, placed by the production placers under numa_policy=required."""
+    inv = await asyncio.to_thread(discover, Sysfs("/sys"), vendors=())
+    gpus = []
+    for address in by_node:
+        group = inv.group_of(address)
+        assert group is not None, f"{address} has no IOMMU group"
+        gpus.append(Gpu(id=gpu_id_for(group.functions[0].address), primary=group.functions[0],
+                        functions=group.functions, group=group))
+    rec: dict[str, Any] = {"gpu_nodes": {str(g.address): g.numa_node for g in gpus},
+                           "cells": {str(k): sorted(v) for k, v in numa_cells(Sysfs("/sys")).items()},
+                           "drivers_before": drivers(by_node)}
+    holder: dict[str, LeaseManager] = {}
+    placer = Placer(lambda: list(holder["m"].gpus.values()), quarantined=lambda: holder["m"].quarantined,
+                    default_numa_policy="required")
+    manager = LeaseManager(gpus=gpus, host=SysfsHost(Sysfs("/sys")), hypervisor=hv,  # type: ignore[arg-type]
+                           journal=Journal(Path("/tmp/numa.db")), place=placer,
+                           policy=LeasePolicy(guest_bus=GUEST_BUS, detach_timeout_s=DETACH_TIMEOUT_S))
+    holder["m"] = manager
+    manager.numa_cells = numa_cells(Sysfs("/sys"))
+    placer.topology_place = make_topology_place(manager, load_topology(gpus), default_policy="required")
+
+    def on_event(ev: DomainEvent) -> None:
+        asyncio.ensure_future(manager.on_domain_event(ev.kind.value, ev.uuid, ev.detail))
+
+    unsubscribe = hv.subscribe(on_event)
+    doms = []
+    try:
+        for label, node in (("node1", 1), ("node0", 0), ("node1_again", 1)):
+            dom, mode, why = await asyncio.to_thread(start_pinned, conn, f"inner-numa-{label}", node, node)
+            doms.append(dom)
+            step: dict[str, Any] = {"numatune_mode": mode, "strict_refused": why}
+            try:
+                lease = await manager.request(dom.UUIDString(), LeaseRequest(gpus=1, numa_policy="required"),
+                                              actor="e2e")
+                step.update(state=lease.state.value, devices=[d.gpu_id for d in lease.devices],
+                            functions=[f for d in lease.devices for f in d.functions], reasons=list(lease.reasons))
+            except Exception as exc:  # the refusal is a fact to judge
+                step.update(refused=f"{type(exc).__name__}: {getattr(exc, 'message', exc)}")
+            vm = manager.vm_numa.get(dom.UUIDString())
+            step["vm_numa"] = None if vm is None else {"node": vm.node, "reason": vm.reason}
+            rec[label] = step
+        rec["drivers_leased"] = drivers(by_node)
+    finally:
+        for dom in doms:
+            with contextlib.suppress(libvirt.libvirtError):
+                await asyncio.to_thread(dom.destroy)
+        rec["finished"] = await wait_for(lambda: not manager.leases, 60)
+        rec["drivers_final"] = drivers(by_node)
+        unsubscribe()
+    return rec
+
+
+async def run(single: str, pair: list[str], out: Path, by_node: list[str]) -> dict[str, Any]:
     """Start libvirtd, then every phase; each phase's facts end up in the result even when one fails.
 
     Blocking work (the CLI, virDomainCreateXML, destroy) goes to threads: libvirtd drops a client whose event
@@ -244,6 +327,7 @@ async def run(single: str, pair: list[str], out: Path) -> dict[str, Any]:
             ("lease", lambda: lease_phase(conn, hv, single, "lease")),
             ("lease_pair", lambda: lease_phase(conn, hv, pair[0], "lease_pair")),
             ("lease_undo", lambda: lease_phase(conn, hv, pair[0], "lease_undo", layout="multifunction")),
+            ("numa", lambda: numa_phase(conn, hv, by_node)),
         ]
         for name, phase in phases:
             t0 = time.monotonic()
@@ -262,6 +346,6 @@ async def run(single: str, pair: list[str], out: Path) -> dict[str, Any]:
 if __name__ == "__main__":
     target = Path(os.environ.get("OUT", "."))
     t_start = time.monotonic()
-    result = asyncio.run(run(sys.argv[1], sys.argv[2:4], target))
+    result = asyncio.run(run(sys.argv[1], sys.argv[2:4], target, sys.argv[4:6]))
     result["script_s"] = round(time.monotonic() - t_start, 2)
     (target / "nested.json").write_text(json.dumps(result, indent=1))

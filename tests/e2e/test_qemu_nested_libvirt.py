@@ -1,7 +1,7 @@
 """Nested: libvirtd and an inner QEMU domain INSIDE the QEMU test guest, so a real live attach of real vfio-pci
 devices happens (the guest has an emulated Intel IOMMU; the host's /dev/kvm is never used).
 
-One boot (about 2.5 minutes under TCG) serves every test; tests/e2e/guest_nested_libvirt.py records facts in the
+One boot (about 3 minutes under TCG; two NUMA nodes) serves every test; tests/e2e/guest_nested_libvirt.py records facts in the
 guest and these tests judge them. The inner domains have no OS, so they never acknowledge a detach: exactly the
 DETACH_PENDING case, where nothing may go back to a host driver until QEMU lets go of the device.
 """
@@ -14,7 +14,7 @@ import pytest
 
 from tests.support import qemu
 
-pytestmark = [pytest.mark.qemu, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.qemu, pytest.mark.timeout(900)]
 
 # libvirtd starts first, from the shell, so its QEMU capability probing overlaps the Python imports (2 vCPUs).
 # The guest's root is a RAM overlay: these writes never reach the host. No default network (dnsmasq, bridge).
@@ -28,7 +28,7 @@ rm -rf /etc/libvirt/qemu/networks/autostart
 mkdir -p /run/libvirt /var/log/libvirt/qemu /var/lib/libvirt/qemu /var/cache/libvirt/qemu
 virtlogd > "$OUT/virtlogd.log" 2>&1 &
 libvirtd > "$OUT/libvirtd.log" 2>&1 &
-"$PYTHON" "$REPO/tests/e2e/guest_nested_libvirt.py" {single} {pair0} {pair1}
+"$PYTHON" "$REPO/tests/e2e/guest_nested_libvirt.py" {single} {pair0} {pair1} {node0} {node1}
 rc=$?
 for f in /var/log/libvirt/qemu/*.log; do [ -f "$f" ] && cp "$f" "$OUT/"; done
 exit $rc
@@ -40,18 +40,19 @@ PAIR = list(qemu.PAIR_ADDRS)
 def nested() -> dict[str, Any]:
     """Boot a 3 GiB, 2-vCPU guest, run libvirtd and the four phases in it, return the recorded facts."""
     result = qemu.boot_guest(
-        SCRIPT.format(single=qemu.NIC_ADDR, pair0=PAIR[0], pair1=PAIR[1]),
-        devices=qemu.NIC_DEVICES + qemu.PAIR_DEVICES,
+        SCRIPT.format(single=qemu.NIC_ADDR, pair0=PAIR[0], pair1=PAIR[1], node0=qemu.NUMA_ADDRS[0],
+                      node1=qemu.NUMA_ADDRS[1]),
+        devices=qemu.NIC_DEVICES + qemu.PAIR_DEVICES + qemu.NUMA_DEVICES, numa_nodes=2,
         # Everything up front: host NIC driver and vfio (libvirt opens /dev/vfio/vfio before any bind of ours).
         preload_modules=("e1000e", "vfio_pci", "vfio_iommu_type1"),
-        memory_mib=3072, cpus=2, timeout_s=540,
+        memory_mib=3072, cpus=2, timeout_s=780,
     )
     result.check()
     facts: dict[str, Any] = result.json("nested.json")
     facts["_explain"] = result.explain() + "".join(
         f"\n--- {name} (tail) ---\n{data.decode(errors='replace')[-1500:]}" for name, data in result.files.items()
         if name.endswith(".log"))
-    timings = {k: facts.get(k, {}).get("phase_s") for k in ("adapter", "lease", "lease_pair", "lease_undo")}
+    timings = {k: facts.get(k, {}).get("phase_s") for k in ("adapter", "lease", "lease_pair", "lease_undo", "numa")}
     print(f"qemu nested guest: wall {result.wall_s:.1f} s, libvirtd ready {facts['libvirtd'].get('ready_s')} s, "
           f"phases {timings}, adapter attach {facts.get('adapter', {}).get('attach_s')} s, "
           f"detach {facts.get('adapter', {}).get('detach_s')} s, "
@@ -153,3 +154,20 @@ def test_multifunction_group_can_be_leased_live(nested: dict[str, Any]) -> None:
     assert rec["drivers_active"] == {a: "vfio-pci" for a in PAIR}
     assert rec["released_state"] == "DETACH_PENDING" and rec["drivers_pending"] == {a: "vfio-pci" for a in PAIR}
     assert rec["finished"] and rec["drivers_final"] == {a: "e1000e" for a in PAIR}
+
+
+def test_a_pinned_domain_gets_a_device_on_its_own_node_under_numa_policy_required(nested: dict[str, Any]) -> None:
+    """Two NUMA nodes, one device on each (behind expander bridges): the agent reads each inner domain's pinning from
+    libvirt and the production placers give it the device on its node; with only the other node's device free, a
+    node-1 request is refused rather than placed across the sockets (#29)."""
+    rec = _phase(nested, "numa")
+    node0, node1 = qemu.NUMA_ADDRS
+    assert rec["gpu_nodes"] == {node0: 0, node1: 1} and rec["cells"] == {"0": [0], "1": [1]}, rec
+    first, second, third = rec["node1"], rec["node0"], rec["node1_again"]
+    assert first["vm_numa"]["node"] == 1 and "node 1" in first["vm_numa"]["reason"], first
+    assert first["state"] == "ACTIVE" and first["functions"] == [node1], first  # node0's device was free, and first
+    assert any("node 1" in r for r in first["reasons"]), first["reasons"]
+    assert second["vm_numa"]["node"] == 0 and second["state"] == "ACTIVE" and second["functions"] == [node0], second
+    assert "refused" in third and "Conflict" in third["refused"], third
+    assert rec["drivers_leased"] == {node0: "vfio-pci", node1: "vfio-pci"}
+    assert rec["finished"] and rec["drivers_final"] == {node0: "e1000e", node1: "e1000e"}, rec

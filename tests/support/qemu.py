@@ -50,6 +50,18 @@ SHARED_DEVICES = (
     "e1000,bus=pb1,addr=0x2",
 )
 
+# One e1000e on each NUMA node of a two-node guest (boot_guest(numa_nodes=2)): a PCIe expander bridge per node
+# (its ACPI _PXM puts what is behind it on that node), a root port behind each, the NIC behind the port.
+NUMA_ADDRS = ("0000:41:00.0", "0000:81:00.0")  # node 0, node 1
+NUMA_DEVICES = (
+    "pxb-pcie,id=pxb0,bus_nr=0x40,numa_node=0,bus=pcie.0,addr=0x9",
+    "pcie-root-port,id=rpn0,bus=pxb0,chassis=10,slot=0",
+    "e1000e,bus=rpn0,addr=0x0",
+    "pxb-pcie,id=pxb1,bus_nr=0x80,numa_node=1,bus=pcie.0,addr=0xa",
+    "pcie-root-port,id=rpn1,bus=pxb1,chassis=11,slot=0",
+    "e1000e,bus=rpn1,addr=0x0",
+)
+
 # Stage 2: runs as PID 1 after switch_root. Placeholders are filled with shlex-quoted values.
 _STAGE2 = r"""#!/bin/sh
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
@@ -149,11 +161,11 @@ def guest_image(cache: Path = CACHE) -> GuestImage:
 
 
 def qemu_command(image: GuestImage, share: Path, *, devices: Sequence[str], memory_mib: int, cpus: int,
-                 kernel_args: str = "") -> list[str]:
+                 kernel_args: str = "", numa_nodes: int = 1) -> list[str]:
     """The qemu-system-x86_64 command line for one boot (TCG, q35, emulated VT-d with interrupt remapping)."""
     cmd = [
         "qemu-system-x86_64", "-accel", "tcg", "-machine", "q35,kernel-irqchip=split",
-        "-cpu", "max", "-smp", str(cpus), "-m", str(memory_mib),
+        "-cpu", "max", "-smp", str(cpus), "-m", str(memory_mib), *numa_args(numa_nodes, cpus, memory_mib),
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-serial", f"file:{share / 'console.log'}", "-monitor", "none",
         # VT-d must come before the devices it translates.
@@ -171,6 +183,21 @@ def qemu_command(image: GuestImage, share: Path, *, devices: Sequence[str], memo
     return cmd
 
 
+def numa_args(nodes: int, cpus: int, memory_mib: int) -> list[str]:
+    """QEMU options for a guest of `nodes` NUMA nodes (the CPUs and memory split evenly, node i holding CPUs
+    i*k .. i*k+k-1); nothing for one node. A device sits on a node behind a `pxb-pcie` with `numa_node=` (NUMA_DEVICES)."""
+    if nodes <= 1:
+        return []
+    if cpus % nodes or memory_mib % nodes:
+        raise ValueError(f"{cpus} CPUs and {memory_mib} MiB do not split evenly over {nodes} nodes")
+    per_cpu, per_mem = cpus // nodes, memory_mib // nodes
+    out: list[str] = []
+    for i in range(nodes):
+        out += ["-object", f"memory-backend-ram,id=mem{i},size={per_mem}M",
+                "-numa", f"node,nodeid={i},cpus={i * per_cpu}-{i * per_cpu + per_cpu - 1},memdev=mem{i}"]
+    return out
+
+
 def boot_guest(
     script: str,
     *,
@@ -182,6 +209,7 @@ def boot_guest(
     preload_modules: Sequence[str] = (),
     python: str | None = None,
     keep_dir: Path | None = None,
+    numa_nodes: int = 1,
 ) -> GuestResult:
     """Boot the test guest with `devices`, run `script` (POSIX sh) as root inside it, power off, collect results.
 
@@ -202,7 +230,7 @@ def boot_guest(
                   .replace("@ENV@", env_text))
         (share / "stage2.sh").write_text(stage2)
         (share / "script.sh").write_text(script)
-        cmd = qemu_command(image, share, devices=devices, memory_mib=memory_mib, cpus=cpus)
+        cmd = qemu_command(image, share, devices=devices, memory_mib=memory_mib, cpus=cpus, numa_nodes=numa_nodes)
         t0 = time.monotonic()
         timed_out = False
         with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
