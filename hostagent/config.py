@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import shlex
 import socket
 import tomllib
 import typing
@@ -142,6 +144,14 @@ class PlacementSettings:
 
 
 @dataclass(frozen=True)
+class ProbesSettings:
+    """[probes]: what the operator adds to the built-in probes."""
+
+    # task type -> command (an absolute path, then its arguments): the task's own probe (services.task_probes)
+    task_probes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class DashboardSettings:
     """[dashboard]: how the operators' web pages stay current."""
 
@@ -167,6 +177,7 @@ class Settings:
     leases: LeaseSettings = field(default_factory=LeaseSettings)
     reclaim: ReclaimSettings = field(default_factory=ReclaimSettings)
     placement: PlacementSettings = field(default_factory=PlacementSettings)
+    probes: ProbesSettings = field(default_factory=ProbesSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
     dashboard: DashboardSettings = field(default_factory=DashboardSettings)
 
@@ -313,6 +324,17 @@ def metrics_address(value: str) -> tuple[str, int]:
 
 def _check_cross(s: Settings) -> None:
     """Rules that involve more than one key."""
+    for task, command in s.probes.task_probes.items():
+        where = f"probes.task_probes.{task}"
+        if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", task):
+            raise ConfigError(f"{where}: a task type is 1-64 letters, digits, '_', '.', ':' or '-'", field=where)
+        try:
+            argv = shlex.split(command) if isinstance(command, str) else []
+        except ValueError as exc:
+            raise ConfigError(f"{where}: not a command line: {exc}", field=where) from None
+        if not argv or not argv[0].startswith("/"):
+            raise ConfigError(f"{where}: a command line that starts with an absolute path, got {command!r}",
+                              field=where)
     for task, objective in s.placement.objective_per_task.items():
         if objective not in _CHOICES["placement.objective"]:
             raise ConfigError(f"placement.objective_per_task.{task}: must be one of "

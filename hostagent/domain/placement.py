@@ -265,18 +265,25 @@ def filter_devices(request: PlacementRequest,
     return survivors, dropped
 
 
+def speed_figure(request: PlacementRequest, devices: Sequence[DeviceView]) -> tuple[str, str] | None:
+    """Which measured figure the cold-start speed term reads, and in words: the task type's own probe
+    (`work_rate:<task>`) where one measured any of `devices`, else the request's precision in the capability vector
+    (`tflops_<precision>`); None when neither was measured."""
+    keys = [(f"work_rate:{request.task_type}", f"measured {request.task_type} work rate (its task probe)")]
+    if request.precision:
+        keys.append((f"tflops_{request.precision}", f"measured {request.precision} speed (probes' capability vectors)"))
+    return next(((k, said) for k, said in keys if any((d.figures or {}).get(k) for d in devices)), None)
+
+
 def measured_speed(request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float] | None:
-    """Each device's probed throughput in the request's precision (`tflops_<precision>` of its capability vector)
-    relative to the fastest measured among `devices` (0..1; 0.5 for one not measured), or None when the request
-    names no precision or no device has a figure for it: the prior for models the learned scorer has not seen,
-    comparable across models (unlike the peer-relative probe score)."""
-    if not request.precision:
+    """Each device's measured speed for the request (`speed_figure`) relative to the fastest measured among
+    `devices` (0..1; 0.5 for one not measured), or None when nothing was measured for it: the prior for models the
+    learned scorer has not seen, comparable across models (unlike the peer-relative probe score)."""
+    figure = speed_figure(request, devices)
+    if figure is None:
         return None
-    key = f"tflops_{request.precision}"
-    got = [(d.figures or {}).get(key) for d in devices]
-    best = max((v for v in got if v), default=None)
-    if best is None:
-        return None
+    got = [(d.figures or {}).get(figure[0]) for d in devices]
+    best = max(v for v in got if v)
     return [0.5 if v is None else max(0.0, v) / best for v in got]
 
 
@@ -387,8 +394,8 @@ def score_devices(request: PlacementRequest, devices: Sequence[DeviceView], scor
                       RULE_MODEL, f"rule=model: scored by {scorer.name} (predicted relative work rate)")
     why = "no active model" if scorer is None else f"{scorer.name} has too few records for this request"
     terms = "memory fit, probe score, NUMA locality"
-    if measured_speed(request, survivors) is not None:
-        terms += f", measured {request.precision} speed (probes' capability vectors)"
+    if (figure := speed_figure(request, survivors)) is not None:
+        terms += f", {figure[1]}"
     return Scored(tuple(survivors), tuple(cold_start_scores(request, survivors)), tuple(dropped), RULE_COLD_START,
                   f"rule=cold-start ({why}): {terms}")
 

@@ -489,6 +489,50 @@ def _child_main(argv: Sequence[str]) -> int:
     return 0
 
 
+# -- a task type's own probe ------------------------------------------------------------------------------------
+
+def task_metric(task_type: str) -> str:
+    """The figure a task type's own probe measures: its work rate (the unit its guests report) on one GPU."""
+    return f"work_rate:{task_type}"
+
+
+class TaskProbeRunner:
+    """A task type's own probe (`[probes] task_probes`): the operator's command, run on one free GPU on its host
+    driver with HOSTAGENT_PROBE_GPU (the PCI address), HOSTAGENT_PROBE_TASK, HOSTAGENT_PROBE_BUDGET_S and
+    CUDA_DEVICE_ORDER=PCI_BUS_ID in its environment; its last line of output is JSON `{"work_rate": N}`, N per
+    second in the unit the task's guests report."""
+
+    kind = "task"
+
+    def __init__(self, task_type: str, command: Sequence[str]) -> None:
+        self.task_type = task_type
+        self.command = list(command)
+        self.name = f"task:{task_type}"
+
+    def run(self, gpu: Gpu, budget_s: float) -> RunnerResult:
+        """Run the command once on `gpu`; the work rate it printed, or the error."""
+        import os
+
+        env = {**os.environ, "HOSTAGENT_PROBE_GPU": str(gpu.address), "HOSTAGENT_PROBE_TASK": self.task_type,
+               "HOSTAGENT_PROBE_BUDGET_S": f"{budget_s:g}", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+        try:
+            out = subprocess.run(self.command, capture_output=True, text=True, check=False, env=env,
+                                 timeout=30 + 2 * budget_s)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return RunnerResult(self.name, error=f"task probe {self.command[0]} failed: {exc}")
+        lines = out.stdout.strip().splitlines()
+        try:
+            rate = json.loads(lines[-1])["work_rate"] if out.returncode == 0 and lines else None
+            ok = isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate < 1e15
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            tail = (out.stderr or out.stdout).strip()[-300:]
+            return RunnerResult(self.name, error=f"task probe exited {out.returncode} without a work rate on its last "
+                                                 f'line (JSON {{"work_rate": N}}): {tail}')
+        return RunnerResult(self.name, metrics={task_metric(self.task_type): float(rate)})
+
+
 # -- choosing runners --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

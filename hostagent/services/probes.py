@@ -160,6 +160,8 @@ class ProbeService:
         self._pending: dict[str, asyncio.Task[Any]] = {}  # gpu_id -> its scheduled probe's task (one at most)
         self._due: dict[str, tuple[float, str]] = {}  # gpu_id -> (loop time the probe is due, actor)
         self._periodic: asyncio.Task[Any] | None = None
+        # figures measured for a GPU model by other probes (services.task_probes), kept in each GPU's `measured`
+        self.extra_figures: Callable[[str], Mapping[str, float]] = lambda model: {}
 
     # -- placement feature ----------------------------------------------------------------------------------------
     def score_of(self, gpu_id: str) -> float | None:
@@ -197,7 +199,7 @@ class ProbeService:
         for row in sorted(rows, key=lambda r: r["ts"]):  # oldest first: the newest wins
             details = row.get("details") or {}
             gid = row["gpu_id"]
-            if gid not in self.manager.gpus:
+            if gid not in self.manager.gpus or details.get("kind") == "task":  # a task probe's: services.task_probes
                 continue
             if details.get("metrics") and not any(str(p).startswith(WRONG_ANSWER) for p in details.get("problems", [])):
                 self.latest[gid] = dict(details["metrics"])
@@ -347,9 +349,9 @@ class ProbeService:
         """What a probe established about the board becomes the lease service's `measured[gpu_id]` (capabilities
         follow it); a memory size the driver reports replaces discovery's where that was only the largest BAR or
         unknown (pci.ids older than the card)."""
-        measured = Measured.from_probe(health, self.latest.get(gpu_id, {}))
-        self.manager.measured[gpu_id] = measured
         gpu = self.manager.gpus[gpu_id]
+        measured = Measured.from_probe(health, {**self.latest.get(gpu_id, {}), **self.extra_figures(gpu.model)})
+        self.manager.measured[gpu_id] = measured
         if (measured.memory_bytes and measured.memory_bytes != gpu.memory_bytes
                 and gpu.memory_source in ("bar", "unknown", "probe")):
             self.manager.gpus[gpu_id] = dataclasses.replace(gpu, memory_bytes=measured.memory_bytes,

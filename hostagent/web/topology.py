@@ -7,6 +7,7 @@ placer, registers the routes and a cleanup context that starts/stops the probe s
 from __future__ import annotations
 
 import contextlib
+import shlex
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,8 +17,9 @@ from aiohttp import web
 from hostagent.domain.errors import NotFound
 from hostagent.domain.placement import Scorer
 from hostagent.domain.topology import Topology
-from hostagent.host.probes import default_runners, select_runners
+from hostagent.host.probes import TaskProbeRunner, default_runners, select_runners
 from hostagent.services.probes import ProbeService, ProbeSettings
+from hostagent.services.task_probes import TaskProbes
 from hostagent.services.topology import TopologyPlacer, load_topology, make_topology_place, topology_view
 from hostagent.web import openapi_ext
 from hostagent.web.app import ident
@@ -34,6 +36,7 @@ class TopologyParts:
     topology: Topology
     probes: ProbeService
     placer: TopologyPlacer
+    task_probes: TaskProbes
 
 
 TOPOLOGY: web.AppKey[TopologyParts] = web.AppKey("topology")
@@ -64,13 +67,15 @@ def build_parts(runtime: AgentServices, *, probe_settings: ProbeSettings | None 
     chosen, status = select_runners(candidates)
     probes = ProbeService(manager, chosen, settings=probe_settings or ProbeSettings(), runner_status=status,
                           gpu_row=gpu_record, clock=runtime.clock)
+    task_probes = TaskProbes(probes, {task: TaskProbeRunner(task, shlex.split(command))
+                                      for task, command in settings.probes.task_probes.items()})
 
     placer = make_topology_place(manager, topology, scorer=scorer or (lambda: None), probe_score=probes.score_of,
                                  probe_measured=manager.measured.get,
                                  default_policy=settings.leases.numa_policy,
                                  objective=settings.placement.objective,
                                  objective_per_task=settings.placement.objective_per_task)
-    return TopologyParts(topology, probes, placer)
+    return TopologyParts(topology, probes, placer, task_probes)
 
 
 def install(app: web.Application, runtime: AgentServices, **kwargs: Any) -> TopologyParts:
@@ -82,9 +87,13 @@ def install(app: web.Application, runtime: AgentServices, **kwargs: Any) -> Topo
     async def probes_lifecycle(app: web.Application) -> AsyncIterator[None]:
         parts.probes.store = runtime.store  # opened by the runtime's own lifecycle, which runs first
         with contextlib.suppress(Exception):
+            await parts.task_probes.load_history()  # first: the compute history keeps the task figures
+        with contextlib.suppress(Exception):
             await parts.probes.load_history()
         parts.probes.start()
+        parts.task_probes.start(now=parts.probes.settings.enabled)
         yield
+        await parts.task_probes.stop()
         await parts.probes.stop()
 
     app.cleanup_ctx.append(probes_lifecycle)
@@ -114,7 +123,7 @@ async def get_probes(request: web.Request) -> web.Response:
     reports)."""
     who = ident(request)
     parts = request.app[TOPOLOGY]
-    body = parts.probes.status()
+    body = {**parts.probes.status(), "task_probes": parts.task_probes.status()}
     if who.is_operator:
         body["reports"] = {g: r.to_dict() for g, r in parts.probes.reports.items()}
     return web.json_response(body)

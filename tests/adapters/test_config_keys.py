@@ -1380,6 +1380,10 @@ TABLE: dict[str, Effect | Proven] = {
     "placement.objective_per_task": Effect(
         {"inference": "spread"}, "an inference lease spreads away from a running one (others still pack)",
         second_gpu_distance("inference"), default=1, changed=4, base=NO_EXPLORING),
+    "probes.task_probes": Proven(
+        "tests/adapters/test_task_probes.py::test_a_new_task_type_is_probed_first_and_its_figure_places_the_next_request",
+        "the command runs on a free GPU of each model when its task type is new, and its work rate places the "
+        "task type's next request"),
     "placement.cap_at_scaling_limit": Proven(
         "tests/adapters/test_scaling_limit.py::test_a_request_past_the_limit_is_told_and_cut_when_the_operator_caps",
         "a request for more GPUs than its task type's records show it gaining from is cut to that count"),
