@@ -12,8 +12,9 @@ import logging
 import math
 import random
 import re
+import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from hostagent.domain.capabilities import Capabilities, Measured, capabilities
@@ -63,7 +64,9 @@ class DeviceView:
     viable: bool = True
     recent_errors: int = 0  # failed leases, probes or rebinds in the recent window
     capabilities: Capabilities | None = None  # features (domain.capabilities), None: not worked out (tests)
-    figures: Mapping[str, float] | None = None  # its latest probe's capability vector (tflops_fp16, ...), if any
+    # its measured figures (capability vector, task probes), if any; not part of its identity (a view is hashed:
+    # the learned scorer's encoder caches a device's row by it, and a dict cannot be hashed)
+    figures: Mapping[str, float] | None = field(default=None, compare=False, hash=False)
 
     @property
     def memory_gib(self) -> float | None:
@@ -287,6 +290,28 @@ def measured_speed(request: PlacementRequest, devices: Sequence[DeviceView]) -> 
     return [0.5 if v is None else max(0.0, v) / best for v in got]
 
 
+def capability_prior(request: PlacementRequest, devices: Sequence[DeviceView], scores: Sequence[float],
+                     unseen: Sequence[bool]) -> tuple[list[float], str | None]:
+    """Scores for the devices of GPU models the learned scorer has no records of, from their measured speed
+    (`speed_figure`, else FP16 throughput) against the devices it knows: the median over known devices k of
+    score(k) x figure(unseen) / figure(k). A device without the figure, or with no known device measured, keeps the
+    model's score. Returns the scores and what was done, in words (None when nothing was)."""
+    figure = speed_figure(request, devices) or ("tflops_fp16", "measured fp16 speed (probes' capability vectors)")
+    key = figure[0]
+    known = [(scores[i], v) for i, d in enumerate(devices)
+             if not unseen[i] and (v := (d.figures or {}).get(key))]
+    out, priced = list(scores), []
+    for i, d in enumerate(devices):
+        mine = (d.figures or {}).get(key)
+        if unseen[i] and mine and known:
+            out[i] = statistics.median(s * mine / v for s, v in known)
+            priced.append(d.model)
+    if not priced:
+        return out, None
+    return out, (f"GPU models without records ({', '.join(sorted(set(priced)))}) scored from their "
+                 f"{figure[1].removeprefix('measured ')} against the models with records")
+
+
 def cold_start_scores(request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
     """The rule used until a model is trusted: tight memory fit, probe score, NUMA locality, few recent errors; and
     for a request that names a precision the devices' probes measured, their measured speed in it."""
@@ -390,8 +415,13 @@ def score_devices(request: PlacementRequest, devices: Sequence[DeviceView], scor
         why = f"{len(survivors)} of {len(devices)} device(s) passed the filters, {request.count} needed"
         return Scored(tuple(survivors), (), tuple(dropped), RULE_NONE, why)
     if scorer is not None and scorer.covers(request):
-        return Scored(tuple(survivors), tuple(float(s) for s in scorer.score(request, survivors)), tuple(dropped),
-                      RULE_MODEL, f"rule=model: scored by {scorer.name} (predicted relative work rate)")
+        scores = [float(s) for s in scorer.score(request, survivors)]
+        reason = f"rule=model: scored by {scorer.name} (predicted relative work rate)"
+        unseen = getattr(scorer, "unseen", None)  # the learned scorer says which GPU models it has no records of
+        if unseen is not None and any(mask := unseen(survivors)):
+            scores, said = capability_prior(request, survivors, scores, mask)
+            reason += f"; {said}" if said else ""
+        return Scored(tuple(survivors), tuple(scores), tuple(dropped), RULE_MODEL, reason)
     why = "no active model" if scorer is None else f"{scorer.name} has too few records for this request"
     terms = "memory fit, probe score, NUMA locality"
     if (figure := speed_figure(request, survivors)) is not None:

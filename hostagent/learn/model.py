@@ -186,6 +186,12 @@ class LearnedScorer:
         """Trust the model only for task types it has seen enough of; the cold-start rule handles the rest."""
         return self.bundle.task_counts.get(request.task_type, 0) >= self.min_task_records
 
+    def unseen(self, devices: Sequence[DeviceView]) -> list[bool]:
+        """Which devices are of a GPU model this model has no records of (placement prices them from their probes'
+        figures: domain.placement.capability_prior); none for a target other than the work rate."""
+        known = set(self.bundle.vocabulary.get("model", ()))
+        return [self.bundle.target == "work_rate" and d.model not in known for d in devices]
+
     def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
         """Predicted relative work rate per device (one batched predict call)."""
         if not devices:

@@ -84,3 +84,25 @@ async def test_a_target_takes_the_fewest_gpus_predicted_to_reach_it(tmp_path: Pa
     status, body = await post("vm-c", task_type="resnet", target_work_rate=500, requires=["fp64"])
     assert status == 201 and body["request"]["gpus"] == 1, body  # one V100 (600/s) or A100 is enough
     assert model_of[body["devices"][0]["gpu_id"]][:5] in ("GA100", "GV100"), body  # the fp64 chips
+
+
+async def test_the_learned_scorer_places_on_probed_gpus(tmp_path: Path, aiohttp_client: Any) -> None:
+    """Probed GPUs carry measured figures in their placement views; the learned scorer (which caches each view's
+    feature row by the view) must place on them, and a target request still resolves (a view with figures once
+    could not be hashed: every placement by a model on a probed host failed)."""
+    rig = make_rig(tmp_path, scenario="demo16")
+    gpus = [(g.id, g.model) for g in rig.runtime.manager.gpus.values()]
+    truth = {("resnet", model): RATE[model.split(" ")[0][:5]] for _, model in gpus}
+    rig.runtime.placer.use(LearnedScorer(fit(examples_from_records(store_records(300, truth=truth, gpus=gpus),
+                                                                   gpu_rows(gpus)))), "v-probed")
+    rig = await start_rig(rig, aiohttp_client)
+    op = rig.auth("operator")
+    for gid, _ in gpus[:8]:
+        assert (await rig.client.post(f"/v1/gpus/{gid}/probe", headers=op)).status == 200
+    assert sum(1 for m in rig.runtime.manager.measured.values() if m.figures) == 8
+    r = await rig.client.post("/v1/leases", json={"task_type": "resnet", "gpus": 2}, headers=rig.auth("vm-a"))
+    lease = await r.json()
+    assert r.status == 201 and lease["placement"]["rule"] == "model", lease
+    r = await rig.client.post("/v1/leases", json={"task_type": "resnet", "target_work_rate": 900},
+                              headers=rig.auth("vm-b"))
+    assert r.status == 201, await r.json()

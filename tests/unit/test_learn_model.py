@@ -181,3 +181,31 @@ def test_no_tenant_carries_more_than_its_share_of_the_weight(counts: list[int], 
     assert all(0 < w <= 1 for w in weights)
     if min(weights) < 1 and len(counts) * share > 1:  # whatever is capped is capped no more than needed
         assert abs(max(total.values()) - bound * sum(total.values())) < 1e-6
+
+
+def test_a_gpu_model_without_records_is_scored_from_its_probes_against_the_known_ones() -> None:
+    """The capability vector is the learned scorer's prior for a GPU model it has no records of (#29): the median
+    over known devices of their predicted score scaled by the figures' ratio; known devices keep their scores."""
+    import statistics
+
+    from hostagent.domain.placement import score_devices
+
+    scorer = LearnedScorer(_bundle())
+    x, y = dev("g0", "X", figures={"tflops_fp16": 100.0}), dev("g1", "Y", figures={"tflops_fp16": 40.0})
+    z = dev("g9", "Z", figures={"tflops_fp16": 300.0})
+    r = PlacementRequest(task_type="b")
+    plain = scorer.score(r, [x, y, z])
+    assert scorer.unseen([x, y, z]) == [False, False, True]
+    scored = score_devices(r, [x, y, z], scorer)
+    assert scored.scores[:2] == tuple(plain[:2])
+    assert scored.scores[2] == pytest.approx(statistics.median([plain[0] * 3.0, plain[1] * 7.5]))
+    assert scored.ranked(1)[0][0] == "g9" and scored.scores[2] != pytest.approx(plain[2])
+    assert "GPU models without records (Z) scored from their fp16 speed" in scored.reason, scored.reason
+    # the request's precision picks the figure; a device not measured, or nothing known measured, keeps its score
+    fp64 = score_devices(PlacementRequest(task_type="b", precision="fp64"),
+                         [dev("g0", "X", figures={"tflops_fp64": 10.0}), dev("g9", "Z", figures={"tflops_fp64": 5.0})],
+                         scorer)
+    assert "scored from their fp64 speed" in fp64.reason
+    for devices in ([x, y, dev("g9", "Z")], [dev("g0", "X"), z]):
+        s = score_devices(r, devices, scorer)
+        assert s.scores == tuple(scorer.score(r, devices)) and "without records" not in s.reason
