@@ -77,9 +77,9 @@ def gpu_capabilities(m: LeaseCore, g: Gpu) -> Capabilities:
 
 def in_tenant_terms(m: LeaseCore, request: LeaseRequest) -> tuple[LeaseRequest, str | None]:
     """A request's `requires` checked against this host's GPUs (Conflict naming what they have when none has
-    them), its `total_memory_gib` made a GPU count (domain.terms), and its count held against where the records say
-    its task type stops gaining (`m.scaling`: said, and cut there under `placement.cap_at_scaling_limit`); with the
-    note that says how."""
+    them), its `total_memory_gib` or `target_work_rate` made a GPU count (domain.terms; the latter from the active
+    model's predictions, `m.predict_rates`), and its count held against where the records say its task type stops
+    gaining (`m.scaling`: said, and cut there under `placement.cap_at_scaling_limit`); with the note that says how."""
     notes: list[str] = []
     if request.requires or request.total_memory_gib is not None or request.target_work_rate is not None:
         # Against the whole inventory (a quarantine comes and goes): the same request resolves the same way each

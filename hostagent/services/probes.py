@@ -351,6 +351,11 @@ class ProbeService:
         unknown (pci.ids older than the card)."""
         gpu = self.manager.gpus[gpu_id]
         measured = Measured.from_probe(health, {**self.latest.get(gpu_id, {}), **self.extra_figures(gpu.model)})
+        before = self.manager.measured.get(gpu_id)
+        if before is not None:  # a probe whose runners said less (one failed) forgets nothing the board is
+            measured = dataclasses.replace(
+                measured, compute_capability=measured.compute_capability or before.compute_capability,
+                name=measured.name or before.name, memory_bytes=measured.memory_bytes or before.memory_bytes)
         self.manager.measured[gpu_id] = measured
         if (measured.memory_bytes and measured.memory_bytes != gpu.memory_bytes
                 and gpu.memory_source in ("bar", "unknown", "probe")):

@@ -119,6 +119,22 @@ async def test_a_host_whose_pci_ids_is_older_than_its_cards_learns_them_from_the
     mem = await r.json()
     assert r.status == 201 and len(mem["devices"]) == 3, mem
 
+    # a later probe whose runners say nothing of the board (its compute runner failed) forgets none of it
+    v100 = next(g["id"] for g in before.values() if g["model"] == "10de:1db6")  # free again
+    before_fail = after[v100]
+    assert before_fail["capabilities"]["features"] and "fp64" in before_fail["capabilities"]["features"]
+    # the simulated runner fails for a board it has no figures for: take them away for one probe
+    from hostagent.host import fakeprobes
+
+    saved = dict(fakeprobes.BOARDS)
+    fakeprobes.BOARDS.clear()
+    try:
+        report = await (await client.post(f"/v1/gpus/{v100}/probe", headers=op)).json()
+    finally:
+        fakeprobes.BOARDS.update(saved)
+    assert not report["metrics"] and "no simulated figures" in (report["note"] or ""), report
+    assert (await gpus())[v100]["capabilities"] == before_fail["capabilities"]
+
     # a restart learns it all again from the probe history in the store
     runtime = build_runtime(rig.settings, hypervisor=rig.hv)
     app = make_app(runtime, probe_settings=ProbeSettings(enabled=False, period_s=0))
