@@ -3,6 +3,7 @@ active model predicts reach it, says so with the figures, and says what the GPUs
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from hostagent.domain.errors import Conflict, InvalidInput
-from hostagent.domain.lease import LeaseRequest, parse_lease_request
+from hostagent.domain.lease import MAX_GPUS_PER_REQUEST, LeaseRequest, parse_lease_request
 from hostagent.domain.terms import Scaling, resolve_throughput
 from hostagent.learn.model import LearnedScorer, fit
 from hostagent.learn.records import examples_from_records
@@ -32,6 +33,16 @@ def test_the_fewest_fastest_that_sum_to_the_target_and_no_more_than_scaling_allo
     assert "gains less than 10% past 2 GPU(s)" in e.value.message
     with pytest.raises(Conflict):
         resolve_throughput(req, [], "v7", None)
+    with pytest.raises(Conflict) as e:  # no scaling known: the message ends with the figures
+        resolve_throughput(req, [1000.0, 500.0, 400.0], "v7", None)
+    assert e.value.message.endswith("model v7 predicts at most 1900/s, with 3 GPU(s)"), e.value.message
+    with pytest.raises(Conflict) as e:  # the scaling limit is all the GPUs here anyway: it explains nothing
+        resolve_throughput(req, [1000.0, 1000.0], "v7", Scaling("resnet", {1: 1000.0, 2: 1900.0, 4: 1950.0}))
+    assert e.value.message.endswith("at most 2000/s, with 2 GPU(s)"), e.value.message
+    with pytest.raises(Conflict) as e:  # never more GPUs than one request may have
+        resolve_throughput(dataclasses.replace(req, target_work_rate=float(MAX_GPUS_PER_REQUEST + 2)),
+                           [1.0] * (MAX_GPUS_PER_REQUEST + 4), "v7", None)
+    assert f"with {MAX_GPUS_PER_REQUEST} GPU(s)" in e.value.message
 
 
 @pytest.mark.parametrize("body,field", [

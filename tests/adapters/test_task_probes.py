@@ -12,6 +12,7 @@ from typing import Any
 
 from hostagent.runtime import build_runtime, make_app
 from hostagent.services.probes import ProbeSettings
+from hostagent.web.topology import TOPOLOGY
 from tests.support.agent import AgentRig, make_rig
 
 # resnet per GPU model, reversed from their FP16 figures: only the task probe can make the T4 the fastest
@@ -102,3 +103,33 @@ async def test_a_failing_task_probe_is_reported_and_blames_no_gpu(tmp_path: Path
     assert body["work_rate"] == {} and all("exited 3" in e and "no CUDA here" in e for e in body["errors"].values())
     assert not rig.runtime.manager.quarantined and not rig.runtime.manager.attention
     assert not [c for c in rig.runtime.manager.claims.values() if c.startswith("probe:")]
+
+
+async def test_a_model_whose_gpus_are_all_busy_is_probed_once_one_is_free_and_a_failure_is_retried(
+        tmp_path: Path, aiohttp_client: Any) -> None:
+    rig = rig_with_probes(tmp_path, fail=True)
+    app = make_app(rig.runtime, probe_settings=ProbeSettings(enabled=False, period_s=0))
+    client = await aiohttp_client(app)
+    op = rig.auth("operator")
+    # every A100 (the first model in order) is leased: the others are probed, the A100 is left for later
+    r = await client.post("/v1/leases", json={"domain": "vm-a", "gpus": 4, "model": "A100", "task_type": "other"},
+                          headers=op)
+    a100s = await r.json()
+    assert r.status == 201, a100s
+    parts = app[TOPOLOGY].task_probes
+    chosen = parts.schedule("resnet")
+    model = {g.id: g.model[:5] for g in rig.runtime.manager.gpus.values()}
+    assert sorted(model[g] for g in chosen) == ["GV100", "TU102", "TU104"], chosen
+    body = await until(client, op, lambda b: len(b["errors"]) == 3)
+    assert sorted(m[:5] for m in body["errors"]) == ["GV100", "TU102", "TU104"] and body["work_rate"] == {}
+    # the command is fixed; the next resnet request probes every model still missing, the freed A100s included
+    table = tmp_path / "rates.json"
+    table.write_text(table.read_text().replace('"fail": true', '"fail": false'))
+    await client.delete(f"/v1/leases/{a100s['id']}", headers=op)
+    r = await client.post("/v1/leases", json={"task_type": "resnet"}, headers=rig.auth("vm-b"))
+    assert r.status == 201
+    body = await until(client, op, lambda b: len(b["work_rate"]) == 4)
+    assert {m[:5]: v for m, v in body["work_rate"].items()} == RATES and body["errors"] == {}, body
+    events = (await (await client.get("/v1/events?kind=probe", headers=op)).json())["events"]
+    tasks = [e for e in events if "task probe resnet" in (e.get("detail") or "")]
+    assert len(tasks) == 7 and {e["actor"] for e in tasks} == {"task-probe"}, tasks  # 3 failed, then 4
