@@ -122,6 +122,8 @@ async def test_a_model_whose_gpus_are_all_busy_is_probed_once_one_is_free_and_a_
     assert sorted(model[g] for g in chosen) == ["GV100", "TU102", "TU104"], chosen
     body = await until(client, op, lambda b: len(b["errors"]) == 3)
     assert sorted(m[:5] for m in body["errors"]) == ["GV100", "TU102", "TU104"] and body["work_rate"] == {}
+    busy = await parts.probe("resnet", a100s["devices"][0]["gpu_id"])  # a leased GPU is never probed
+    assert busy.runner == "task:resnet" and "held by lease" in (busy.error or ""), busy
     # the command is fixed; the next resnet request probes every model still missing, the freed A100s included
     table = tmp_path / "rates.json"
     table.write_text(table.read_text().replace('"fail": true', '"fail": false'))
