@@ -135,3 +135,5 @@ async def test_a_model_whose_gpus_are_all_busy_is_probed_once_one_is_free_and_a_
     events = (await (await client.get("/v1/events?kind=probe", headers=op)).json())["events"]
     tasks = [e for e in events if "task probe resnet" in (e.get("detail") or "")]
     assert len(tasks) == 7 and {e["actor"] for e in tasks} == {"task-probe"}, tasks  # 3 failed, then 4
+    assert all(e.get("gpu_id") in model or set(e.get("gpu_ids") or ()) <= set(model) for e in tasks), tasks
+    assert all(e.get("gpu_id") or e.get("gpu_ids") for e in tasks), tasks
