@@ -21,7 +21,7 @@ Four phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt
               service with the production placement (Placer + TopologyPlacer, numa_policy=required) grants a
               request from an inner domain pinned to node 1 (numatune nodeset=1, vCPU on CPU 1) the node-1 device
               although the node-0 one is free and first by address, one pinned to node 0 the node-0 device, and
-              refuses another node-1 request while only the node-0 device is free.
+              refuses a third domain pinned to node 1 once both devices are leased.
 Only facts are recorded here; the test decides.
 """
 

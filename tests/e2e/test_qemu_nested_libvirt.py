@@ -158,8 +158,8 @@ def test_multifunction_group_can_be_leased_live(nested: dict[str, Any]) -> None:
 
 def test_a_pinned_domain_gets_a_device_on_its_own_node_under_numa_policy_required(nested: dict[str, Any]) -> None:
     """Two NUMA nodes, one device on each (behind expander bridges): the agent reads each inner domain's pinning from
-    libvirt and the production placers give it the device on its node; with only the other node's device free, a
-    node-1 request is refused rather than placed across the sockets (#29)."""
+    libvirt and the production placers give it the device on its node, the node-1 one although the node-0 one is
+    free and first by address (#29). A third request, with both devices leased, is refused."""
     rec = _phase(nested, "numa")
     node0, node1 = qemu.NUMA_ADDRS
     assert rec["gpu_nodes"] == {node0: 0, node1: 1} and rec["cells"] == {"0": [0], "1": [1]}, rec
