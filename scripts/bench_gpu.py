@@ -226,9 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         if probe.problems:
             failures.append(f"{g.address} probe problems: {list(probe.problems)}")
         # what placement learns from this probe (services.probes.learn): features and memory size
-        health = {name: (res.get("health") or {}) for name, res in (("torch", entry["torch"]),)}
-        health.update({key.split(" ", 1)[1]: h.get("health") or {} for key, h in report["health"].items()
-                       if key.startswith(f"{g.address} ")})
+        health = {"torch": probe.health, **{key.split(" ", 1)[1]: h.get("health") or {}
+                                             for key, h in report["health"].items() if key.startswith(f"{g.address} ")}}
         measured = Measured.from_probe(health, probe.metrics)
         learned = capabilities(g.primary.vendor_id, g.primary.device_name, measured=measured)
         before = capabilities(g.primary.vendor_id, g.primary.device_name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import statistics
 import subprocess
@@ -511,8 +512,6 @@ class TaskProbeRunner:
 
     def run(self, gpu: Gpu, budget_s: float) -> RunnerResult:
         """Run the command once on `gpu`; the work rate it printed, or the error."""
-        import os
-
         env = {**os.environ, "HOSTAGENT_PROBE_GPU": str(gpu.address), "HOSTAGENT_PROBE_TASK": self.task_type,
                "HOSTAGENT_PROBE_BUDGET_S": f"{budget_s:g}", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
         try:

@@ -81,6 +81,7 @@ def in_tenant_terms(m: LeaseCore, request: LeaseRequest) -> tuple[LeaseRequest, 
     model's predictions, `m.predict_rates`), and its count held against where the records say its task type stops
     gaining (`m.scaling`: said, and cut there under `placement.cap_at_scaling_limit`); with the note that says how."""
     notes: list[str] = []
+    scaling = m.scaling(request.task_type)
     if request.requires or request.total_memory_gib is not None or request.target_work_rate is not None:
         # Against the whole inventory (a quarantine comes and goes): the same request resolves the same way each
         # time, so a retry with its idempotency key finds the lease it made.
@@ -97,9 +98,8 @@ def in_tenant_terms(m: LeaseCore, request: LeaseRequest) -> tuple[LeaseRequest, 
             if predicted is None:
                 raise Conflict(f"no model predicts the work rate of {request.task_type} yet (a work-rate model needs "
                                "5 finished leases of it that reported work): ask for gpus", field="target_work_rate")
-            request, note = resolve_throughput(request, predicted[0], predicted[1], m.scaling(request.task_type))
+            request, note = resolve_throughput(request, predicted[0], predicted[1], scaling)
             notes.append(note)
-    scaling = m.scaling(request.task_type) if request.gpus > 1 else None
     limit = scaling.limit if scaling is not None else None
     if scaling is not None and limit is not None and request.gpus > limit:
         if m.policy.cap_at_scaling_limit:

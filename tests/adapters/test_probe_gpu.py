@@ -25,6 +25,14 @@ def _nvidia_gpu():  # type: ignore[no-untyped-def]
     return gpus[0]
 
 
+def _available(runner):  # type: ignore[no-untyped-def]
+    """The runner, or a skip with the reason it cannot run here."""
+    why = runner.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    return runner
+
+
 def test_nvml_reads_health_signals() -> None:
     gpu = _nvidia_gpu()
     res = NvmlRunner().run(gpu, 1.0)
@@ -36,10 +44,7 @@ def test_nvml_reads_health_signals() -> None:
 
 def test_nvidia_smi_agrees_with_nvml() -> None:
     gpu = _nvidia_gpu()
-    smi = NvidiaSmiRunner()
-    if smi.unavailable():
-        pytest.skip(smi.unavailable())
-    res = smi.run(gpu, 1.0)
+    res = _available(NvidiaSmiRunner()).run(gpu, 1.0)
     assert res.error is None, res.error
     assert res.health["pcie.link.width.max"] == NvmlRunner().run(gpu, 1.0).health["pcie_max_width"]
 
@@ -47,10 +52,7 @@ def test_nvidia_smi_agrees_with_nvml() -> None:
 @pytest.mark.parametrize("runner", [TorchRunner(), CupyRunner()], ids=["torch", "cupy"])
 def test_compute_runner_measures_throughput(runner) -> None:  # type: ignore[no-untyped-def]
     gpu = _nvidia_gpu()
-    why = runner.unavailable()
-    if why is not None:
-        pytest.skip(why)
-    res = runner.run(gpu, 1.0)
+    res = _available(runner).run(gpu, 1.0)
     assert res.error is None, res.error
     assert res.metrics[MATMUL] > 1.0  # TFLOP/s: any datacenter GPU does far more in FP16
     assert res.metrics[BANDWIDTH] > 50.0  # GB/s
@@ -67,10 +69,7 @@ def test_the_driver_tells_what_pci_ids_may_not() -> None:
 
 def test_torch_checks_every_precision_and_reports_the_board() -> None:
     gpu = _nvidia_gpu()
-    runner = TorchRunner()
-    if runner.unavailable():
-        pytest.skip(runner.unavailable())
-    res = runner.run(gpu, 4.0)
+    res = _available(TorchRunner()).run(gpu, 4.0)
     assert res.error is None and not res.problems, (res.error, res.problems)
     assert set(res.health["known_answer"].values()) == {"ok"} and {"fp16", "fp32", "fp64"} <= set(res.health["known_answer"])
     assert res.health["compute_capability"] == NvmlRunner().run(gpu, 1.0).health["compute_capability"]
