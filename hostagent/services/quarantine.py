@@ -42,10 +42,10 @@ async def clear_quarantine(m: LeaseCore, gpu_id: str, *, actor: str) -> None:
     gpu = m.gpus.get(gpu_id)
     if gpu is None:
         raise NotFound(f"no GPU {gpu_id!r}", field="gpu_id")
-    if gpu_id not in m.quarantined and gpu_id not in m.attention:
-        raise Conflict(f"GPU {gpu_id} is not quarantined, nor waiting for an operator's attention", field="gpu_id")
+    _still_to_clear(m, gpu_id)
     if gpu_id not in m.claims:
         await give_back_unleased(m, gpu, actor)
+        _still_to_clear(m, gpu_id)  # another clear may have finished while this one gave the GPU back
     if gpu_id in m.quarantined:
         if not await m._run(m.journal.clear_quarantine, gpu_id, actor=actor):
             raise Conflict(f"GPU {gpu_id} is not quarantined", field="gpu_id")
@@ -54,6 +54,11 @@ async def clear_quarantine(m: LeaseCore, gpu_id: str, *, actor: str) -> None:
     if why is not None:
         await m._run(m.journal.event, "attention-cleared", actor=actor, gpu_id=gpu_id, detail=f"was: {why}")
     m._wake_queue.set()
+
+
+def _still_to_clear(m: LeaseCore, gpu_id: str) -> None:
+    if gpu_id not in m.quarantined and gpu_id not in m.attention:
+        raise Conflict(f"GPU {gpu_id} is not quarantined, nor waiting for an operator's attention", field="gpu_id")
 
 
 async def give_back_unleased(m: LeaseCore, gpu: Gpu, actor: str) -> None:

@@ -362,6 +362,35 @@ async def test_quarantine_clear_is_operator_only(rig: AgentRig) -> None:
     assert (await won.json())["state"] == "free"
 
 
+async def test_a_clear_that_finishes_while_another_gives_the_gpu_back_leaves_that_one_refused(
+        rig: AgentRig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order the test above meets only by chance: the first clear is still giving the GPU back (its awaits)
+    when a second one clears it; the first must then hear that it is no longer quarantined, not answer 200."""
+    from hostagent.services import quarantine
+
+    gid = sorted(rig.runtime.manager.gpus)[0]
+    await rig.runtime.manager._quarantine(gid, "test", "test")
+    real, hold, held = quarantine.give_back_unleased, asyncio.Event(), asyncio.Event()
+
+    async def slow_first(m: Any, gpu: Any, actor: str) -> None:
+        if not held.is_set():
+            held.set()
+            await hold.wait()
+        await real(m, gpu, actor)
+
+    monkeypatch.setattr(quarantine, "give_back_unleased", slow_first)
+    first = asyncio.ensure_future(rig.client.post(f"/v1/gpus/{gid}/clear-quarantine", json={},
+                                                  headers=rig.auth("operator")))
+    await asyncio.wait_for(held.wait(), 5)
+    second = await rig.client.post(f"/v1/gpus/{gid}/clear-quarantine", json={}, headers=rig.auth("operator"))
+    assert second.status == 200
+    hold.set()
+    late = await first
+    err = (await late.json())["error"]
+    assert late.status == 409 and err["field"] == "gpu_id" and "is not quarantined" in err["message"], err
+    assert gid not in rig.runtime.manager.quarantined
+
+
 async def test_events_record_every_transition(rig: AgentRig) -> None:
     journal = rig.runtime.manager.journal
     commits: list[str] = []  # one durable transaction (one fsync) per journal.record call
