@@ -15,6 +15,7 @@ service calls them from a worker thread.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -328,14 +329,19 @@ class TorchRunner:
         self.device = device
 
     def unavailable(self) -> str | None:
-        """None when PyTorch is installed and sees a CUDA device (or runs on the CPU)."""
-        try:
-            import torch
-        except ImportError:
+        """None when PyTorch is installed and sees a CUDA device (or runs on the CPU). The CUDA check runs in a
+        child process (`cuda_check_in_child`): in the agent it would import PyTorch (seconds, hundreds of MB) and
+        initialise CUDA, whose driver handles stay open for the process's life."""
+        if importlib.util.find_spec("torch") is None:
             return "PyTorch is not installed"
-        if self.device == "cuda" and not torch.cuda.is_available():
-            return "PyTorch sees no CUDA device"
-        return None
+        return None if self.device == "cpu" else cuda_check_in_child(self.name)
+
+    @staticmethod
+    def cuda_check() -> str | None:
+        """In the child: why PyTorch cannot measure a CUDA device here, or None."""
+        import torch
+
+        return None if torch.cuda.is_available() else "PyTorch sees no CUDA device"
 
     def _index(self, torch: Any, gpu: Gpu) -> int | None:
         a = gpu.address
@@ -412,11 +418,16 @@ class CupyRunner:
     kind = COMPUTE
 
     def unavailable(self) -> str | None:
-        """None when CuPy is installed and sees a CUDA device."""
-        try:
-            import cupy
-        except ImportError:
+        """None when CuPy is installed and sees a CUDA device (checked in a child process, as for PyTorch)."""
+        if importlib.util.find_spec("cupy") is None:
             return "CuPy is not installed"
+        return cuda_check_in_child(self.name)
+
+    @staticmethod
+    def cuda_check() -> str | None:
+        """In the child: why CuPy cannot measure a CUDA device here, or None."""
+        import cupy
+
         try:
             if cupy.cuda.runtime.getDeviceCount() < 1:
                 return "CuPy sees no CUDA device"
@@ -453,6 +464,24 @@ class CupyRunner:
                             health={"matmul_iters": n, "copy_iters": m, "known_answer": {"fp16": "wrong" if wrong else "ok"}})
 
 
+CUDA_CHECK_TIMEOUT_S = 60.0  # importing PyTorch and initialising CUDA on a loaded host takes seconds, not minutes
+
+
+def cuda_check_in_child(runner: str, timeout_s: float = CUDA_CHECK_TIMEOUT_S) -> str | None:
+    """Why a compute runner cannot reach a CUDA device here, or None: asked of
+    `python -m hostagent.host.probes --check RUNNER`, so the agent never imports the library nor initialises CUDA."""
+    cmd = [sys.executable, "-m", "hostagent.host.probes", "--check", runner]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"the {runner} check did not finish: {exc}"
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        return f"the {runner} check exited {out.returncode}: {(out.stderr or out.stdout).strip()[-300:]}"
+    why = json.loads(lines[-1]).get("unavailable")
+    return None if why is None else str(why)
+
+
 def run_in_child(runner: str, gpu: Gpu, budget_s: float, timeout_s: float | None = None) -> RunnerResult:
     """Run a compute runner's `measure` in `python -m hostagent.host.probes RUNNER ADDRESS BUDGET` and read its JSON.
 
@@ -474,12 +503,16 @@ def run_in_child(runner: str, gpu: Gpu, budget_s: float, timeout_s: float | None
 
 
 def _child_main(argv: Sequence[str]) -> int:
-    """The child side of `run_in_child`: measure one GPU (found by address under /sys) and print JSON."""
+    """The child side of `run_in_child` (measure one GPU, found by address under /sys) and of `cuda_check_in_child`
+    (`--check RUNNER`: why it cannot reach CUDA here); prints JSON."""
     from hostagent.host.discovery import discover
     from hostagent.host.sysfs import Sysfs as RealSysfs
 
-    runner_name, address, budget = argv[0], argv[1], float(argv[2])
     runners: dict[str, type[TorchRunner] | type[CupyRunner]] = {"torch": TorchRunner, "cupy": CupyRunner}
+    if argv[0] == "--check":  # `cuda_check_in_child`
+        print(json.dumps({"unavailable": runners[argv[1]].cuda_check()}))
+        return 0
+    runner_name, address, budget = argv[0], argv[1], float(argv[2])
     inv = discover(RealSysfs("/sys"), vendors=("10de", "1002"))
     gpu = next((g for g in inv.gpus if str(g.address) == address), None)
     if gpu is None:
@@ -555,9 +588,10 @@ def select_runners(candidates: Sequence[ProbeRunner]) -> tuple[list[ProbeRunner]
     status: list[RunnerStatus] = []
     have_compute = have_nvml = False
     for r in candidates:
-        why = r.unavailable()
-        if why is None and r.kind == COMPUTE and have_compute:
-            why = "another compute runner was chosen first"
+        if r.kind == COMPUTE and have_compute:  # not asked: a compute runner's check costs a child process
+            why: str | None = "another compute runner was chosen first"
+        else:
+            why = r.unavailable()
         if why is None and r.name == "nvidia-smi" and have_nvml:
             why = "NVML is available; nvidia-smi would read the same signals"
         status.append(RunnerStatus(r.name, r.kind, why is None, why))

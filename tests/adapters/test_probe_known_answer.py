@@ -5,6 +5,9 @@ scored, never a reference for its peers, and never leased. The real PyTorch runn
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,18 @@ def test_the_torch_runner_on_cpu_measures_the_vector_and_checks_every_precision(
     for p in ("fp16", "bf16", "fp32", "fp64"):
         assert res.metrics[tflops_key(p)] > 0, res.metrics
     assert res.metrics[MATMUL] == res.metrics[tflops_key("fp16")] and res.metrics[BANDWIDTH] > 0
+
+
+def test_the_cuda_runners_are_checked_in_a_child_and_the_agent_never_imports_their_library() -> None:
+    """In the agent `torch.cuda.is_available()` would import PyTorch (seconds at every start) and initialise CUDA,
+    whose driver handles stay open for the agent's life (a GPU's host driver could not then be unbound): the check
+    runs in `python -m hostagent.host.probes --check`. Here PyTorch is installed for the CPU and CuPy is not."""
+    code = ("import sys, json; from hostagent.host.probes import TorchRunner, CupyRunner; "
+            "print(json.dumps([TorchRunner().unavailable(), TorchRunner('cpu').unavailable(), "
+            "CupyRunner().unavailable(), sorted(m for m in ('torch', 'cupy') if m in sys.modules)]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    cuda, cpu, cupy, imported = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (cuda, cpu, cupy, imported) == ("PyTorch sees no CUDA device", None, "CuPy is not installed", [])
 
 
 def test_the_torch_runner_finds_a_wrong_bf16_product(monkeypatch: pytest.MonkeyPatch) -> None:

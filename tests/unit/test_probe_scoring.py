@@ -55,9 +55,10 @@ def test_parse_smi_row_and_aer() -> None:
 
 class R:
     def __init__(self, name: str, kind: str, why: str | None) -> None:
-        self.name, self.kind, self.why = name, kind, why
+        self.name, self.kind, self.why, self.asked = name, kind, why, 0
 
     def unavailable(self) -> str | None:
+        self.asked += 1
         return self.why
 
     def run(self, gpu: object, budget_s: float) -> RunnerResult:
@@ -71,3 +72,12 @@ def test_select_runners_prefers_nvml_and_one_compute_runner() -> None:
     why = {s.name: s.reason for s in status}
     assert why["torch"] == "PyTorch is not installed" and "NVML is available" in (why["nvidia-smi"] or "")
     assert "another compute runner" in (why["other"] or "")
+
+
+def test_a_compute_runner_after_the_chosen_one_is_not_asked() -> None:
+    """Asking PyTorch or CuPy costs a child process that imports the library: not done for a runner that would not
+    be used (the simulated runner comes first on a fake host, so the demo and the tests start without it)."""
+    first, torch, cupy = R("sim", COMPUTE, None), R("torch", COMPUTE, None), R("cupy", COMPUTE, None)
+    chosen, status = select_runners([first, R("sysfs", HEALTH, None), torch, cupy])
+    assert [r.name for r in chosen] == ["sim", "sysfs"] and (first.asked, torch.asked, cupy.asked) == (1, 0, 0)
+    assert [s.available for s in status] == [True, True, False, False]
