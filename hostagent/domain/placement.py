@@ -193,15 +193,6 @@ class Decision:
     reasons: tuple[str, ...] = ()
     distance: float | None = None  # largest topology distance inside the chosen set (multi-GPU)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form (stored with the lease, shown to operators)."""
-        return {
-            "chosen": list(self.chosen), "rule": self.rule,
-            "candidates": [{"gpu_id": g, "score": round(s, 6)} for g, s in self.candidates],
-            "dropped": [{"gpu_id": d.gpu_id, "reason": d.reason} for d in self.dropped],
-            "reasons": list(self.reasons), "distance": self.distance,
-        }
-
 
 def _fmt_gib(x: float) -> str:
     return f"{x:.1f} GiB"

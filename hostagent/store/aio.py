@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 from hostagent.domain.inventory import Gpu
-from hostagent.store.repo import TokenRepo, UsageStore
+from hostagent.store.repo import UsageStore
 from hostagent.store.samples import Sample
 
 log = logging.getLogger(__name__)
@@ -118,10 +118,6 @@ class AsyncUsageStore:
         await asyncio.wrap_future(self._mirror.submit(lambda: None))
 
     # -- the repository, awaited ---------------------------------------------------------------------------------
-    async def upsert_host(self, info: Mapping[str, Any] | None = None) -> None:
-        """See UsageStore.upsert_host."""
-        await self.run(self.store.upsert_host, info)
-
     async def upsert_gpus(self, gpus: Iterable[Mapping[str, Any] | Gpu]) -> int:
         """See UsageStore.upsert_gpus."""
         return await self.run(self.store.upsert_gpus, list(gpus))
@@ -202,47 +198,6 @@ class AsyncUsageStore:
     async def prune(self, raw_older_than_s: float, minute_older_than_s: float, **kw: Any) -> dict[str, int]:
         """See UsageStore.prune."""
         return await self.run(self.store.prune, raw_older_than_s, minute_older_than_s, **kw)
-
-    @property
-    def tokens(self) -> AsyncTokens:
-        """Token operations, awaited."""
-        return AsyncTokens(self, self.store.tokens)
-
-
-class AsyncTokens:
-    """TokenRepo, awaited."""
-
-    def __init__(self, facade: AsyncUsageStore, repo: TokenRepo) -> None:
-        self._f = facade
-        self._r = repo
-
-    async def issue(self, **kw: Any) -> tuple[str, dict[str, Any]]:
-        """See TokenRepo.issue."""
-        return await self._f.run(self._r.issue, **kw)
-
-    async def add_hash(self, sha256: str, **kw: Any) -> dict[str, Any]:
-        """See TokenRepo.add_hash."""
-        return await self._f.run(self._r.add_hash, sha256, **kw)
-
-    async def lookup(self, token: str) -> dict[str, Any] | None:
-        """See TokenRepo.lookup."""
-        return await self._f.run(self._r.lookup, token)
-
-    async def lookup_hash(self, sha256: str) -> dict[str, Any] | None:
-        """See TokenRepo.lookup_hash."""
-        return await self._f.run(self._r.lookup_hash, sha256)
-
-    async def revoke(self, sha256: str) -> bool:
-        """See TokenRepo.revoke."""
-        return await self._f.run(self._r.revoke, sha256)
-
-    async def revoke_domain(self, domain_uuid: str) -> int:
-        """See TokenRepo.revoke_domain."""
-        return await self._f.run(self._r.revoke_domain, domain_uuid)
-
-    async def list(self, **kw: Any) -> list[dict[str, Any]]:
-        """See TokenRepo.list."""
-        return await self._f.run(self._r.list, **kw)
 
 
 def _log_failure(fut: Future[Any]) -> None:

@@ -44,6 +44,28 @@ async def test_served_document_is_the_same(tmp_path: Path, aiohttp_client: Any) 
     assert r.status == 200 and await r.json() == document()
 
 
+# Clients generated from the document name their methods after these: renaming one breaks every such client, so a
+# rename is a deliberate change made here too.
+OPERATIONS = {
+    "healthz": ("GET", "/healthz"), "readyz": ("GET", "/readyz"), "openapi": ("GET", "/v1/openapi.json"),
+    "listGpus": ("GET", "/v1/gpus"), "getGpu": ("GET", "/v1/gpus/{gpu_id}"),
+    "clearQuarantine": ("POST", "/v1/gpus/{gpu_id}/clear-quarantine"), "probeGpu": ("POST", "/v1/gpus/{gpu_id}/probe"),
+    "createLease": ("POST", "/v1/leases"), "listLeases": ("GET", "/v1/leases"),
+    "getLease": ("GET", "/v1/leases/{lease_id}"), "releaseLease": ("DELETE", "/v1/leases/{lease_id}"),
+    "heartbeat": ("POST", "/v1/leases/{lease_id}/heartbeat"), "renewLease": ("POST", "/v1/leases/{lease_id}/renew"),
+    "reclaimControl": ("POST", "/v1/leases/{lease_id}/reclaim"), "listEvents": ("GET", "/v1/events"),
+    "reaperStatus": ("GET", "/v1/reaper"), "getTopology": ("GET", "/v1/topology"), "probeStatus": ("GET", "/v1/probes"),
+}
+
+
+async def test_every_operation_keeps_its_id(tmp_path: Path, aiohttp_client: Any) -> None:
+    rig = make_rig(tmp_path)
+    client = await aiohttp_client(make_app(rig.runtime))
+    doc = await (await client.get("/v1/openapi.json", headers=rig.auth("vm-a"))).json()
+    served = {op["operationId"]: (m.upper(), p) for p, ops in doc["paths"].items() for m, op in ops.items()}
+    assert served == OPERATIONS
+
+
 async def test_served_document_carries_the_configured_maximum(tmp_path: Path, aiohttp_client: Any) -> None:
     """duration_s's maximum is the agent's [leases] max_duration_s, in the request schema and in renew's."""
     rig = make_rig(tmp_path, leases={"max_duration_s": 3600, "default_duration_s": 600})

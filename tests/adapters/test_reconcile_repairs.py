@@ -133,3 +133,35 @@ async def test_a_lease_stopped_in_attaching_without_its_device_is_rolled_back_sa
         assert all(rig.sysfs_driver(f) == "nvidia" for f in functions)
     finally:
         await rig.runtime.stop()
+
+
+async def test_a_lease_stopped_in_attaching_whose_guest_keeps_the_device_waits_for_it_by_the_reconcilers_steps(
+        tmp_path: Path) -> None:
+    """Stopped in ATTACHING with one of its two GPUs attached, and the guest does not let go of the undo's detach:
+    the lease holds the devices (DETACH_PENDING, nothing given back), and every step on the way is the
+    reconciler's."""
+    rig, lease_id, functions = await _leased_then_stopped(tmp_path, gpus=2)
+    journal = Journal(rig.settings.state_dir / "journal.sqlite3")
+    try:
+        lease = journal.get(lease_id)
+        assert lease is not None
+        for f in lease.devices[1].functions:
+            rig.hv.eject("vm-a", f)  # the attach stopped after the first GPU
+    finally:
+        journal.close()
+    rig.hv.set_refuse_detach("vm-a")
+    _journal_steps(rig, lease_id, S.ATTACHING)
+    await _start_again(rig)
+    try:
+        rt = rig.runtime
+        assert rt.manager.leases[lease_id].state is S.DETACH_PENDING
+        assert all(rig.sysfs_driver(f) == "vfio-pci" for f in functions)
+        (note,) = [r for r in rt.repairs if r.subject == lease_id]
+        assert (note.found, note.action) == ("lease stopped in ATTACHING",
+                                             "detach not acknowledged: lease kept DETACH_PENDING"), note
+        steps = [(e.to_state, e.actor) for e in rt.journal.events(lease_id=lease_id, kinds=["transition"])
+                 if e.actor != "test" and e.seq > 0][-4:]
+        assert steps == [(st, Reconciler.ACTOR) for st in ("ACTIVE", "RELEASING", "DETACHING", "DETACH_PENDING")], \
+            steps
+    finally:
+        await rig.runtime.stop()

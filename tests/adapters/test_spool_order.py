@@ -53,7 +53,8 @@ def transitions_in_db(db: str, lease_id: str) -> list[object]:
 
 
 async def test_a_new_write_waits_behind_a_spool_whose_replay_stopped_part_way(db: str, proxy: TcpProxy,
-                                                                              tmp_path: Path) -> None:
+                                                                              tmp_path: Path,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
     """Through the async facade the agent uses; its replay loop is left off so the test decides when replays
     happen (the loop replays exactly this way, `max_ops` at a time)."""
     f = await AsyncUsageStore.open(mysql_url(db, host="127.0.0.1", port=proxy.port), HOST, start=False,
@@ -66,6 +67,10 @@ async def test_a_new_write_waits_behind_a_spool_whose_replay_stopped_part_way(db
             await f.update_lease("O1", {"state": after})
             await f.add_lease_event("O1", actor="agent", from_state=before, to_state=after)
         assert f.spool_depth == 2 * (len(STEPS) - 1) and not f.store.reachable
+        # the operator hears of the outage once, with what failed, not once per spooled write
+        said = [r for r in caplog.records if r.name == "hostagent.store.repo" and "unreachable" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelname == "WARNING", [r.getMessage() for r in said]
+        assert said[0].getMessage().startswith("usage store unreachable, spooling writes: ")
         await f.run(proxy.restore)
 
         # one write at a time (the first tries may meet only connections the cut broke) until the store answers

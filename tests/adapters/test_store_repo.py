@@ -231,6 +231,11 @@ def test_export_csv(store: UsageStore, tmp_path: Path) -> None:
     assert len(rows) == 10 and rows[0]["gpu_id"] == "gpu-0" and int(rows[0]["ts_ms"]) == T0 * 1000
     assert store.export_csv("leases", None, None, tmp_path / "leases.csv") == 1
     assert "idem-L1" in (tmp_path / "leases.csv").read_text()
+    for lid in ("L4", "L2", "L3"):  # created in the same second: the export orders them by id, whatever the store
+        store.insert_lease(lease_doc(lid, created_at=T0 + 50, gpus=["gpu-0"]))
+    buf = io.StringIO()
+    assert store.export_csv("leases", None, None, buf) == 4
+    assert [r["id"] for r in csv.DictReader(io.StringIO(buf.getvalue()))] == ["L1", "L2", "L3", "L4"]
     assert store.export_csv("rollups_hour", None, None, io.StringIO()) == 1
     with pytest.raises(InvalidInput):
         store.export_csv("passwords", None, None, io.StringIO())
@@ -318,6 +323,43 @@ def test_domain_gpu_records_and_hosts_share_one_database(store: UsageStore, back
             store.update_lease("X1", {"state": "FAILED"})
     finally:
         other.close()
+
+
+def test_update_lease_replaces_devices_keeps_a_given_outcome_and_changes_only_what_it_names(
+        store: UsageStore) -> None:
+    setup_lease(store)
+    store.update_lease("L1", {"devices": [{"gpu_id": "gpu-1", "functions": ["0000:04:00.0"], "iommu_group": 9}]})
+    lease = store.get_lease("L1")
+    assert [(d["gpu_id"], d["functions"], d["iommu_group"]) for d in lease["devices"]] == [
+        ("gpu-1", ["0000:04:00.0"], 9)]
+    store.update_lease("L1", {"end_reason": "noted"})  # neither state nor outcome: nothing derived
+    lease = store.get_lease("L1")
+    assert (lease["state"], lease["end_reason"], lease["outcome"]) == ("ACTIVE", "noted", None)
+    store.update_lease("L1", {"state": "RELEASED", "end_reason": "idle: strike two", "outcome": "failed"})
+    assert store.get_lease("L1")["outcome"] == "failed"  # given, not derived from the state ("reclaimed")
+
+
+def test_one_lease_id_on_two_hosts_of_one_database_is_two_leases(store: UsageStore, backend_url: str,  # noqa: F811
+                                                                  tmp_path: Path) -> None:
+    """A fleet shares the database: a host's change reaches its own lease, never another host's of the same id."""
+    other = UsageStore(backend_url, store.host_id + "-b", spool_path=tmp_path / "other.sqlite3")
+    try:
+        setup_lease(store)
+        setup_lease(other)
+        other.update_lease("L1", {"state": "FAILED", "end_reason": "other host"})
+        assert other.get_lease("L1")["state"] == "FAILED"
+        mine = store.get_lease("L1")
+        assert (mine["state"], mine["end_reason"]) == ("ACTIVE", None), mine
+    finally:
+        other.close()
+
+
+def test_a_token_hash_that_is_not_sha256_is_refused_by_name(store: UsageStore) -> None:
+    for bad in ("abc", "G" * 64, hash_token("x").upper()):
+        with pytest.raises(InvalidInput) as err:
+            store.tokens.add_hash(bad, role="reader")
+        assert err.value.field == "sha256" and "64 lowercase hex digits" in err.value.message
+    assert store.tokens.add_hash(hash_token("x"), role="reader")["role"] == "reader"
 
 
 def test_repeats_inside_one_batch_are_written_once(store: UsageStore) -> None:

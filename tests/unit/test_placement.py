@@ -120,7 +120,15 @@ def test_place_with_too_few_survivors_chooses_nothing_and_explains() -> None:
     assert d.chosen == () and d.rule == "none"
     assert d.dropped[0].gpu_id == "b"
     assert "1 of 2 device(s) passed the filters, 2 needed" in d.reasons[0]
-    assert d.to_dict()["dropped"] == [{"gpu_id": "b", "reason": "not free: leased or being released"}]
+    assert [(x.gpu_id, x.reason) for x in d.dropped] == [("b", "not free: leased or being released")]
+
+
+def test_place_lists_its_top_candidates_best_first() -> None:
+    devices = [dev(f"g{i}", mem_gib=16 + i) for i in range(7)]
+    scorer = FixedScorer({f"g{i}": float(i) for i in range(7)})
+    assert [g for g, _ in place(PlacementRequest(), devices, scorer=scorer).candidates] == ["g6", "g5", "g4", "g3",
+                                                                                             "g2"]
+    assert [g for g, _ in place(PlacementRequest(), devices, scorer=scorer, top_k=2).candidates] == ["g6", "g5"]
 
 
 def test_exploration_is_bounded_and_off_for_high_priority() -> None:
