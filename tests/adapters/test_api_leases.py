@@ -391,6 +391,25 @@ async def test_a_clear_that_finishes_while_another_gives_the_gpu_back_leaves_tha
     assert gid not in rig.runtime.manager.quarantined
 
 
+async def test_events_page_back_through_next_cursor_to_the_first(rig: AgentRig) -> None:
+    body = await lease(rig)
+    await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
+    op, base = rig.auth("operator"), f"/v1/events?lease_id={body['id']}&kind=transition"
+    every = (await (await rig.client.get(base, headers=op)).json())
+    assert every["next_cursor"] is None and len(every["events"]) == 8
+    pages, url = [], f"{base}&limit=3"
+    while url:
+        page = await (await rig.client.get(url, headers=op)).json()
+        assert len(page["events"]) <= 3
+        pages.append([e["to_state"] for e in page["events"]])
+        url = f"{base}&limit=3&cursor={page['next_cursor']}" if page["next_cursor"] else ""
+    # newest page first, each page oldest first; together every event once
+    assert [s for p in reversed(pages) for s in p] == [e["to_state"] for e in every["events"]]
+    assert len(pages) == 3 and len(pages[-1]) == 2
+    r = await rig.client.get(f"{base}&cursor=abc", headers=op)
+    assert r.status == 400 and (await r.json())["error"]["field"] == "cursor"
+
+
 async def test_events_record_every_transition(rig: AgentRig) -> None:
     journal = rig.runtime.manager.journal
     commits: list[str] = []  # one durable transaction (one fsync) per journal.record call

@@ -64,8 +64,12 @@ async def test_login_sets_a_strict_httponly_session_and_goes_back(rig: AgentRig)
     assert "Content-Security-Policy" not in (await rig.client.get("/v1/gpus", headers=rig.auth("operator"))).headers
 
 
-async def test_login_refusals(rig: AgentRig) -> None:
+async def test_login_refusals(rig: AgentRig, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="hostagent.dashboard")
     assert (await login(rig, "op_wrong")).status == 401
+    # for the operator's audit: each refused credential, with where it came from (the token itself never)
+    (said,) = [r for r in caplog.records if r.name == "hostagent.dashboard" and "refused" in r.getMessage()]
+    assert said.levelname == "INFO" and said.getMessage() == "dashboard login refused from 127.0.0.1", said
     r = await login(rig, rig.tokens["vm-a"])
     assert r.status == 403 and "operator credential" in await r.text()
     # no CSRF token bound to this browser's login cookie: refused

@@ -205,6 +205,9 @@ def test_lease_usage_summary_and_gpu_history(store: UsageStore) -> None:
     assert sum(p["n"] for p in two_h) == 720
     five = store.gpu_history("gpu-0", T0, T0 + 600, 300)
     assert [p["n"] for p in five] == [30, 30]
+    # the work rate is the bucket's mean (sample_rows reports i % 5 for its i-th instant)
+    assert minutes[0]["work_rate"] == pytest.approx(10 / 6) and hours[0]["work_rate"] == pytest.approx(2.0)
+    assert [p["work_rate"] for p in five] == [pytest.approx(2.0)] * 2
     raw = store.gpu_history("gpu-0", T0, T0 + 100, "raw")
     assert [p["ts"] for p in raw] == [T0 + 10 * i for i in range(10)]
     assert store.gpu_history("gpu-1", T0 + 30 * 86400, T0 + 31 * 86400) == []
