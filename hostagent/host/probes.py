@@ -478,7 +478,10 @@ def cuda_check_in_child(runner: str, timeout_s: float = CUDA_CHECK_TIMEOUT_S) ->
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
         return f"the {runner} check exited {out.returncode}: {(out.stderr or out.stdout).strip()[-300:]}"
-    why = json.loads(lines[-1]).get("unavailable")
+    try:
+        why = json.loads(lines[-1])["unavailable"]
+    except (ValueError, TypeError, KeyError):
+        return f"the {runner} check printed no answer: {lines[-1][-300:]}"
     return None if why is None else str(why)
 
 

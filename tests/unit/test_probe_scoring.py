@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
+from hostagent.host import probes
 from hostagent.host.probes import COMPUTE, HEALTH, RunnerResult, _aer_counts, parse_smi_row, select_runners
 from hostagent.services.probes import (
     ProbeSettings,
@@ -81,3 +84,23 @@ def test_a_compute_runner_after_the_chosen_one_is_not_asked() -> None:
     chosen, status = select_runners([first, R("sysfs", HEALTH, None), torch, cupy])
     assert [r.name for r in chosen] == ["sim", "sysfs"] and (first.asked, torch.asked, cupy.asked) == (1, 0, 0)
     assert [s.available for s in status] == [True, True, False, False]
+
+
+@pytest.mark.parametrize(("rc", "out", "err", "why"), [
+    (0, '{"unavailable": null}\n', "", None),
+    (0, 'a warning\n{"unavailable": "PyTorch sees no CUDA device"}\n', "", "PyTorch sees no CUDA device"),
+    (0, "not json\n", "", "the torch check printed no answer: not json"),
+    (0, "", "", "the torch check exited 0: "),
+    (1, "", "ImportError: libcuda.so.1", "the torch check exited 1: ImportError: libcuda.so.1"),
+])
+def test_the_child_cuda_check_reads_its_last_line_or_says_what_went_wrong(
+        monkeypatch: pytest.MonkeyPatch, rc: int, out: str, err: str, why: str | None) -> None:
+    seen: list[list[str]] = []
+
+    def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, rc, out, err)
+
+    monkeypatch.setattr(probes.subprocess, "run", run)
+    assert probes.cuda_check_in_child("torch") == why
+    assert seen[0][1:] == ["-m", "hostagent.host.probes", "--check", "torch"]
