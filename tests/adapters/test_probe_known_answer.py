@@ -95,6 +95,7 @@ async def test_a_fast_wrong_gpu_is_quarantined_never_scored_and_never_leased(tmp
     assert first["ok"] and first["score"] == 1.0
     bad = await (await client.post(f"/v1/gpus/{BAD}/probe", headers=op)).json()
     assert not bad["ok"] and bad["score"] is None and "known-answer check failed" in bad["note"], bad
+    assert (bad["score_basis"], bad["peers"], bad["reference"]) == ("none", 0, {}), bad  # compared with nothing
     assert bad["quarantined"].startswith(f"probe: {WRONG_ANSWER}: fp16 matrix multiply"), bad
     assert BAD not in parts.probes.latest and BAD not in parts.probes.history_best  # nobody's reference
     peer = await (await client.post(f"/v1/gpus/{ALL[1]}/probe", headers=op)).json()

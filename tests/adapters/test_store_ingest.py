@@ -115,6 +115,7 @@ async def test_overloaded_only_when_full_and_nothing_dropped() -> None:
     with pytest.raises(Overloaded) as err:
         ing.submit(sample_rows(["gpu-1"], "L1", T0, 1))
     assert err.value.details["retry_after"] >= 1 and err.value.http_status == 503
+    assert err.value.field == "samples" and "sample queue full (100 of 100)" in err.value.message, err.value.message
     gate.set()
     await until(lambda: ing.depth == 0, 30.0, interval=0.01)
     ing.submit(sample_rows(["gpu-1"], "L1", T0, 1))  # room again

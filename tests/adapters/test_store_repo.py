@@ -195,8 +195,9 @@ def test_lease_usage_summary_and_gpu_history(store: UsageStore) -> None:
     assert g0["util_mean"] == pytest.approx(80.0) and g0["idle_fraction"] == 0.0
     assert g1["util_mean"] == pytest.approx(2.0) and g1["idle_fraction"] == 1.0
     assert summary["total"]["first_ts"] == T0 and summary["total"]["last_ts"] == T0 + 7190
-    with pytest.raises(NotFound):
+    with pytest.raises(NotFound) as nf:
         store.lease_usage_summary("nope")
+    assert nf.value.field == "lease_id" and "nope" in nf.value.message
     minutes = store.gpu_history("gpu-0", T0, T0 + 7200, "minute")
     assert len(minutes) == 120 and all(p["n"] == 6 for p in minutes) and minutes[0]["ts"] == T0
     hours = store.gpu_history("gpu-0", T0, T0 + 7200, "hour")

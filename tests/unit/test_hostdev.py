@@ -98,8 +98,9 @@ def test_group_spanning_devices_is_numbered_in_order() -> None:
 def test_bad_function_lists_are_refused() -> None:
     with pytest.raises(InvalidInput):
         hostdevs_for_gpu([], 0, 1)
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput) as err:
         hostdevs_for_gpu([A("0000:3b:00.0"), A("0000:3b:00.0")], 0, 1)
+    assert (err.value.field, err.value.message) == ("functions", "duplicate PCI function in the list")
     with pytest.raises(InvalidInput):
         hostdevs_for_gpu([A(f"0000:{b:02x}:00.0") for b in range(9)], 0, 1)
     with pytest.raises(InvalidInput):
