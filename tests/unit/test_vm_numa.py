@@ -29,6 +29,8 @@ def test_memory_bound_to_one_node_decides() -> None:
                       "<vcpu cpuset='0-3'>2</vcpu>"), CELLS)  # vCPUs elsewhere: DMA goes to guest memory
     assert got.node == 1 and "numatune strict nodeset=1" in got.why
     assert got.reason.startswith("VM on NUMA node 1")
+    # no mode: libvirt's default, strict, is what the reason names
+    assert "numatune strict nodeset=1" in vm_numa(dom("<numatune><memory nodeset='1'/></numatune>"), CELLS).why
 
 
 def test_vcpus_all_on_one_node_decide_when_memory_is_unbound() -> None:
@@ -47,6 +49,7 @@ def test_vcpus_all_on_one_node_decide_when_memory_is_unbound() -> None:
     ("<numatune><memory nodeset='0-1'/></numatune>", "<vcpu cpuset='1'>1</vcpu>", "its vCPUs on node 0"),
     ("", "<vcpu cpuset='64'>1</vcpu>", "no node the host lists"),
     ("", "<vcpu cpuset='x'>1</vcpu>", "unreadable pinning"),
+    ("<cputune><vcpupin vcpu='0'/></cputune>", "<vcpu>1</vcpu>", "not pinned"),  # a pin without its cpuset
 ])
 def test_anything_else_is_unknown_and_says_why(body: str, vcpus: str, why: str) -> None:
     got = vm_numa(dom(body, vcpus), CELLS)
