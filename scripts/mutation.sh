@@ -100,10 +100,11 @@ if { [ "$pkg" = all ] && [ "$sample" = 1 ]; } || [ ${#args[@]} -gt 0 ]; then
                        NF { print; fflush() }'
     rc=${PIPESTATUS[0]}
     set -e
-    # Before testing mutants mutmut runs their tests on the unmutated code (the "clean run"); a test that fails
-    # there now and then (timing under load, the order mutmut gives the tests in) stops the whole run: once more.
-    if [ "$rc" = 1 ] && [ "$attempt" = 1 ] && grep -q "Failed to run clean test" "$log"; then
-      echo "mutation: the clean run failed (a flaky test?); trying once more"
+    # Before testing mutants mutmut runs the tests on the unmutated code, traced ("stats", once) and then those of
+    # the mutants to test (the "clean run"); a test that fails there now and then (timing under load, the order
+    # mutmut gives the tests in) stops the whole run: once more. (Seen for both: 2026-11-25, 2026-11-27.)
+    if [ "$rc" = 1 ] && [ "$attempt" = 1 ] && grep -Eq "Failed to run clean test|failed to collect stats" "$log"; then
+      echo "mutation: the tests failed on the unmutated code (a flaky test?); trying once more"
       continue
     fi
     break
