@@ -102,6 +102,14 @@ def test_cold_start_prefers_tight_memory_fit_probe_and_numa() -> None:
     assert s[1] > s[0]
 
 
+def test_without_a_memory_floor_memory_size_neither_helps_nor_hurts_cold_start() -> None:
+    """Best fit is a rule for requests that name memory: without one, an 80 GiB device, a 16 GiB one and one of
+    unknown size score alike (nothing else tells them apart)."""
+    a, b, c = cold_start_scores(PlacementRequest(), [dev("big", mem_gib=80), dev("small", mem_gib=16),
+                                                     DeviceView("unknown", "X", numa_node=0)])
+    assert a == b == c
+
+
 def test_place_says_which_rule_decided() -> None:
     devices = [dev("g0", mem_gib=80), dev("g1", mem_gib=16)]
     r = PlacementRequest(min_memory_gib=15)
