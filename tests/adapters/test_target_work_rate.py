@@ -59,6 +59,13 @@ def test_bad_targets_are_refused_with_the_field(body: dict[str, Any], field: str
     assert e.value.field == field, e.value.message
 
 
+def test_a_target_without_its_task_type_says_which_unit_is_missing() -> None:
+    with pytest.raises(InvalidInput) as e:
+        parse_lease_request({"target_work_rate": 100}, now=1.7e9, max_duration_s=86400)
+    assert e.value.message == ("target_work_rate needs the task_type whose work rate it is (the unit the guest agent "
+                               "reports as work_rate)")
+
+
 async def test_a_target_takes_the_fewest_gpus_predicted_to_reach_it(tmp_path: Path, aiohttp_client: Any) -> None:
     rig = make_rig(tmp_path, scenario="demo16")
     gpus = [(g.id, g.model) for g in rig.runtime.manager.gpus.values()]

@@ -10,20 +10,19 @@ import pytest
 from hostagent.domain.capabilities import Capabilities
 from hostagent.domain.errors import Conflict
 from hostagent.domain.lease import MAX_GPUS_PER_REQUEST, LeaseRequest
-from hostagent.domain.terms import check_requires, resolve_throughput
+from hostagent.domain.terms import Scaling, check_requires, resolve_throughput
 
 
-def test_a_throughput_target_never_asks_for_more_gpus_than_a_request_may_have() -> None:
-    """A host with more GPUs than a request may hold: the target is resolved over at most MAX_GPUS_PER_REQUEST."""
-    rates = [1.0] * (MAX_GPUS_PER_REQUEST + 6)
+def test_a_scaling_limit_past_the_request_maximum_still_stops_at_the_maximum() -> None:
+    """Records that say a task type gains up to 100 GPUs do not let one request have more than a request may."""
+    rates = [1.0] * (MAX_GPUS_PER_REQUEST + 40)
+    scaling = Scaling("resnet", {100: 100.0, 128: 101.0})  # past 100 GPUs it gains 1 %
+    assert scaling.limit == 100
     request = LeaseRequest(task_type="resnet", target_work_rate=MAX_GPUS_PER_REQUEST + 2.0)
     with pytest.raises(Conflict) as err:
-        resolve_throughput(request, rates, "v1", None)
+        resolve_throughput(request, rates, "v1", scaling)
     assert err.value.field == "target_work_rate"
     assert f"with {MAX_GPUS_PER_REQUEST} GPU(s)" in err.value.message, err.value.message
-    got, note = resolve_throughput(LeaseRequest(task_type="resnet", target_work_rate=float(MAX_GPUS_PER_REQUEST)),
-                                   rates, "v1", None)
-    assert got.gpus == MAX_GPUS_PER_REQUEST and f"{MAX_GPUS_PER_REQUEST} GPU(s)" in note
 
 
 def test_a_requires_refusal_says_what_each_model_has_unknown_and_none_included() -> None:
