@@ -470,19 +470,31 @@ CUDA_CHECK_TIMEOUT_S = 60.0  # importing PyTorch and initialising CUDA on a load
 def cuda_check_in_child(runner: str, timeout_s: float = CUDA_CHECK_TIMEOUT_S) -> str | None:
     """Why a compute runner cannot reach a CUDA device here, or None: asked of
     `python -m hostagent.host.probes --check RUNNER`, so the agent never imports the library nor initialises CUDA."""
-    cmd = [sys.executable, "-m", "hostagent.host.probes", "--check", runner]
+    answer = _ask_child(["--check", runner], timeout_s, f"the {runner} check", failed="did not finish")
+    if isinstance(answer, str):
+        return answer
+    if "unavailable" not in answer:
+        return f"the {runner} check printed no answer: {json.dumps(answer)[-300:]}"
+    why = answer["unavailable"]
+    return None if why is None else str(why)
+
+
+def _ask_child(args: Sequence[str], timeout_s: float, who: str, *, failed: str = "failed") -> dict[str, Any] | str:
+    """The JSON object `python -m hostagent.host.probes ARGS` printed on its last line, or what went wrong, in words
+    beginning with `who`."""
+    cmd = [sys.executable, "-m", "hostagent.host.probes", *args]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"the {runner} check did not finish: {exc}"
+        return f"{who} {failed}: {exc}"
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
-        return f"the {runner} check exited {out.returncode}: {(out.stderr or out.stdout).strip()[-300:]}"
+        return f"{who} exited {out.returncode}: {(out.stderr or out.stdout).strip()[-300:]}"
     try:
-        why = json.loads(lines[-1])["unavailable"]
-    except (ValueError, TypeError, KeyError):
-        return f"the {runner} check printed no answer: {lines[-1][-300:]}"
-    return None if why is None else str(why)
+        answer = json.loads(lines[-1])
+    except ValueError:
+        answer = None
+    return answer if isinstance(answer, dict) else f"{who} printed no answer: {lines[-1][-300:]}"
 
 
 def run_in_child(runner: str, gpu: Gpu, budget_s: float, timeout_s: float | None = None) -> RunnerResult:
@@ -490,17 +502,10 @@ def run_in_child(runner: str, gpu: Gpu, budget_s: float, timeout_s: float | None
 
     A CUDA context in the agent itself would keep the host driver busy, and the next lease could not unbind it.
     """
-    cmd = [sys.executable, "-m", "hostagent.host.probes", runner, str(gpu.address), f"{budget_s:g}"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                             timeout=timeout_s if timeout_s is not None else 60 + 4 * budget_s)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return RunnerResult(runner, error=f"{runner} probe process failed: {exc}")
-    lines = out.stdout.strip().splitlines()
-    if out.returncode != 0 or not lines:
-        return RunnerResult(runner, error=f"{runner} probe process exited {out.returncode}: "
-                                          f"{(out.stderr or out.stdout).strip()[-300:]}")
-    d = json.loads(lines[-1])
+    d = _ask_child([runner, str(gpu.address), f"{budget_s:g}"],
+                   timeout_s if timeout_s is not None else 60 + 4 * budget_s, f"{runner} probe process")
+    if isinstance(d, str):
+        return RunnerResult(runner, error=d)
     return RunnerResult(d["runner"], metrics=d["metrics"], health=d["health"], problems=tuple(d["problems"]),
                         warnings=tuple(d["warnings"]), error=d["error"])
 
