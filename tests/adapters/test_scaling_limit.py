@@ -14,6 +14,7 @@ from hostagent.learn.model import LearnedScorer, ModelBundle, fit
 from hostagent.learn.records import examples_from_records
 from tests.support.agent import make_rig, start_rig
 from tests.support.placement import GIB, gpu_rows, store_records
+from tests.support.waits import until
 
 TOTALS = {1: 100.0, 2: 190.0, 4: 200.0}  # bert: 2 GPUs nearly double, 4 add 5 %
 
@@ -83,3 +84,5 @@ async def test_a_request_past_the_limit_is_told_and_cut_when_the_operator_caps(t
         other = await r.json()
         assert r.status == 201 and not any("gains less" in x for x in other["reasons"]), other
         await rig.client.delete(f"/v1/leases/{other['id']}", headers=rig.auth("vm-b"))
+        leases = rig.runtime.manager.leases  # the release ends when the guest lets go: wait for it, not a fixed time
+        await until(lambda: other["id"] not in leases, 10, "the release")
