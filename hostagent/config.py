@@ -109,6 +109,9 @@ class LeaseSettings:
     max_gpu_hours_per_day_per_vm: float = 0.0  # 0: no quota
     projects: dict[str, dict[str, Any]] = field(default_factory=dict)  # project -> {domains, max_gpus, ...}
     numa_policy: str = "preferred"  # required | preferred | any, for multi-GPU requests
+    queue_order: str = "advantage"  # advantage (comparative advantage, bounded) | strict (serve order only)
+    fairness_max_passes: int = 8  # a queued request passed over this often is served in turn
+    fairness_max_delay_s: float = 3600.0  # ... or once first passed over this long ago
     journal_retention_days: int = 90  # ended leases (and their events) kept in the journal; 0: forever
 
 
@@ -138,6 +141,7 @@ class PlacementSettings:
     explore_epsilon: float = 0.05
     explore_max_priority: int = 5  # no exploration for requests above this priority
     retrain_interval_s: float = 6 * 3600.0
+    model_check_interval_s: float = 30.0  # the running agent follows the store's active model version this often
     objective: str = "pack"  # among equally good sets: pack (keep whole free blocks) | spread (share links least)
     objective_per_task: dict[str, str] = field(default_factory=dict)  # task_type -> pack | spread
     cap_at_scaling_limit: bool = False  # cut a request to where its task type's records stop gaining
@@ -223,6 +227,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "agent.log_format": ("auto", "json", "text"),
     "agent.log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "leases.numa_policy": ("required", "preferred", "any"),
+    "leases.queue_order": ("advantage", "strict"),
     "host.guest_layout": ("auto", "multifunction", "per-function"),
     "host.kernel": ("sysfs", "fake"),
     "host.no_reset": ("warn", "refuse"),
@@ -242,6 +247,8 @@ _POSITIVE = {
     "store.samples_per_lease_per_s", "store.ingest_share", "host.step_timeout_s", "libvirt.detach_timeout_s", "store.queue_max",
     "store.flush_interval_s", "store.flush_batch", "store.max_lag_s", "leases.default_duration_s", "leases.max_duration_s",
     "reclaim.check_interval_s", "reclaim.grace_s", "placement.retrain_interval_s",
+    "leases.fairness_max_passes", "leases.fairness_max_delay_s",
+    "placement.model_check_interval_s",
     "dashboard.refresh_s", "dashboard.stale_after_s",
 }
 

@@ -7,7 +7,6 @@ import collections
 import contextlib
 import gc
 import hashlib
-import importlib
 import logging
 import threading
 import time
@@ -20,17 +19,18 @@ from aiohttp import web
 
 from hostagent.config import Settings
 from hostagent.domain.admission import TokenBucket
-from hostagent.domain.errors import ConfigError, HostAgentError, InvalidInput, NotFound, TooManyRequests
+from hostagent.domain.assignment import Fairness
+from hostagent.domain.errors import ConfigError, HostAgentError, InvalidInput, TooManyRequests
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseState, Quota
 from hostagent.host.adapter import SysfsHost
 from hostagent.host.discovery import Inventory, discover, numa_cells
 from hostagent.host.interrupts import irq_bypass
 from hostagent.host.sysfs import Sysfs
-from hostagent.learn import MODEL_KIND
 from hostagent.domain.placement import Exploration
 from hostagent.services.grant_path import gpu_capabilities
 from hostagent.services.leases import LeaseManager, LeasePolicy, lease_view
+from hostagent.services.model_follow import RETRAIN, START, ModelFollower
 from hostagent.services.placement import Placer
 from hostagent.services.reaper import Reaper, host_signal_untrusted, reaper_settings
 from hostagent.services.reconcile import (  # noqa: F401 (MISSED_WHILE_AWAY: re-exported)
@@ -125,6 +125,7 @@ def lease_policy(settings: Settings) -> LeasePolicy:
         pinned=frozenset(settings.host.pinned), preempt_min_priority=lz.preempt_min_priority,
         preempt_notice_s=settings.reclaim.notice_window_s,
         cap_at_scaling_limit=settings.placement.cap_at_scaling_limit,
+        fairness=Fairness(lz.fairness_max_passes, lz.fairness_max_delay_s, enabled=lz.queue_order == "advantage"),
     )
 
 
@@ -153,6 +154,7 @@ class Runtime:
     _unsubscribe: Callable[[], None] | None = None  # from the hypervisor's subscribe, while started
     use_store: bool = True
     placer: Any = None
+    models: Any = None  # the ModelFollower: the placer follows the store's active model version
     reread_retry_s: float = REREAD_RETRY_S
     _reconnects: int = 0
     _mirror_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -375,7 +377,8 @@ class Runtime:
         if self.store is not None:
             # scikit-learn is a heavy import: load the model after readiness, the cold-start rule decides until then
             loop_tasks += [self._load_model(), self._mirror_loop(), self._periodic(3600.0, self._prune),
-                           self._periodic(self.settings.placement.retrain_interval_s, self._retrain)]
+                           self._periodic(self.settings.placement.retrain_interval_s, self._retrain),
+                           self._periodic(self.settings.placement.model_check_interval_s, self.models.check)]
         self.tasks.extend(asyncio.create_task(c) for c in loop_tasks)  # beside a re-read a reconnect may have begun
         self.manager._wake_queue.set()
         if self.reaper is not None:
@@ -491,27 +494,11 @@ class Runtime:
         self.journal.mark_mirrored(ev.seq for ev in events)
         return len(events)
 
-    async def _load_model(self) -> None:
-        """Use the store's active placement model, if any (else the cold-start rule decides)."""
-        try:  # a store with no model: scikit-learn is never imported (seconds, and an agent stopping meanwhile waits)
-            await self.run(self.store.store.get_model_version, None, kind=MODEL_KIND, with_artifact=False)
-        except HostAgentError as exc:
-            if not isinstance(exc, NotFound):
-                log.warning("cannot load the placement model: %s; using the cold-start rule", exc.message)
-            if self.settings.agent.gc_freeze:
-                settle_heap()
-            return
-        # scikit-learn takes over a second to import: never on the event loop
-        lifecycle = await self.run(importlib.import_module, "hostagent.learn.lifecycle")
-        try:
-            scorer = await self.run(lifecycle.load_active, self.store.store)
-        except HostAgentError as exc:
-            log.warning("cannot load the placement model: %s; using the cold-start rule", exc.message)
-        else:
-            if self.placer is not None:
-                self.placer.use(scorer, getattr(scorer, "name", None))
-        if self.settings.agent.gc_freeze:
-            settle_heap()
+    async def _load_model(self, how: str = START) -> None:
+        """Use the store's active placement model, if any (else the cold-start rule decides): services.model_follow,
+        which also follows it every placement.model_check_interval_s (scikit-learn is imported only for a model)."""
+        if not await self.models.check(how) and self.settings.agent.gc_freeze:
+            settle_heap()  # the follower settles it after a switch
 
     async def _retrain(self) -> None:
         """Scheduled retraining: a new model replaces the current one only if it does at least as well."""
@@ -520,7 +507,7 @@ class Runtime:
         pl = self.settings.placement
         result = await self.run(train, self.store.store, target=pl.outcome, min_records=pl.min_records)
         log.info("retraining: %s", result.to_dict().get("decision"))
-        await self._load_model()
+        await self._load_model(RETRAIN)
 
     async def _prune(self) -> None:
         st = self.settings.store
@@ -648,9 +635,12 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
                            policy=lease_policy(settings), clock=clock, place=placer)
     holder["m"] = manager
     manager.scaling, manager.predict_rates, manager.numa_cells = placer.scaling, placer.predict_rates, numa_cells(sysfs)
+    manager.relative_rates = placer.relative_rates
     tokens = TokenBook(settings.auth.operator_token_sha256, journal.lookup_token)
     rt = Runtime(settings=settings, inventory=inventory, host=host, hypervisor=hypervisor, journal=journal,
                  manager=manager, tokens=tokens, clock=clock, placer=placer)
+    rt.models = ModelFollower(placer, lambda: rt.store.store, journal=journal, clock=clock,
+                              after_switch=settle_heap if settings.agent.gc_freeze else None)
     untrusted = host_signal_untrusted(settings.reclaim, lambda: irq_bypass(settings.host.sysfs_root))
     if untrusted:
         log.info("idle reclaim: vfio interrupt counters are not trusted to show a busy GPU (%s); with no guest "

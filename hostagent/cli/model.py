@@ -28,8 +28,10 @@ def cmd_model(args: argparse.Namespace) -> int:
             res = lifecycle.train(store, target=args.target or settings.placement.outcome,
                                   min_records=args.min_records or settings.placement.min_records)
             data = res.to_dict()
+            follow = f"\nactive model: {res.version}{_followed(settings)}" if res.decision == "promoted" else ""
             emit(args, data, lambda d: print(f"{d.get('decision')}: version {d.get('version') or '-'}\n"
-                                             + "\n".join(f"  {k}: {v}" for k, v in d.get("metrics", {}).items())))
+                                             + "\n".join(f"  {k}: {v}" for k, v in d.get("metrics", {}).items())
+                                             + follow))
             return 0
         if args.model_command == "evaluate":
             data = lifecycle.evaluate(store, args.version)
@@ -43,11 +45,16 @@ def cmd_model(args: argparse.Namespace) -> int:
                  ("error", "ERROR"), ("rank_accuracy", "RANK ACC"), ("reason", "REASON")]))
             return 0
         data = lifecycle.rollback(store, args.version)
-        emit(args, data, lambda d: print(f"active model: {d['active']} (was {d['previous']}); "
-                                         "a running agent picks it up at its next retraining check"))
+        emit(args, data, lambda d: print(f"active model: {d['active']} (was {d['previous']}){_followed(settings)}"))
         return 0
     finally:
         store.close()
+
+
+def _followed(settings: Any) -> str:
+    """When a running agent on this store switches to the newly active model (services.model_follow)."""
+    return (f"; a running agent switches to it at its next model check (every "
+            f"{settings.placement.model_check_interval_s:g} s, placement.model_check_interval_s)")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -70,14 +77,16 @@ def register(sub: Any) -> None:
     """Add `model` subcommands."""
     p = sub.add_parser("model", help="placement model: train, evaluate, show, rollback, simulate")
     msub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
-    q = _store_action(msub, "train", "train on the store's records; promote only if at least as good")
+    q = _store_action(msub, "train", "train on the store's records; promote only if at least as good (a running "
+                                     "agent follows the store's active model within placement.model_check_interval_s)")
     q.add_argument("--target", choices=["work_rate", "utilization", "completion"], help="outcome to predict")
     q.add_argument("--min-records", type=int, help="labelled records needed (default placement.min_records)")
     _store_action(msub, "evaluate", "figures of a version (default: the active one) on recent records").add_argument(
         "version", nargs="?")
     _store_action(msub, "show", "model versions with their figures and decisions").add_argument(
         "--limit", type=int, default=20, help="how many versions, newest first (default 20)")
-    _store_action(msub, "rollback", "activate a version (default: the previously promoted one)").add_argument(
+    _store_action(msub, "rollback", "activate a version (default: the previously promoted one); a running agent "
+                                    "follows it within placement.model_check_interval_s").add_argument(
         "version", nargs="?")
     q = msub.add_parser("simulate", add_help=False,
                         help="offline evaluation harness (see `hostagent model simulate --help`)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from hostagent.domain.assignment import Candidate, choose
 from hostagent.domain.errors import Conflict
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseState
@@ -120,7 +121,10 @@ async def drain(m: LeaseCore) -> list[Lease]:
 
 
 def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None:
-    """The queued lease to grant now, the GPUs it may use, how many, and why it may start ahead of the head."""
+    """The queued lease to grant now, the GPUs it may use, how many, and why it starts ahead of others (None: in
+    its turn). Every lease that could start now is a candidate: the head when enough GPUs are free, and those
+    behind it that cannot delay it (EASY backfilling); of those, comparative advantage decides
+    (:func:`_by_advantage`), else the first in serve order."""
     now = m.clock()
     order = in_order(m)
     allows = quota_view(m)
@@ -129,20 +133,89 @@ def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None
         return None
     head = hs[0]
     at = order.index(head)
+    ready: list[tuple[Lease, list[Gpu], int, str | None]] = []
     for x in order[at:at + BACKFILL_DEPTH]:  # the head, then backfill candidates: bounded work per decision
         allowed = allows(x)
         if not allowed:
             continue
         free = [g for g in feasible(m, x.request) if is_free(m, g.id)]
         need = min(x.request.gpus, allowed)
-        if x is head:
-            if len(free) >= need or (x.request.accept_partial and free):
-                return x, free, min(need, len(free)), None
-            continue  # the head waits; only what cannot delay it may start
+        can = len(free) >= need or (x.request.accept_partial and bool(free))
+        if x is head or (ready and ready[0][0] is head and x.request.priority == head.request.priority):
+            # the head can start: every request of its priority that can start too competes with it for the free
+            # GPUs (comparative advantage, bounded by the fairness bound)
+            if can:
+                ready.append((x, free, min(need, len(free)), None))
+            continue  # else it waits; only what cannot delay the head may start
         room = backfill_room(m, dataclasses.replace(x.request, gpus=need), free, now, hs)
         if room is not None:
-            return x, room[0], min(need, len(room[0])), room[1]
-    return None
+            ready.append((x, room[0], min(need, len(room[0])), room[1]))
+        if len(ready) == 1 and _strict(m, ready[0][0]):
+            return ready[0]  # the first that can start goes, as in strict serve order
+    if not ready:
+        return None
+    return ready[0] if len(ready) == 1 else _by_advantage(m, ready, order, now)
+
+
+def _strict(m: LeaseCore, first: Lease) -> bool:
+    """Whether the queue keeps strict serve order for this decision: the operator turned comparative advantage
+    off, or the active model does not cover the first lease that could start (nothing to compare by)."""
+    return not m.policy.fairness.enabled or m.relative_rates(first.request, []) is None
+
+
+def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | None]], order: list[Lease],
+                  now: float) -> tuple[Lease, list[Gpu], int, str | None]:
+    """Of the queued leases that could start now, the one `domain.assignment.choose` picks: the highest
+    priority among them, then the one closest to its best predicted rate on this host (comparative advantage),
+    within the operator's fairness bound; strict serve order where the active model does not cover every one of
+    them. Leases passed over are counted (and told), a lease that chooses to wait for a better GPU is told why."""
+    top = max(x.request.priority for x, *_ in ready)
+    rank = {x.id: i for i, x in enumerate(order)}
+    live = {x.id for x in order}
+    for gone in [k for k in m.queue_passes if k not in live]:
+        m.queue_passes.pop(gone, None)
+    for gone in [k for k in m.queue_notes if k not in live]:
+        m.queue_notes.pop(gone, None)
+    cands: list[Candidate] = []
+    for x, free, count, _ in ready:
+        if x.request.priority != top:
+            continue
+        usable = feasible(m, x.request)
+        rates = m.relative_rates(x.request, usable)
+        if rates is None or count < 1:
+            return ready[0]  # no model says how fast it runs where: strict order
+        by_id = dict(zip((g.id for g in usable), rates))
+        best = sorted(rates, reverse=True)[min(count, len(rates)) - 1]
+        open_ = sorted((by_id.get(g.id, 0.0) for g in free), reverse=True)
+        now_rate = open_[count - 1] if len(open_) >= count else None
+        better = None
+        if count == 1 and x.request.duration_s and now_rate is not None and best > now_rate:
+            ends = [busy_until(m, g.id, now) - now for g in usable
+                    if not is_free(m, g.id) and by_id[g.id] >= best * 0.999]
+            better = min(ends) if ends else None
+        n, since = m.queue_passes.get(x.id, (0, None))
+        cands.append(Candidate(x.id, rank[x.id], top, now_rate, best, n, since,
+                               float(x.request.duration_s) if x.request.duration_s else None, better))
+    pick = choose(cands, m.policy.fairness, now)
+    for lease_id, why in pick.waiting.items():
+        m.queue_notes[lease_id] = why
+    by_lease = {x.id: (x, free, count, why) for x, free, count, why in ready}
+    if pick.chosen is None or pick.chosen not in by_lease:
+        return ready[0]
+    fb = m.policy.fairness
+    for lease_id in pick.passed:
+        n, since = m.queue_passes.get(lease_id, (0, None))
+        m.queue_passes[lease_id] = (n + 1, now if since is None else since)
+        if lease_id not in pick.waiting:
+            m.queue_notes[lease_id] = (f"passed over {n + 1} time(s) by requests that gain more from the GPUs free "
+                                       f"then (comparative advantage); served in turn after {fb.max_passes} times or "
+                                       f"{fb.max_delay_s:g} s")
+    was_passed = m.queue_passes.pop(pick.chosen, None)
+    m.queue_notes.pop(pick.chosen, None)
+    x, free, count, why = by_lease[pick.chosen]
+    if not pick.passed and not pick.waiting and was_passed is None:
+        return x, free, count, why  # in its turn, nobody passed: nothing to explain
+    return x, free, count, "; ".join(w for w in (why, pick.reason) if w)
 
 
 async def preempt_for_head(m: LeaseCore) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hostagent.domain.admission import Ledger
+from hostagent.domain.assignment import Fairness
 from hostagent.domain.capabilities import Measured
 from hostagent.domain.hostdev import HostdevPci, hostdevs_for_layout
 from hostagent.domain.inventory import Gpu
@@ -56,6 +57,7 @@ class LeasePolicy:
     preempt_min_priority: int = 0  # a queued request of at least this priority may reclaim lower ones (0: never)
     preempt_notice_s: float = 60.0  # a preempted lease's notice window (reclaim.notice_window_s)
     cap_at_scaling_limit: bool = False  # cut a request to where its task type's records stop gaining
+    fairness: Fairness = Fairness()  # how far comparative advantage may reorder the queue (domain.assignment)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,11 @@ class LeaseCore(Protocol):
     scaling: Callable[[str], Scaling | None]  # task type -> what the active model's records say of its scaling
     # each GPU's predicted work rate for a request's task type, and the model's version (None: no model covers it)
     predict_rates: Callable[[LeaseRequest, Sequence[Gpu]], tuple[list[float], str] | None]
+    # each GPU's relative work rate for a request as the active model predicts it, free or not (None: no model covers
+    # the request): the queue's comparative advantage (services.lease_queue)
+    relative_rates: Callable[[LeaseRequest, Sequence[Gpu]], list[float] | None]
+    queue_passes: dict[str, tuple[int, float]]  # queued lease -> (times passed over, since when)
+    queue_notes: dict[str, str]  # queued lease -> why it waits (passed over, waiting for a better GPU)
 
     def get(self, lease_id: str, *, domain_uuid: str | None = None) -> Lease: ...
 

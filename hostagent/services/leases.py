@@ -108,6 +108,10 @@ class LeaseManager:
         self.scaling: Callable[[str], Scaling | None] = lambda task_type: None
         self.predict_rates: Callable[[LeaseRequest, Sequence[Gpu]], tuple[list[float], str] | None] = (
             lambda request, gpus: None)  # the runtime sets the placer's
+        self.relative_rates: Callable[[LeaseRequest, Sequence[Gpu]], list[float] | None] = (
+            lambda request, gpus: None)  # the runtime sets the placer's: without it the queue keeps strict order
+        self.queue_passes: dict[str, tuple[int, float]] = {}
+        self.queue_notes: dict[str, str] = {}
         self.ledger = Ledger()
         self.step_count = 0
         self.queue_cache: tuple[Any, float, dict[str, tuple[int, float | None]]] | None = None
@@ -427,7 +431,7 @@ def lease_view(lease: Lease, manager: LeaseManager | None = None) -> dict[str, A
                                      "an operator must look: release the lease again, or stop the VM"})
     if manager is not None and lease.state is S.QUEUED:
         body["queue"] = {"position": manager.queue_position(lease), "eta": manager.eta(lease),
-                         "deadline": queue_deadline(manager.policy, lease)}
+                         "deadline": queue_deadline(manager.policy, lease), "note": manager.queue_notes.get(lease.id)}
     return body
 
 

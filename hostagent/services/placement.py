@@ -66,6 +66,15 @@ class Placer:
         views = [self._views.view(g, free=True, measured=self._measured(g.id)) for g in gpus]
         return [float(x) for x in bundle.predict_rates(preq, views)], self.model_version or "unnamed"
 
+    def relative_rates(self, request: LeaseRequest, gpus: Sequence[Gpu]) -> list[float] | None:
+        """Each GPU's relative work rate for the request as the active model predicts it, busy or not (one batched
+        prediction; the queue compares them: services.lease_queue); None where no model covers the request."""
+        preq = PlacementRequest.from_lease(request, count=1)
+        if self.scorer is None or not self.scorer.covers(preq):
+            return None
+        views = [self._views.view(g, free=True, measured=self._measured(g.id)) for g in gpus]
+        return [float(x) for x in self.scorer.score(preq, views)]
+
     def scaling(self, task_type: str) -> Scaling | None:
         """What the active model's records say of the task type's total work rate by GPU count (None without a
         model, or where they hold fewer than two counts of it)."""

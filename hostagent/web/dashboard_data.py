@@ -369,6 +369,11 @@ class DashboardData(DashboardSource):
         current = getattr(self.rt, "model_version", None)
         rule = getattr(self.rt, "placement_rule", None)
         active = next((v for v in versions or [] if v.get("active")), None)
+        follower = getattr(self.rt, "models", None)  # services.model_follow: the switches, the versions not loaded
+        changes = [c.to_dict() for c in reversed(follower.changes)] if follower is not None else []
+        if follower is not None and active is not None and active["version"] in follower.failed:
+            notes.add(f"The store's active model {active['version']} could not be loaded "
+                      f"({follower.failed[active['version']]}); this agent keeps {current or 'the cold-start rule'}.")
         decisions = []
         for x in await self.all_leases():
             if not x.devices:
@@ -378,8 +383,10 @@ class DashboardData(DashboardSource):
                               "distance": x.distance, "reasons": list(x.reasons), "css": state_css(x)})
             if len(decisions) >= 40:
                 break
-        return {"current": current or (active or {}).get("version"), "rule": rule or ("model" if active else "cold-start"),
+        return {"current": current, "rule": rule or "cold-start",
                 "active": active, "versions": versions or [], "has_store": self.has_store,
+                "changes": changes, "since": changes[0]["at"] if changes else None,
+                "check_s": self.rt.settings.placement.model_check_interval_s,
                 "decisions": decisions, "notes": notes.items, "now": self.clock()}
 
 

@@ -44,7 +44,8 @@ class LeaseJson:
             self._live.pop(lease.id, None)
             self.misses += 1
             return data
-        queue = (manager.queue_position(lease), manager.eta(lease)) if lease.state is LeaseState.QUEUED else None
+        queue = ((manager.queue_position(lease), manager.eta(lease), manager.queue_notes.get(lease.id))
+                 if lease.state is LeaseState.QUEUED else None)
         cached = self._live.get(lease.id)
         if cached is not None and cached[0] is lease and cached[1] == queue:
             self.hits += 1

@@ -123,7 +123,11 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                                                         "eta": _NULLABLE_NUM,
                                                         "deadline": {**_NULLABLE_NUM, "description":
                                                                      "when the request expires if still queued "
-                                                                     "(not_after or leases.queue_max_wait_s)"}}},
+                                                                     "(not_after or leases.queue_max_wait_s)"},
+                                                        "note": {**_NULLABLE_STR, "description":
+                                                                 "why it waits beyond its turn: passed over by "
+                                                                 "requests that gain more from the free GPUs, or "
+                                                                 "waiting for a better GPU"}}},
             "usage": {"type": "object"},
             "placement": {"type": "object"},
         },

@@ -1298,6 +1298,15 @@ TABLE: dict[str, Effect | Proven] = {
     "leases.keep_on_domain_stop": Effect(
         True, "a lease outlives its VM shutting down", lease_state_after_vm_shutdown,
         default="RELEASED", changed="ACTIVE", together=True),
+    "leases.queue_order": Proven(
+        "tests/adapters/test_queue_advantage.py::test_the_operator_bounds_it_or_turns_it_off",
+        "strict: a freed T4 goes to the head of the queue, not to the request behind it that gains most from it"),
+    "leases.fairness_max_passes": Proven(
+        "tests/adapters/test_queue_advantage.py::test_the_operator_bounds_it_or_turns_it_off",
+        "a request passed over this often by comparative advantage is served in turn"),
+    "leases.fairness_max_delay_s": Proven(
+        "tests/adapters/test_queue_advantage.py::test_the_operator_bounds_it_or_turns_it_off",
+        "a request first passed over this long ago is served in turn"),
     "leases.preempt_min_priority": Proven(
         "tests/adapters/test_preemption.py::test_preempt_min_priority_from_config",
         "a queued request of at least this priority reclaims a lower one's GPU", pending=True),
@@ -1374,6 +1383,10 @@ TABLE: dict[str, Effect | Proven] = {
     "placement.retrain_interval_s": Effect(
         0.3, "the agent retrains this often (its log's \"retraining:\" lines)", retrainings_within,
         default=0, changed=lambda n: n >= 1),
+    "placement.model_check_interval_s": Proven(
+        "tests/adapters/test_model_follow.py::test_the_check_interval_is_placement_model_check_interval_s",
+        "the running agent reads the store's active model this often: at 0.1 s it follows a model trained beside it, "
+        "at an hour (its start check done) it is still on the cold-start rule after the other has checked ten times"),
     "placement.objective": Effect(
         "spread", "a second one-GPU lease goes across the sockets from the first (packing puts it beside it)",
         second_gpu_distance(), default=1, changed=4, base=NO_EXPLORING),

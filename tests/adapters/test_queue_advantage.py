@@ -1,0 +1,119 @@
+"""The lease queue by comparative advantage (#21), through the API, on the 16-GPU demo host (A100, V100, T4,
+RTX 6000): when a T4 frees, a queued request that runs best on a T4 gets it ahead of an earlier one that runs
+ten times faster elsewhere; the earlier one is told it was passed over; the fairness bound and the strict order
+are set through the configuration as an operator sets them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hostagent.domain.lease import LeaseState
+from hostagent.domain.placement import DeviceView, PlacementRequest
+from tests.support.agent import AgentRig, Clock, make_rig, start_rig
+from tests.support.waits import until
+
+S = LeaseState
+# what a trained model would predict: bert gains from the big cards, ncf runs best on a T4
+RATES = {"bert": {"A100": 10.0, "V100": 8.0, "RTX 6000": 5.0, "T4": 1.0}, "ncf": {"T4": 9.0}}
+
+
+class TableModel:
+    """Stands in for a trained model (the learned scorer's interface): a relative rate per task type and model."""
+
+    name = "v-table"
+
+    def covers(self, request: PlacementRequest) -> bool:
+        return True
+
+    def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
+        rates = RATES.get(request.task_type or "", {})
+        return [next((r for k, r in rates.items() if k in d.model), 1.0) for d in devices]
+
+
+async def rig_with(tmp_path: Path, aiohttp_client: Any, clock: Clock | None = None, **leases: Any) -> AgentRig:
+    rig = make_rig(tmp_path, scenario="demo16", clock=clock, leases=leases)
+    rig.runtime.placer.use(TableModel(), "v-table")
+    return await start_rig(rig, aiohttp_client)
+
+
+async def post(rig: AgentRig, who: str, status: int, **body: Any) -> dict[str, Any]:
+    r = await rig.client.post("/v1/leases", json=body, headers=rig.auth(who))
+    data = await r.json()
+    assert r.status == status, data
+    return data
+
+
+async def free_a_t4(rig: AgentRig, fillers: list[dict[str, Any]]) -> str:
+    """Release one filler lease that holds a T4; return the GPU once the queue has decided who gets it."""
+    m = rig.runtime.manager
+    lease = next(x for x in fillers if "T4" in m.gpus[x["devices"][0]["gpu_id"]].model)
+    fillers.remove(lease)
+    gid = lease["devices"][0]["gpu_id"]
+    r = await rig.client.delete(f"/v1/leases/{lease['id']}", headers=rig.auth("vm-c"))
+    assert r.status == 200, await r.text()
+    await until(lambda: lease["id"] not in m.leases, 10, "the release")  # the queue's task may take the T4 at once
+    await m.drain_queue()
+    await until(lambda: not any(x.state in (S.BINDING, S.ATTACHING) for x in m.leases.values()), 10, "grants")
+    return gid
+
+
+async def full_host_and_two_queued(rig: AgentRig) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    fillers = [await post(rig, "vm-c", 201, gpus=1, task_type="filler") for _ in range(16)]
+    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", accept_deferred=True)
+    ncf = await post(rig, "vm-b", 202, gpus=1, task_type="ncf", accept_deferred=True)
+    assert (bert["queue"]["position"], ncf["queue"]["position"]) == (1, 2)
+    return fillers, bert, ncf
+
+
+async def view(rig: AgentRig, who: str, lease_id: str) -> dict[str, Any]:
+    return await (await rig.client.get(f"/v1/leases/{lease_id}", headers=rig.auth(who))).json()
+
+
+async def test_a_freed_t4_goes_to_the_request_that_gains_most_from_it(tmp_path: Path, aiohttp_client: Any) -> None:
+    rig = await rig_with(tmp_path, aiohttp_client)
+    fillers, bert, ncf = await full_host_and_two_queued(rig)
+    t4 = await free_a_t4(rig, fillers)
+    got = await view(rig, "vm-b", ncf["id"])
+    assert got["state"] == "ACTIVE" and [d["gpu_id"] for d in got["devices"]] == [t4], got
+    said = " ".join(got["reasons"])
+    assert "comparative advantage: 100% of its best rate on the GPUs free now, against 10% for the request ahead" \
+        in said, said
+    waiting = await view(rig, "vm-a", bert["id"])
+    assert waiting["state"] == "QUEUED" and waiting["queue"]["position"] == 1
+    assert waiting["queue"]["note"].startswith("passed over 1 time(s) by requests that gain more"), waiting["queue"]
+
+
+@pytest.mark.parametrize("leases", [{"queue_order": "strict"}, {"fairness_max_passes": 1},
+                                    {"fairness_max_delay_s": 60.0}])
+async def test_the_operator_bounds_it_or_turns_it_off(tmp_path: Path, aiohttp_client: Any,
+                                                     leases: dict[str, Any]) -> None:
+    clock = Clock()
+    rig = await rig_with(tmp_path, aiohttp_client, clock, **leases)
+    fillers, bert, ncf = await full_host_and_two_queued(rig)
+    if leases.get("queue_order") == "strict":  # serve order only: the T4 goes to the head
+        t4 = await free_a_t4(rig, fillers)
+        got = await view(rig, "vm-a", bert["id"])
+        assert got["state"] == "ACTIVE" and got["devices"][0]["gpu_id"] == t4
+        assert (await view(rig, "vm-b", ncf["id"]))["queue"]["note"] is None
+        return
+    assert rig.runtime.manager.policy.fairness.max_passes == leases.get("fairness_max_passes", 8)
+    await free_a_t4(rig, fillers)  # passed over once: with a bound of 1 time, bert is due
+    assert (await view(rig, "vm-b", ncf["id"]))["state"] == "ACTIVE"
+    late = await post(rig, "vm-b", 202, gpus=1, task_type="ncf", accept_deferred=True)
+    if "fairness_max_delay_s" in leases:  # under the default bound of 8 times it is passed over again ...
+        t4 = await free_a_t4(rig, fillers)
+        assert (await view(rig, "vm-b", late["id"]))["state"] == "ACTIVE"
+        assert (await view(rig, "vm-a", bert["id"]))["queue"]["note"].startswith("passed over 2 time(s)")
+        late = await post(rig, "vm-b", 202, gpus=1, task_type="ncf", accept_deferred=True)
+        clock.advance(61.0)  # ... until it was first passed over more than fairness_max_delay_s ago
+    t4 = await free_a_t4(rig, fillers)
+    got = await view(rig, "vm-a", bert["id"])
+    assert got["state"] == "ACTIVE" and got["devices"][0]["gpu_id"] == t4, got
+    said = "served in turn: passed over 2 time(s) for 61 s" if "fairness_max_delay_s" in leases else \
+        "served in turn: passed over 1 time(s)"
+    assert any(said in x for x in got["reasons"]), got["reasons"]
+    assert (await view(rig, "vm-b", late["id"]))["state"] == "QUEUED"
