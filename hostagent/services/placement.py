@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from hostagent.services.topology import TopologyPlacer
 
 
+RATES_KEPT = 512  # requests whose predicted rates the placer keeps for the queue (cleared when full)
+
+
 class Placer:
     """A PlaceFn (see services.lease_types) holding the current scorer; the retraining job swaps it atomically."""
 
@@ -51,6 +54,7 @@ class Placer:
         self.default_numa_policy = default_numa_policy
         self.last_decisions: list[dict[str, Any]] = []  # recent decisions for the dashboard (bounded)
         self._views = DeviceViews()
+        self._rates: dict[tuple[Any, ...], list[float]] = {}  # relative_rates' predictions (see there)
         # The topology-aware set choice (same switch < root complex < NUMA node < sockets, packing); set by
         # the topology wiring. Without it the greedy choice of domain.placement decides.
         self.topology_place: TopologyPlacer | None = None
@@ -72,8 +76,18 @@ class Placer:
         preq = PlacementRequest.from_lease(request, count=1)
         if self.scorer is None or not self.scorer.covers(preq):
             return None
-        views = [self._views.view(g, free=True, measured=self._measured(g.id)) for g in gpus]
-        return [float(x) for x in self.scorer.score(preq, views)]
+        measured = [self._measured(g.id) for g in gpus]
+        # the queue asks again at every decision for every request that could start: predictions depend only on
+        # the request, the GPUs (an object per scan) and their probes' figures, so each is made once per model
+        key = (id(self.scorer), preq, tuple((g.id, id(g), id(x)) for g, x in zip(gpus, measured)))
+        got = self._rates.get(key)
+        if got is None:
+            views = [self._views.view(g, free=True, measured=x) for g, x in zip(gpus, measured)]
+            got = [float(x) for x in self.scorer.score(preq, views)]
+            if len(self._rates) >= RATES_KEPT:
+                self._rates.clear()
+            self._rates[key] = got
+        return list(got)
 
     def scaling(self, task_type: str) -> Scaling | None:
         """What the active model's records say of the task type's total work rate by GPU count (None without a
@@ -84,6 +98,7 @@ class Placer:
     def use(self, scorer: Scorer | None, version: str | None) -> None:
         """Switch to a newly trained (or rolled back) model."""
         self.scorer, self.model_version = scorer, version
+        self._rates.clear()
 
     @property
     def rule(self) -> str:

@@ -104,7 +104,8 @@ class DashboardData(DashboardSource):
             "live_leases": sum(1 for x in live if x.state.holds_devices),
             "queued": [{"id": x.id, "domain": x.domain_name, "gpus": x.request.gpus, "priority": x.request.priority,
                         "since": x.queued_at or x.created_at, "position": m.queue_position(x), "eta": m.eta(x),
-                        "deadline": queue_deadline(m.policy, x)} for x in m.queue()],
+                        "deadline": queue_deadline(m.policy, x), "note": m.queue_notes.get(x.id)}
+                       for x in m.queue()],
             "strikes": strikes, "hosts": hosts, "store": self.store_status(),
             "ready": bool(self.rt.started and self.rt.hypervisor_ok), "notes": notes.items,
         }
@@ -331,7 +332,8 @@ class DashboardData(DashboardSource):
         m = self.rt.manager
         queue = None if lease.state is not LeaseState.QUEUED else {
             "position": m.queue_position(lease), "length": len(m.queue()), "eta": m.eta(lease),
-            "deadline": queue_deadline(m.policy, lease), "since": lease.queued_at or lease.created_at}
+            "deadline": queue_deadline(m.policy, lease), "since": lease.queued_at or lease.created_at,
+            "note": m.queue_notes.get(lease.id)}
         newest = max((t for t in (self.last_point(x)[0] for x in series.values()) if t is not None), default=None)
         return {"lease": lease, "row": self.lease_row(lease, now, util), "series": series, "since": since,
                 "until": until, "events": collapse_retries([e.to_dict() for e in reversed(events)]),
@@ -374,6 +376,7 @@ class DashboardData(DashboardSource):
         if follower is not None and active is not None and active["version"] in follower.failed:
             notes.add(f"The store's active model {active['version']} could not be loaded "
                       f"({follower.failed[active['version']]}); this agent keeps {current or 'the cold-start rule'}.")
+        m = self.rt.manager
         decisions = []
         for x in await self.all_leases():
             if not x.devices:
@@ -387,7 +390,10 @@ class DashboardData(DashboardSource):
                 "active": active, "versions": versions or [], "has_store": self.has_store,
                 "changes": changes, "since": changes[0]["at"] if changes else None,
                 "check_s": self.rt.settings.placement.model_check_interval_s,
-                "decisions": decisions, "notes": notes.items, "now": self.clock()}
+                "decisions": decisions, "notes": notes.items, "now": self.clock(),
+                "queue_order": self.rt.settings.leases.queue_order, "fairness": m.policy.fairness,
+                "queue": [{"id": x.id, "vm": x.domain_name, "task": x.request.task_type,
+                           "position": m.queue_position(x), "note": m.queue_notes.get(x.id)} for x in m.queue()]}
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ import pytest
 from hostagent.runtime import make_app
 from hostagent.web.dashboard import DASHBOARD
 from hostagent.web.dashboard_auth import SESSION_COOKIE
-from tests.support.agent import AgentRig, make_rig, start_rig
+from tests.support.agent import CSRF, AgentRig, make_rig, operator_login, start_rig
 
 # API identities: no token, a token nobody issued, VM B's token, VM A's own token, the operator's token, and the
 # operator's dashboard session cookie without a bearer token (a cookie must never authenticate the API: it has no
@@ -28,7 +28,6 @@ WHO = ("none", "bad", "other", "own", "operator", "session")
 # dashboard identities: no session, a session cookie nobody issued, VM A's token as a bearer (a guest's token must
 # not open the dashboard), the operator's login session
 DASH_WHO = ("none", "bad", "vm", "operator")
-CSRF = re.compile(r'name="csrf" value="([^"]+)"')
 
 PUBLIC = {"none": 200, "bad": 401, "other": 200, "own": 200, "operator": 200, "session": 200}
 GUEST_OR_OPERATOR = {"none": 401, "bad": 401, "other": 200, "own": 200, "operator": 200, "session": 401}
@@ -145,10 +144,7 @@ def api_headers(rig: AgentRig, who: str) -> dict[str, str]:
 
 async def operator_session(rig: AgentRig) -> str:
     """Log the operator in; the session id of the cookie."""
-    page = await (await rig.client.get("/ui/login")).text()
-    csrf = CSRF.search(page).group(1)  # type: ignore[union-attr]
-    r = await rig.client.post("/ui/login", data={"token": rig.operator, "csrf": csrf}, allow_redirects=False)
-    assert r.status == 303
+    r = await operator_login(rig)
     return str(r.cookies[SESSION_COOKIE].value)
 
 

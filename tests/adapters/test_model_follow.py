@@ -21,11 +21,10 @@ from hostagent.domain.errors import ConfigError
 from hostagent.learn import lifecycle
 from hostagent.services.model_follow import CHANGE_KIND, FAILED_KIND
 from hostagent.store.repo import UsageStore
-from tests.support.agent import AgentRig, make_rig, start_rig
+from tests.support.agent import AgentRig, make_rig, operator_login, start_rig
 from tests.support.learn import fill_store
 from tests.support.waits import until
 
-CSRF = re.compile(r'name="csrf" value="([^"]+)"')
 CHANGES = re.compile(r'<table class="model-changes">(.*?)</table>', re.S)
 CHECK_S = 0.1  # the tests' placement.model_check_interval_s
 FOLLOW_WAIT_S = 30.0  # bound on a follow: many check intervals, plus scikit-learn's first import on a busy machine
@@ -38,10 +37,7 @@ async def agent(tmp: Path, aiohttp_client: Any, check_s: float = CHECK_S, **sect
     rig = make_rig(tmp, placement={"model_check_interval_s": check_s, "explore_epsilon": 0.0}, **sections)
     rig = await start_rig(rig, aiohttp_client)
     await until(lambda: rig.runtime.models.checks >= 1, FOLLOW_WAIT_S, "the start check")
-    page = await (await rig.client.get("/ui/login")).text()
-    csrf = CSRF.search(page).group(1)  # type: ignore[union-attr]
-    resp = await rig.client.post("/ui/login", data={"token": rig.operator, "csrf": csrf}, allow_redirects=False)
-    assert resp.status == 303
+    await operator_login(rig)
     return rig
 
 

@@ -5,6 +5,7 @@ are set through the configuration as an operator sets them."""
 
 from __future__ import annotations
 
+import html
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 
 from hostagent.domain.lease import LeaseState
 from hostagent.domain.placement import DeviceView, PlacementRequest
-from tests.support.agent import AgentRig, Clock, make_rig, start_rig
+from tests.support.agent import AgentRig, Clock, make_rig, operator_login, start_rig
 from tests.support.waits import until
 
 S = LeaseState
@@ -84,7 +85,16 @@ async def test_a_freed_t4_goes_to_the_request_that_gains_most_from_it(tmp_path: 
         in said, said
     waiting = await view(rig, "vm-a", bert["id"])
     assert waiting["state"] == "QUEUED" and waiting["queue"]["position"] == 1
-    assert waiting["queue"]["note"].startswith("passed over 1 time(s) by requests that gain more"), waiting["queue"]
+    note = waiting["queue"]["note"]
+    assert note.startswith("passed over 1 time(s) by requests that gain more"), waiting["queue"]
+    # the operator reads the same words on the placement page (the queue, the decision), the overview and the lease
+    await operator_login(rig)
+    placement = html.unescape(await (await rig.client.get("/ui/model")).text())
+    queue_card = placement[placement.index("<h2>The queue</h2>"):placement.index("<h2>Recent placement decisions</h2>")]
+    assert bert["id"] in queue_card and note in queue_card and "comparative advantage" in queue_card
+    assert "comparative advantage: 100% of its best rate" in placement[placement.index("Recent placement decisions"):]
+    for page in ("/", f"/ui/leases/{bert['id']}"):
+        assert note in html.unescape(await (await rig.client.get(page)).text()), page
 
 
 @pytest.mark.parametrize("leases", [{"queue_order": "strict"}, {"fairness_max_passes": 1},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,19 @@ async def start_rig(rig: AgentRig, aiohttp_client: Any) -> AgentRig:
     """Serve the rig's app through aiohttp's test client (runs the runtime's lifecycle)."""
     rig.client = await aiohttp_client(make_app(rig.runtime))
     return rig
+
+
+CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+
+
+async def operator_login(rig: AgentRig) -> Any:
+    """Log the rig's client in to the dashboard as the operator (the login form and its CSRF token); the response
+    (its cookies hold the session)."""
+    page = await (await rig.client.get("/ui/login")).text()
+    csrf = CSRF.search(page).group(1)  # type: ignore[union-attr]
+    resp = await rig.client.post("/ui/login", data={"token": rig.operator, "csrf": csrf}, allow_redirects=False)
+    assert resp.status == 303, await resp.text()
+    return resp
 
 
 # -- an agent configured by a TOML file and composed as `hostagent serve` composes it ------------------------------
