@@ -6,6 +6,7 @@ before argparse sees it; the `simulate` entry here lists it in the help and forw
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from hostagent.cli.common import add_common_options, emit, settings_for, table
@@ -19,7 +20,7 @@ def _store(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    """train | evaluate | show | rollback."""
+    """train | evaluate | show | matrix | rollback."""
     from hostagent.learn import lifecycle
 
     settings, store = _store(args)
@@ -43,6 +44,15 @@ def cmd_model(args: argparse.Namespace) -> int:
                 [dict(r, active="*" if r["active"] else "") for r in d["versions"]] or [{"version": "(none yet)"}],
                 [("active", "ACT"), ("version", "VERSION"), ("decision", "DECISION"), ("trained_on", "RECORDS"),
                  ("error", "ERROR"), ("rank_accuracy", "RANK ACC"), ("reason", "REASON")]))
+            return 0
+        if args.model_command == "matrix":
+            data = lifecycle.matrix(store, args.version)
+            emit(args, data, lambda d: (print(f"version {d['version']}: relative work rate per task type and GPU model "
+                                              f"(1 = the task type's typical device); sd in log space"), table(
+                [dict(c, range=f"{c['rate'] * math.exp(-c['sd']):.3g}..{c['rate'] * math.exp(c['sd']):.3g}")
+                 for c in d["cells"]] or [{"task": "(no work-rate records)"}],
+                [("task", "TASK"), ("model", "GPU MODEL"), ("rate", "RATE"), ("range", "+-1 SD"), ("n", "LEASES"),
+                 ("source", "FROM")])))
             return 0
         data = lifecycle.rollback(store, args.version)
         emit(args, data, lambda d: print(f"active model: {d['active']} (was {d['previous']}){_followed(settings)}"))
@@ -85,6 +95,9 @@ def register(sub: Any) -> None:
         "version", nargs="?")
     _store_action(msub, "show", "model versions with their figures and decisions").add_argument(
         "--limit", type=int, default=20, help="how many versions, newest first (default 20)")
+    _store_action(msub, "matrix", "the learned throughput matrix of a version (default: the active one): each task "
+                                  "type's relative rate on each GPU model, with its uncertainty").add_argument(
+        "version", nargs="?")
     _store_action(msub, "rollback", "activate a version (default: the previously promoted one); a running agent "
                                     "follows it within placement.model_check_interval_s").add_argument(
         "version", nargs="?")

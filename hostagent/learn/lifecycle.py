@@ -237,6 +237,17 @@ def show(store: ModelRegistry, *, limit: int = 20) -> list[dict[str, Any]]:
     return out
 
 
+def matrix(store: ModelRegistry, version: str | None = None) -> dict[str, Any]:
+    """The learned throughput matrix of a version (default: the active one): each (task type, GPU model) pair's
+    relative work rate, its uncertainty and the leases behind it (learn.matrix)."""
+    row = store.get_model_version(version, kind=KIND, with_artifact=True)
+    if not row.get("artifact"):
+        raise NotFound(f"model version {row['version']} has no artifact", field="version")
+    bundle = ModelBundle.from_bytes(bytes(row["artifact"]))
+    return {"version": row["version"], "cells": [c.to_dict() for c in bundle.matrix.table()],
+            "noise_sd": round(math.sqrt(bundle.matrix.s2), 4), "interaction_sd": round(math.sqrt(bundle.matrix.t2), 4)}
+
+
 def rollback(store: ModelRegistry, version: str | None = None) -> dict[str, Any]:
     """Activate ``version``, or the version that was promoted before the active one."""
     rows = store.list_model_versions(kind=KIND, limit=1000)

@@ -22,6 +22,7 @@ from hostagent.domain.errors import InvalidInput
 from hostagent.domain.placement import DeviceView, PlacementRequest
 from hostagent.learn.features import FeatureEncoder, fit_vocabulary
 from hostagent.learn.forest import CompiledForest
+from hostagent.learn.matrix import ThroughputMatrix
 from hostagent.domain.terms import scaling_totals
 from hostagent.learn.records import FAILED_OUTCOMES, Example, tenant_weights
 
@@ -78,6 +79,7 @@ class ModelBundle:
     params: dict[str, Any] = field(default_factory=dict)
     trained_until: float = 0.0  # creation time of the newest record it was fitted on
     scaling: dict[str, dict[int, float]] = field(default_factory=dict)  # task -> GPUs -> median total work rate
+    matrix: ThroughputMatrix = field(default_factory=ThroughputMatrix)  # (task, GPU model) rates (learn.matrix)
 
     def __post_init__(self) -> None:
         self.encoder = FeatureEncoder(self.vocabulary)
@@ -90,13 +92,29 @@ class ModelBundle:
     def predict_relative(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> np.ndarray:
         """Scores for the devices (relative work rate, utilisation or completion), one batched call."""
         raw = self._raw(self.encoder.matrix(request, devices))
-        out: np.ndarray = np.exp(raw) if self.target == "work_rate" else raw
+        if self.target != "work_rate":
+            return raw
+        return np.exp(self._shared(request.task_type, devices, raw))
+
+    def _shared(self, task: str, devices: Sequence[DeviceView], raw: np.ndarray) -> np.ndarray:
+        """Where a device's GPU model never ran the task type in the records (both seen, never together), the
+        throughput matrix's estimate replaces the trees' extrapolation (log relative rate)."""
+        pairs = self.matrix.pairs.get(task)
+        if pairs is None:
+            return raw
+        out = raw
+        for i, d in enumerate(devices):
+            if d.model not in pairs and d.model in self.matrix.model_effect:
+                cell = self.matrix.cell(task, d.model)
+                if cell is not None:
+                    out = out.copy() if out is raw else out
+                    out[i] = math.log(cell.rate)
         return out
 
     def predict_rates(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> np.ndarray:
         """Each device's predicted work rate for the request's task type, in the guest's unit ("work_rate" target,
         a task type it was trained on)."""
-        raw = self._raw(self.encoder.matrix(request, devices))
+        raw = self._shared(request.task_type, devices, self._raw(self.encoder.matrix(request, devices)))
         out: np.ndarray = np.exp(raw + self.norms[request.task_type])
         return out
 
@@ -119,6 +137,7 @@ class ModelBundle:
             "norms": self.norms, "task_counts": self.task_counts, "trained_on": self.trained_on,
             "params": _jsonable(self.params), "trained_until": self.trained_until,
             "scaling": {task: {str(n): v for n, v in totals.items()} for task, totals in self.scaling.items()},
+            "matrix": self.matrix.to_plain(),
         })
         return blob
 
@@ -137,7 +156,8 @@ class ModelBundle:
                    task_counts=d["task_counts"], trained_on=d["trained_on"], params=d["params"],
                    trained_until=float(d.get("trained_until", 0.0)),
                    scaling={str(task): {int(n): float(v) for n, v in totals.items()}
-                            for task, totals in (d.get("scaling") or {}).items()})
+                            for task, totals in (d.get("scaling") or {}).items()},
+                   matrix=ThroughputMatrix.from_plain(d.get("matrix")))
 
 
 def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
@@ -162,8 +182,10 @@ def fit(examples: Sequence[Example], *, target: str = "work_rate",
     counts: dict[str, int] = {}
     for e in kept:
         counts[e.request.task_type] = counts.get(e.request.task_type, 0) + 1
+    matrix = ThroughputMatrix.fit((e.request.task_type, e.device.model, math.log(e.work_rate) - norms[e.request.task_type])
+                                  for e in kept if target == "work_rate" and e.work_rate is not None and e.work_rate > 0)
     return ModelBundle(est, vocab, target, norms, counts, len(kept), p, max(e.created_at for e in kept),
-                       scaling=scaling_of(examples))
+                       scaling=scaling_of(examples), matrix=matrix)
 
 
 def scaling_of(examples: Sequence[Example]) -> dict[str, dict[int, float]]:

@@ -107,7 +107,7 @@ def test_db_upgrade_status_and_export(tmp_path: Path, capsys: pytest.CaptureFixt
     assert code == 1 and "--since must be unix seconds or an ISO date" in err
 
 
-# ---- model train | evaluate | show | rollback ------------------------------------------------------------------
+# ---- model train | evaluate | show | matrix | rollback ------------------------------------------------------------------
 
 
 def fill(url: str, tmp: Path, n: int, start: float, seed: int) -> None:
@@ -147,6 +147,16 @@ def test_model_train_show_evaluate_rollback(tmp_path: Path, capsys: pytest.Captu
     assert 0 <= figures["error"] < 0.5 and figures["rank_accuracy"] >= 0.9  # the truth is learnable, and learnt
     code, out, _ = cli(capsys, "model", "evaluate", *cfg)
     assert code == 0 and f"version: {first['version']}" in out and "rank_accuracy:" in out
+
+    # matrix: each task type's rate on each GPU model the records hold, with its uncertainty and its leases
+    code, out, _ = cli(capsys, "model", "matrix", *cfg, "--json")
+    grid = json.loads(out)
+    assert code == 0 and grid["version"] == first["version"] and grid["cells"]
+    assert sum(c["n"] for c in grid["cells"]) == 150 and all(c["sd"] > 0 and c["rate"] > 0 for c in grid["cells"])
+    code, out, _ = cli(capsys, "model", "matrix", *cfg, first["version"])
+    assert code == 0 and "TASK" in out and "+-1 SD" in out and f"version {first['version']}" in out
+    code, _, err = cli(capsys, "model", "matrix", *cfg, "placement-nonesuch")
+    assert code == 1 and "placement-nonesuch" in err
 
     # fresh records and another target: a second version, promoted (the active one predicts something else);
     # the human form names the decision, the version and the figures behind it

@@ -1,0 +1,148 @@
+"""The learned throughput matrix: each (task type, GPU model) pair's relative work rate with its uncertainty, from
+the usage records only, sharing strength across task types and GPU models.
+
+In log space, relative to the task type's mean (the model's `work_rate` target), a pair's rate is a task effect
+plus a GPU-model effect plus the pair's own interaction:
+
+    log r(t, m) = a_t + b_m + u_tm
+
+`a` and `b` are fitted by backfitting over every finished lease that reported work (each GPU model's speed is
+learned from every task type that ran on it, and the other way round). The interaction is the pair's mean
+residual shrunk towards zero by empirical Bayes: with `s2` the variance of a lease's rate around its pair's mean
+(pooled) and `t2` the variance of the interactions themselves (method of moments), a pair with `n` leases keeps
+`n / (n + s2 / t2)` of its own residual, so a pair seen twice leans on the shared effects and one seen often
+speaks for itself; no constant is tuned, both variances come from the records. The uncertainty (a standard
+deviation in log space) is the interaction's posterior variance plus that of the two effects. A pair never seen
+gets `a_t + b_m` with the interactions' spread as its uncertainty; a GPU model never seen has no `b_m` here (the
+placer prices it from its probes' figures: `domain.placement.capability_prior`).
+
+The learned scorer uses the matrix where its trees have nothing to go on: for a task type and a GPU model each
+seen in the records but never together, the trees would extrapolate from neighbours chosen by the split points;
+the matrix gives the additive estimate instead (`ModelBundle.predict_relative`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+ROUNDS = 20  # backfitting sweeps (each is one pass over the pairs; it converges in a few)
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One pair's estimate: relative work rate (1 = the task type's typical device), its log-space standard
+    deviation, the leases behind it and where it comes from (records | shared)."""
+
+    task: str
+    model: str
+    rate: float
+    sd: float
+    n: int
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"task": self.task, "model": self.model, "rate": round(self.rate, 4), "sd": round(self.sd, 4),
+                "n": self.n, "source": self.source}
+
+
+@dataclass
+class ThroughputMatrix:
+    """Task and GPU-model effects, each pair's (mean residual, leases), and the two variances (see the module)."""
+
+    task_effect: dict[str, float] = field(default_factory=dict)
+    model_effect: dict[str, float] = field(default_factory=dict)
+    pairs: dict[str, dict[str, tuple[float, int]]] = field(default_factory=dict)  # task -> model -> (residual, n)
+    s2: float = 0.0
+    t2: float = 0.0
+    task_n: dict[str, int] = field(default_factory=dict)
+    model_n: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def fit(cls, rows: Iterable[tuple[str, str, float]]) -> ThroughputMatrix:
+        """From (task type, GPU model, log relative work rate) per finished lease and device."""
+        cells: dict[tuple[str, str], list[float]] = defaultdict(list)
+        for task, model, y in rows:
+            if math.isfinite(y):
+                cells[(task, model)].append(y)
+        if not cells:
+            return cls()
+        mean = {k: sum(v) / len(v) for k, v in cells.items()}
+        n = {k: len(v) for k, v in cells.items()}
+        a: dict[str, float] = {t: 0.0 for t, _ in cells}
+        b: dict[str, float] = {m: 0.0 for _, m in cells}
+        for _ in range(ROUNDS):
+            a = _effect(mean, n, b, side=0)
+            b = _effect(mean, n, a, side=1)
+        resid = {k: mean[k] - a[k[0]] - b[k[1]] for k in cells}
+        dof = sum(n.values()) - len(cells)
+        s2 = sum((y - mean[k]) ** 2 for k, v in cells.items() for y in v) / dof if dof > 0 else 0.0
+        # the spread of the pairs' mean residuals, less what their own noise explains (method of moments)
+        t2 = max(0.0, sum(r * r for r in resid.values()) / len(resid) - sum(s2 / n[k] for k in cells) / len(cells))
+        pairs: dict[str, dict[str, tuple[float, int]]] = defaultdict(dict)
+        for (t, m), r in resid.items():
+            pairs[t][m] = (r, n[(t, m)])
+        task_n: dict[str, int] = defaultdict(int)
+        model_n: dict[str, int] = defaultdict(int)
+        for (t, m), c in n.items():
+            task_n[t] += c
+            model_n[m] += c
+        return cls(a, b, dict(pairs), s2, t2, dict(task_n), dict(model_n))
+
+    def cell(self, task: str, model: str) -> Cell | None:
+        """The pair's estimate; None where the task type or the GPU model was never seen."""
+        if task not in self.task_effect or model not in self.model_effect:
+            return None
+        resid, n = self.pairs.get(task, {}).get(model, (0.0, 0))
+        keep = n / (n + self.s2 / self.t2) if n and self.t2 > 0 else (1.0 if n and self.s2 == 0 else 0.0)
+        # the interaction's posterior variance, plus the two effects' (each known from its leases)
+        post = (1.0 / (n / self.s2 + 1.0 / self.t2) if n and self.s2 > 0 and self.t2 > 0
+                else (0.0 if n and self.s2 == 0 else self.t2))
+        var = post + self.s2 / max(1, self.task_n.get(task, 0)) + self.s2 / max(1, self.model_n.get(model, 0))
+        log_rate = self.task_effect[task] + self.model_effect[model] + keep * resid
+        return Cell(task, model, math.exp(log_rate), math.sqrt(var), n, "records" if n else "shared")
+
+    def table(self) -> list[Cell]:
+        """Every pair of a seen task type and a seen GPU model, by task then model."""
+        cells = (self.cell(t, m) for t in sorted(self.task_effect) for m in sorted(self.model_effect))
+        return [c for c in cells if c is not None]
+
+    def to_plain(self) -> dict[str, Any]:
+        """Builtins only (the model artifact holds it; skops loads builtins without trusting code)."""
+        return {"task_effect": self.task_effect, "model_effect": self.model_effect,
+                "pairs": {t: {m: [r, n] for m, (r, n) in ms.items()} for t, ms in self.pairs.items()},
+                "s2": self.s2, "t2": self.t2, "task_n": self.task_n, "model_n": self.model_n}
+
+    @classmethod
+    def from_plain(cls, d: dict[str, Any] | None) -> ThroughputMatrix:
+        """The inverse of to_plain (an artifact from before the matrix gives an empty one)."""
+        if not d:
+            return cls()
+        return cls({str(k): float(v) for k, v in d["task_effect"].items()},
+                   {str(k): float(v) for k, v in d["model_effect"].items()},
+                   {str(t): {str(m): (float(x[0]), int(x[1])) for m, x in ms.items()} for t, ms in d["pairs"].items()},
+                   float(d["s2"]), float(d["t2"]), {str(k): int(v) for k, v in d["task_n"].items()},
+                   {str(k): int(v) for k, v in d["model_n"].items()})
+
+
+def _effect(mean: dict[tuple[str, str], float], n: dict[tuple[str, str], int], other: dict[str, float],
+            side: int) -> dict[str, float]:
+    """One backfitting step: each task's (side 0) or GPU model's (side 1) lease-weighted mean of what the other
+    effect leaves; the GPU-model effects are centred (lease-weighted) so the task effects carry the level."""
+    num: dict[str, float] = defaultdict(float)
+    den: dict[str, int] = defaultdict(int)
+    for k, y in mean.items():
+        num[k[side]] += n[k] * (y - other[k[1 - side]])
+        den[k[side]] += n[k]
+    eff = {key: num[key] / den[key] for key in num}
+    if side == 1:
+        centre = sum(eff[m] * den[m] for m in eff) / sum(den.values())
+        eff = {m: v - centre for m, v in eff.items()}
+    return eff
+
+
+__all__ = ["Cell", "ThroughputMatrix"]
