@@ -57,6 +57,8 @@ def quota_cap_for(m: LeaseCore, domain_uuid: str, domain_name: str, request: Lea
     or when a whole request does not fit)."""
     n = request.gpus
     for who, quota, match in _classes(m, domain_uuid, domain_name):
+        if not quota.max_gpus and not quota.max_gpu_hours_per_day:
+            continue  # a class without limits caps nothing: no walk of every lease for it (the queue asks often)
         n = quota_cap(who, quota, use_of(m, match, quota, exclude=exclude), dataclasses.replace(request, gpus=n))
     return n
 

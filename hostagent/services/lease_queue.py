@@ -13,7 +13,7 @@ import logging
 from hostagent.domain.assignment import Candidate, choose
 from hostagent.domain.errors import Conflict
 from hostagent.domain.inventory import Gpu
-from hostagent.domain.lease import Lease, LeaseState
+from hostagent.domain.lease import Lease, LeaseRequest, LeaseState
 from hostagent.domain.preemption import Holder, choose_victims, may_preempt
 from hostagent.services.grant_path import (
     BACKFILL_DEPTH,
@@ -133,28 +133,91 @@ def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None
         return None
     head = hs[0]
     at = order.index(head)
+    usable = _Usable(m)
     ready: list[tuple[Lease, list[Gpu], int, str | None]] = []
     for x in order[at:at + BACKFILL_DEPTH]:  # the head, then backfill candidates: bounded work per decision
         allowed = allows(x)
         if not allowed:
             continue
-        free = [g for g in feasible(m, x.request) if is_free(m, g.id)]
+        free = usable.free(x.request)
         need = min(x.request.gpus, allowed)
-        can = len(free) >= need or (x.request.accept_partial and bool(free))
         if x is head or (ready and ready[0][0] is head and x.request.priority == head.request.priority):
             # the head can start: every request of its priority that can start too competes with it for the free
             # GPUs (comparative advantage, bounded by the fairness bound)
-            if can:
+            if len(free) >= need or (x.request.accept_partial and free):
                 ready.append((x, free, min(need, len(free)), None))
-            continue  # else it waits; only what cannot delay the head may start
-        room = backfill_room(m, dataclasses.replace(x.request, gpus=need), free, now, hs)
-        if room is not None:
-            ready.append((x, room[0], min(need, len(room[0])), room[1]))
-        if len(ready) == 1 and _strict(m, ready[0][0]):
+        else:
+            room = backfill_room(m, dataclasses.replace(x.request, gpus=need), free, now, hs)
+            if room is not None:
+                ready.append((x, room[0], min(need, len(room[0])), room[1]))
+        if len(ready) == 1 and ready[0][0] is x and _strict(m, x):
             return ready[0]  # the first that can start goes, as in strict serve order
     if not ready:
         return None
-    return ready[0] if len(ready) == 1 else _by_advantage(m, ready, order, now)
+    return ready[0] if len(ready) == 1 else _by_advantage(m, ready, order, now, usable)
+
+
+class _Usable:
+    """One decision's memo of which GPUs could serve a request, which of them are free, and their predicted rates:
+    queued requests come in few shapes, so each shape is filtered and predicted once per decision, not once per
+    queued lease (and the placer keeps the predictions across decisions)."""
+
+    def __init__(self, m: LeaseCore) -> None:
+        self.m = m
+        self._feasible: dict[tuple[object, ...], list[Gpu]] = {}
+        self._rates: dict[tuple[object, ...], dict[str, float] | None] = {}
+        self._figures: dict[tuple[object, ...], tuple[float, float | None, dict[str, float]] | None] = {}
+        self._free = {gid for gid in m.gpus if is_free(m, gid)}
+
+    def feasible(self, request: LeaseRequest) -> list[Gpu]:
+        key = (request.min_memory_gib, request.vendor, request.model, request.requires)
+        got = self._feasible.get(key)
+        if got is None:
+            got = self._feasible[key] = feasible(self.m, request)
+        return got
+
+    def free(self, request: LeaseRequest) -> list[Gpu]:
+        return [g for g in self.feasible(request) if g.id in self._free]
+
+    def is_free(self, gpu_id: str) -> bool:
+        return gpu_id in self._free
+
+    def rates(self, request: LeaseRequest) -> dict[str, float] | None:
+        """Each usable GPU's predicted relative rate for the request (None: no model covers it)."""
+        key = _shape(request)
+        if key not in self._rates:
+            gpus = self.feasible(request)
+            # a request's length and priority move every GPU's prediction alike: the queue compares GPUs by the
+            # model's figure for what the work is (task type, precision, data scale, memory), so the queued
+            # requests fall into few shapes and each is predicted once per model (Placer.relative_rates keeps them)
+            plain = dataclasses.replace(request, duration_s=None, priority=0, gpus=1, accept_partial=False,
+                                        accept_deferred=False, not_after=None, idempotency_key=None, project=None,
+                                        total_memory_gib=None, target_work_rate=None)
+            rates = self.m.relative_rates(plain, gpus)
+            self._rates[key] = None if rates is None else dict(zip((g.id for g in gpus), rates))
+        return self._rates[key]
+
+    def figures(self, request: LeaseRequest, count: int) -> tuple[float, float | None, dict[str, float]] | None:
+        """For `count` GPUs of the request: its best predicted rate on the host (the count-th best of every GPU it
+        may use), the rate of the best set free now (None: too few free) and the rates by GPU; None without a
+        model that covers it."""
+        key = (_shape(request), count)
+        if key not in self._figures:
+            by_id = self.rates(request)
+            if by_id is None or not by_id or count < 1:
+                self._figures[key] = None
+            else:
+                ranked = sorted(by_id.values(), reverse=True)
+                open_ = sorted((r for gid, r in by_id.items() if gid in self._free), reverse=True)
+                self._figures[key] = (ranked[min(count, len(ranked)) - 1],
+                                      open_[count - 1] if len(open_) >= count else None, by_id)
+        return self._figures[key]
+
+
+def _shape(request: LeaseRequest) -> tuple[object, ...]:
+    """What the GPUs a request may use and their predicted rates depend on (not its VM, size or deadline)."""
+    return (request.min_memory_gib, request.vendor, request.model, request.requires, request.task_type,
+            request.data_scale, request.precision, request.numa_policy)
 
 
 def _strict(m: LeaseCore, first: Lease) -> bool:
@@ -164,7 +227,7 @@ def _strict(m: LeaseCore, first: Lease) -> bool:
 
 
 def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | None]], order: list[Lease],
-                  now: float) -> tuple[Lease, list[Gpu], int, str | None]:
+                  now: float, usable: _Usable) -> tuple[Lease, list[Gpu], int, str | None]:
     """Of the queued leases that could start now, the one `domain.assignment.choose` picks: the highest
     priority among them, then the one closest to its best predicted rate on this host (comparative advantage),
     within the operator's fairness bound; strict serve order where the active model does not cover every one of
@@ -177,21 +240,20 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
     for gone in [k for k in m.queue_notes if k not in live]:
         m.queue_notes.pop(gone, None)
     cands: list[Candidate] = []
-    for x, free, count, _ in ready:
+    for x, free, count, backfill in ready:
         if x.request.priority != top:
             continue
-        usable = feasible(m, x.request)
-        rates = m.relative_rates(x.request, usable)
-        if rates is None or count < 1:
+        got = usable.figures(x.request, count)
+        if got is None:
             return ready[0]  # no model says how fast it runs where: strict order
-        by_id = dict(zip((g.id for g in usable), rates))
-        best = sorted(rates, reverse=True)[min(count, len(rates)) - 1]
-        open_ = sorted((by_id.get(g.id, 0.0) for g in free), reverse=True)
-        now_rate = open_[count - 1] if len(open_) >= count else None
+        best, now_rate, by_id = got
+        if backfill is not None:  # a backfill may take only its room, not every free GPU: rate those
+            open_ = sorted((by_id.get(g.id, 0.0) for g in free), reverse=True)
+            now_rate = open_[count - 1] if len(open_) >= count else None
         better = None
         if count == 1 and x.request.duration_s and now_rate is not None and best > now_rate:
-            ends = [busy_until(m, g.id, now) - now for g in usable
-                    if not is_free(m, g.id) and by_id[g.id] >= best * 0.999]
+            ends = [busy_until(m, gid, now) - now for gid, rate in by_id.items()
+                    if not usable.is_free(gid) and rate >= best * 0.999]
             better = min(ends) if ends else None
         n, since = m.queue_passes.get(x.id, (0, None))
         cands.append(Candidate(x.id, rank[x.id], top, now_rate, best, n, since,

@@ -54,7 +54,9 @@ class Placer:
         self.default_numa_policy = default_numa_policy
         self.last_decisions: list[dict[str, Any]] = []  # recent decisions for the dashboard (bounded)
         self._views = DeviceViews()
-        self._rates: dict[tuple[Any, ...], list[float]] = {}  # relative_rates' predictions (see there)
+        # relative_rates' predictions: request -> gpu id -> (the Gpu, its Measured, the rate); cleared on a switch
+        self._rates: dict[PlacementRequest, dict[str, tuple[Gpu, Measured | None, float]]] = {}
+        self._last_rates: dict[PlacementRequest, tuple[Any, ...]] = {}  # the last answer per request (fast path)
         # The topology-aware set choice (same switch < root complex < NUMA node < sockets, packing); set by
         # the topology wiring. Without it the greedy choice of domain.placement decides.
         self.topology_place: TopologyPlacer | None = None
@@ -76,18 +78,36 @@ class Placer:
         preq = PlacementRequest.from_lease(request, count=1)
         if self.scorer is None or not self.scorer.covers(preq):
             return None
-        measured = [self._measured(g.id) for g in gpus]
-        # the queue asks again at every decision for every request that could start: predictions depend only on
-        # the request, the GPUs (an object per scan) and their probes' figures, so each is made once per model
-        key = (id(self.scorer), preq, tuple((g.id, id(g), id(x)) for g, x in zip(gpus, measured)))
-        got = self._rates.get(key)
-        if got is None:
-            views = [self._views.view(g, free=True, measured=x) for g, x in zip(gpus, measured)]
-            got = [float(x) for x in self.scorer.score(preq, views)]
+        # the queue asks again at every decision for every request shape that could start: a prediction depends
+        # only on the request, the GPU (an object per scan) and its probes' figures (an object per probe), so each
+        # is made once per model and kept with the objects it was made for (a rescan or a new probe misses)
+        measured = tuple(map(self._measured, [g.id for g in gpus]))
+        last = self._last_rates.get(preq)
+        if last is not None and last[0] == tuple(gpus) and last[1] == measured:  # the same GPUs, probes: as before
+            return list(last[2])
+        known = self._rates.get(preq)
+        if known is None:
             if len(self._rates) >= RATES_KEPT:
-                self._rates.clear()
-            self._rates[key] = got
-        return list(got)
+                for stale in list(self._rates)[:RATES_KEPT // 2]:  # the oldest half
+                    del self._rates[stale]
+                    self._last_rates.pop(stale, None)
+            known = self._rates[preq] = {}
+        out: list[float] = []
+        missed: list[int] = []
+        for i, g in enumerate(gpus):
+            hit = known.get(g.id)
+            if hit is None or hit[0] is not g or hit[1] is not measured[i]:
+                missed.append(i)
+                out.append(0.0)
+            else:
+                out.append(hit[2])
+        if missed:
+            views = [self._views.view(gpus[i], free=True, measured=measured[i]) for i in missed]
+            for i, rate in zip(missed, self.scorer.score(preq, views)):
+                known[gpus[i].id] = (gpus[i], measured[i], float(rate))
+                out[i] = float(rate)
+        self._last_rates[preq] = (tuple(gpus), measured, tuple(out))
+        return out
 
     def scaling(self, task_type: str) -> Scaling | None:
         """What the active model's records say of the task type's total work rate by GPU count (None without a
@@ -99,6 +119,7 @@ class Placer:
         """Switch to a newly trained (or rolled back) model."""
         self.scorer, self.model_version = scorer, version
         self._rates.clear()
+        self._last_rates.clear()
 
     @property
     def rule(self) -> str:

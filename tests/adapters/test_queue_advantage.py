@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from hostagent.domain.lease import LeaseState
+from hostagent.domain.capabilities import Measured
+from hostagent.domain.lease import LeaseRequest, LeaseState
 from hostagent.domain.placement import DeviceView, PlacementRequest
 from tests.support.agent import AgentRig, Clock, make_rig, operator_login, start_rig
 from tests.support.waits import until
@@ -127,3 +128,32 @@ async def test_the_operator_bounds_it_or_turns_it_off(tmp_path: Path, aiohttp_cl
         "served in turn: passed over 1 time(s)"
     assert any(said in x for x in got["reasons"]), got["reasons"]
     assert (await view(rig, "vm-b", late["id"]))["state"] == "QUEUED"
+
+
+class Counting(TableModel):
+    """The table model, counting the devices it is asked to score."""
+
+    def __init__(self) -> None:
+        self.scored = 0
+
+    def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
+        self.scored += len(devices)
+        return super().score(request, devices)
+
+
+def test_the_placer_predicts_each_request_and_gpu_once_per_model_and_probe(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, scenario="demo16")
+    placer, m = rig.runtime.placer, rig.runtime.manager
+    model = Counting()
+    placer.use(model, "v-count")
+    gpus = list(m.gpus.values())
+    bert = LeaseRequest(task_type="bert")
+    first = placer.relative_rates(bert, gpus)
+    assert model.scored == 16 and placer.relative_rates(bert, gpus) == first and model.scored == 16
+    assert placer.relative_rates(bert, gpus[:4]) == first[:4] and model.scored == 16  # a subset: no new prediction
+    assert placer.relative_rates(LeaseRequest(task_type="ncf"), gpus) is not None and model.scored == 32
+    m.measured[gpus[0].id] = Measured()  # a new probe's figures for one GPU: only that one is predicted again
+    assert placer.relative_rates(bert, gpus) == first and model.scored == 33
+    placer.use(model, "v-count-2")  # a model switch forgets every prediction
+    placer.relative_rates(bert, gpus)
+    assert model.scored == 49
