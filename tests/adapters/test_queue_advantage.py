@@ -20,7 +20,7 @@ from tests.support.waits import until
 
 S = LeaseState
 # what a trained model would predict: bert gains from the big cards, ncf runs best on a T4
-RATES = {"bert": {"A100": 10.0, "V100": 8.0, "RTX 6000": 5.0, "T4": 1.0}, "ncf": {"T4": 9.0}}
+RATES = {"bert": {"A100": 10.0, "V100": 8.0, "RTX 6000": 5.0, "T4": 1.0}, "ncf": {"T4": 9.0}, "a100-job": {"A100": 9.0}}
 
 
 class TableModel:
@@ -63,8 +63,17 @@ async def free_a_t4(rig: AgentRig, fillers: list[dict[str, Any]]) -> str:
     return gid
 
 
+async def fill(rig: AgentRig, short_a100: bool = False) -> list[dict[str, Any]]:
+    """Every GPU held by vm-c (one lease each); with `short_a100`, first a one-minute lease that lands on an A100."""
+    fillers = [await post(rig, "vm-c", 201, gpus=1, task_type="a100-job", duration_s=60)] if short_a100 else []
+    if short_a100:
+        assert "A100" in rig.runtime.manager.gpus[fillers[0]["devices"][0]["gpu_id"]].model
+    fillers += [await post(rig, "vm-c", 201, gpus=1, task_type="filler") for _ in range(16 - len(fillers))]
+    return fillers
+
+
 async def full_host_and_two_queued(rig: AgentRig) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    fillers = [await post(rig, "vm-c", 201, gpus=1, task_type="filler") for _ in range(16)]
+    fillers = await fill(rig)
     bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", accept_deferred=True)
     ncf = await post(rig, "vm-b", 202, gpus=1, task_type="ncf", accept_deferred=True)
     assert (bert["queue"]["position"], ncf["queue"]["position"]) == (1, 2)
@@ -116,11 +125,12 @@ async def test_the_operator_bounds_it_or_turns_it_off(tmp_path: Path, aiohttp_cl
     assert (await view(rig, "vm-b", ncf["id"]))["state"] == "ACTIVE"
     late = await post(rig, "vm-b", 202, gpus=1, task_type="ncf", accept_deferred=True)
     if "fairness_max_delay_s" in leases:  # under the default bound of 8 times it is passed over again ...
+        clock.advance(30.0)  # (the bound counts from the first time it was passed over, not the latest)
         t4 = await free_a_t4(rig, fillers)
         assert (await view(rig, "vm-b", late["id"]))["state"] == "ACTIVE"
         assert (await view(rig, "vm-a", bert["id"]))["queue"]["note"].startswith("passed over 2 time(s)")
         late = await post(rig, "vm-b", 202, gpus=1, task_type="ncf", accept_deferred=True)
-        clock.advance(61.0)  # ... until it was first passed over more than fairness_max_delay_s ago
+        clock.advance(31.0)  # ... until it was first passed over more than fairness_max_delay_s ago
     t4 = await free_a_t4(rig, fillers)
     got = await view(rig, "vm-a", bert["id"])
     assert got["state"] == "ACTIVE" and got["devices"][0]["gpu_id"] == t4, got
@@ -157,3 +167,39 @@ def test_the_placer_predicts_each_request_and_gpu_once_per_model_and_probe(tmp_p
     placer.use(model, "v-count-2")  # a model switch forgets every prediction
     placer.relative_rates(bert, gpus)
     assert model.scored == 49
+
+
+async def test_a_request_that_states_its_length_waits_for_a_better_gpu_about_to_free(tmp_path: Path,
+                                                                                    aiohttp_client: Any) -> None:
+    # bert runs 600 s on a typical GPU: 600 s on the freed T4 (rate 1), or 60 s for an A100 to free plus 60 s there
+    rig = await rig_with(tmp_path, aiohttp_client, Clock())
+    fillers = await fill(rig, short_a100=True)
+    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", duration_s=600, accept_deferred=True)
+    ncf = await post(rig, "vm-b", 202, gpus=1, task_type="ncf", accept_deferred=True)
+    t4 = await free_a_t4(rig, fillers)
+    assert (await view(rig, "vm-b", ncf["id"]))["devices"][0]["gpu_id"] == t4
+    note = (await view(rig, "vm-a", bert["id"]))["queue"]["note"]
+    assert note.startswith("waiting for a better GPU: predicted to end in 120 s there (free in 60 s) against 600 s "
+                           "on the GPUs free now (10% of its best rate)"), note
+
+
+async def test_a_backfill_is_rated_on_the_gpus_it_may_take(tmp_path: Path, aiohttp_client: Any) -> None:
+    # the head needs three GPUs of 35 GiB (A100s only) and cannot start; behind it bert and ncf may only backfill:
+    # an A100 that frees stays the head's, so the T4 that frees next is all either may take, and ncf gains most there
+    rig = await rig_with(tmp_path, aiohttp_client)
+    m = rig.runtime.manager
+    fillers = await fill(rig)
+    head = await post(rig, "vm-d", 202, gpus=3, min_memory_gib=35, task_type="bert", accept_deferred=True)
+    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", accept_deferred=True)
+    ncf = await post(rig, "vm-b", 202, gpus=1, task_type="ncf", accept_deferred=True)
+    a100 = next(x for x in fillers if "A100" in m.gpus[x["devices"][0]["gpu_id"]].model)
+    fillers.remove(a100)
+    await rig.client.delete(f"/v1/leases/{a100['id']}", headers=rig.auth("vm-c"))
+    await until(lambda: a100["id"] not in m.leases, 10, "the A100 back")
+    await m.drain_queue()
+    for who, x in (("vm-d", head), ("vm-a", bert), ("vm-b", ncf)):
+        assert (await view(rig, who, x["id"]))["state"] == "QUEUED", who
+    t4 = await free_a_t4(rig, fillers)
+    got = await view(rig, "vm-b", ncf["id"])
+    assert got["state"] == "ACTIVE" and got["devices"][0]["gpu_id"] == t4, got
+    assert (await view(rig, "vm-a", bert["id"]))["state"] == "QUEUED"
