@@ -9,7 +9,14 @@
   host``, so a Philly duration is what the job takes, on average, on a device picked at random; gaps scaled to a target offered load.
 - ``synthetic-table``: seeded synthetic throughputs (per-model base speed x per-(job, model) log-normal affinity)
   and memory needs (4..20 GiB), to show the harness on a table that is not Sia's.
-- ``all``: every file of both scenarios into one directory.
+- ``roofline-table``: throughputs from the roofline model over vendor spec-sheet figures (`ROOFLINE_GPUS`: peak
+  FP32 and dense FP16-tensor TFLOP/s, memory bandwidth, memory size) for job types defined by their arithmetic
+  intensity (`ROOFLINE_JOBS`: FLOPs per byte of memory traffic, FP16-tensor or FP32, memory need). One unit of
+  work is 1 TFLOP, moving ``1 / intensity`` TB; it takes ``1 / peak + (1 / intensity) / bandwidth`` seconds (compute
+  and memory traffic not overlapped), so ``throughput = 1 / (1 / peak + 1 / (intensity * bandwidth))`` units/s
+  (peak in TFLOP/s, bandwidth in TB/s). Memory-bound jobs rank the GPUs by bandwidth, compute-bound ones by peak:
+  a third table whose task types' speedups differ for a reason, not by a random draw.
+- ``all``: every file of the three scenarios into one directory.
 
 Data comes from ``--data`` (default ``../shared/data`` relative to the repository).
 """
@@ -33,8 +40,34 @@ SIA_GPU = {"aws": "T4", "azure": "V100", "dgx": "A100", "dgx-ext": "A100", "quad
 # Memory of the GPU models named in the data sets (vendor specs). Alibaba anonymises G2/G3: the values here are
 # assumptions for the synthetic scenario only.
 MEMORY_GIB = {"T4": 16, "V100": 32, "A100": 40, "RTX6000": 24, "RTX2080Ti": 11, "P100": 16, "V100M16": 16,
-              "V100M32": 32, "A10": 24, "G2": 24, "G3": 32}
+              "V100M32": 32, "A10": 24, "L4": 24, "G2": 24, "G3": 32}
 SIA_HOST_MIX = "T4:2,V100:2,A100:2,RTX6000:1,RTX2080Ti:1"
+
+# GPU model -> (peak FP32 TFLOP/s, peak dense FP16 tensor TFLOP/s, memory bandwidth GB/s, memory GB), each figure
+# from the vendor's own datasheet (NVIDIA; "with sparsity" figures halved to dense):
+#   P100:      Tesla P100 PCIe 16 GB datasheet: FP32 9.3, FP16 18.7 (no tensor cores: its FP16 peak), 732 GB/s
+#   T4:        NVIDIA T4 datasheet: FP32 8.1, mixed precision (FP16/FP32) 65, 320 GB/s, 16 GB
+#   V100:      Tesla V100 datasheet, SXM2: FP32 15.7, tensor 125, 900 GB/s, 32 GB
+#   RTX6000:   Quadro RTX 6000 datasheet: FP32 16.3, tensor 130.5, 672 GB/s, 24 GB
+#   RTX2080Ti: NVIDIA Turing architecture whitepaper, GeForce RTX 2080 Ti reference board: FP32 13.4, FP16 tensor
+#              with FP32 accumulate (what training uses) 53.8, 616 GB/s, 11 GB
+#   A100:      A100 Tensor Core GPU datasheet, A100 40 GB: FP32 19.5, FP16 tensor 312, 1555 GB/s
+#   A10:       A10 Tensor Core GPU datasheet: FP32 31.2, FP16 tensor 125, 600 GB/s, 24 GB
+#   L4:        L4 Tensor Core GPU datasheet: FP32 30.3, FP16 tensor 242 with sparsity (121 dense), 300 GB/s, 24 GB
+# (Not Gavel's simulation throughputs nor Lambda's benchmark tables: those are reserved for an independent evaluation.)
+ROOFLINE_GPUS: dict[str, tuple[float, float, float, float]] = {
+    "P100": (9.3, 18.7, 732.0, 16), "T4": (8.1, 65.0, 320.0, 16), "V100": (15.7, 125.0, 900.0, 32),
+    "RTX6000": (16.3, 130.5, 672.0, 24), "RTX2080Ti": (13.4, 53.8, 616.0, 11), "A100": (19.5, 312.0, 1555.0, 40),
+    "A10": (31.2, 125.0, 600.0, 24), "L4": (30.3, 121.0, 300.0, 24),
+}
+# job type -> (arithmetic intensity in FLOPs per byte of memory traffic, precision, memory need GiB): a spread from
+# memory-bound (embedding lookups, small-batch decoding, stencils) to compute-bound (large GEMMs, convolutions)
+ROOFLINE_JOBS: dict[str, tuple[float, str, float]] = {
+    "transformer-train-fp16": (150.0, "fp16", 20), "cnn-train-fp16": (60.0, "fp16", 12),
+    "llm-decode-fp16": (4.0, "fp16", 20), "gemm-fp32": (100.0, "fp32", 4), "cnn-train-fp32": (40.0, "fp32", 8),
+    "rnn-fp32": (10.0, "fp32", 6), "recsys-embedding-fp32": (1.5, "fp32", 14), "stencil-fp32": (0.5, "fp32", 4),
+}
+ROOFLINE_HOST_MIX = "P100:2,T4:2,V100:2,RTX6000:1,RTX2080Ti:1,A100:1,A10:2,L4:1"
 
 
 def data_dir(path: str | Path | None) -> Path:
@@ -75,6 +108,25 @@ def synthetic_table(seed: int, models: Sequence[str], job_types: int = 8) -> lis
                          "throughput": round(scale * base[m] * math.exp(rng.gauss(0.0, 0.6)), 6),
                          "memory_gib": need})
     return rows
+
+
+def roofline_throughput(gpu: tuple[float, float, float, float], intensity: float, precision: str) -> float:
+    """Units of work (1 TFLOP each) per second: ``1 / (1 / peak + 1 / (intensity * bandwidth))``."""
+    fp32, fp16, bw_gbs, _ = gpu
+    peak = fp16 if precision == "fp16" else fp32
+    return 1.0 / (1.0 / peak + 1.0 / (intensity * bw_gbs / 1000.0))
+
+
+def roofline_table(models: Sequence[str] | None = None) -> list[dict[str, object]]:
+    """Rows job_type,gpu_model,throughput,memory_gib from the roofline model over the spec-sheet figures."""
+    names = list(models) if models else list(ROOFLINE_GPUS)
+    unknown = [m for m in names if m not in ROOFLINE_GPUS]
+    if unknown:
+        raise InvalidInput(f"no spec-sheet figures for {unknown[0]!r}; known: {', '.join(ROOFLINE_GPUS)}",
+                           field="models")
+    return [{"job_type": job, "gpu_model": m,
+             "throughput": round(roofline_throughput(ROOFLINE_GPUS[m], intensity, precision), 6), "memory_gib": need}
+            for job, (intensity, precision, need) in ROOFLINE_JOBS.items() for m in names]
 
 
 def host_from_mix(mix: str, *, numa_nodes: int = 2, degrade: Sequence[tuple[int, float]] = ()) -> list[dict[str, object]]:
@@ -177,7 +229,7 @@ def read_csv(path: Path) -> list[dict[str, object]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``python -m hostagent.learn.datasets {sia-table,synthetic-table,host,trace,all} ...``."""
+    """CLI: ``python -m hostagent.learn.datasets {sia-table,synthetic-table,roofline-table,host,trace,all} ...``."""
     ap = argparse.ArgumentParser(prog="python -m hostagent.learn.datasets", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", help=f"shared data directory (default {DEFAULT_DATA})")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -188,9 +240,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--models", default="P100,T4,V100M16,V100M32,A10,G2,G3")
     s.add_argument("--job-types", type=int, default=8)
     s.add_argument("--seed", type=int, default=1)
+    s = sub.add_parser("roofline-table")
+    s.add_argument("--out", required=True, type=Path)
+    s.add_argument("--models", default=",".join(ROOFLINE_GPUS))
     s = sub.add_parser("host")
     s.add_argument("--out", required=True, type=Path)
-    s.add_argument("--mix", help=f"MODEL:COUNT,... (e.g. {SIA_HOST_MIX})")
+    s.add_argument("--mix", help=f"MODEL:COUNT,... (e.g. {SIA_HOST_MIX}; roofline: {ROOFLINE_HOST_MIX})")
     s.add_argument("--alibaba", type=int, metavar="N", help="draw N GPUs from the Alibaba v2023 fleet mix")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--numa-nodes", type=int, default=2)
@@ -215,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_csv(args.out, sia_table(data_dir(args.data)))
         elif args.cmd == "synthetic-table":
             write_csv(args.out, synthetic_table(args.seed, args.models.split(","), args.job_types))
+        elif args.cmd == "roofline-table":
+            write_csv(args.out, roofline_table(args.models.split(",")))
         elif args.cmd == "host":
             if bool(args.mix) == bool(args.alibaba):
                 raise InvalidInput("give exactly one of --mix or --alibaba", field="mix")
@@ -240,6 +297,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_csv(out / "alibaba_host.csv", ahost)
             write_csv(out / "synthetic_trace.csv", philly_trace(data, syn, ahost, jobs=args.jobs, load=args.load,
                                                                 seed=args.seed + 1))
+            roof = roofline_table()
+            rhost = host_from_mix(ROOFLINE_HOST_MIX)
+            write_csv(out / "roofline_table.csv", roof)
+            write_csv(out / "roofline_host.csv", rhost)
+            write_csv(out / "roofline_trace.csv", philly_trace(data, roof, rhost, jobs=args.jobs, load=args.load,
+                                                               seed=args.seed + 2))
     except InvalidInput as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -7,8 +7,11 @@ trains from ``training_records()`` with the real lifecycle once the warm-up jobs
 retraining from new records as the run goes. It never reads the throughput table.
 
 Ground truth: a job's run time on a set of n devices is ``work / (n * min_i thr(job_type, model_i) * health_i)``
-(synchronous data parallel: the slowest device paces the step). Jobs wait in arrival order; the head of the
-queue is placed whenever enough eligible devices are free.
+(synchronous data parallel: the slowest device paces the step). Under the simple rules and the greedy `oracle`
+jobs wait in arrival order and the head of the queue is placed whenever enough eligible devices are free. Under
+`model` (once trained) and `matching-oracle` the queue is the agent's: priority then age, and of the jobs that
+could start, the one `domain.assignment.choose` picks (comparative advantage within the fairness bound;
+`learn/sim_queue.py` builds its candidates as `services.lease_queue` does), then placed by the same `place()`.
 
 Usage: ``python -m hostagent.learn.simulate --throughputs T.csv --host H.csv --trace R.csv [--seeds N]
 [--policies a,b] [--warmup-jobs N] [--json]``.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import heapq
+import itertools
 import json
 import math
 import random
@@ -34,6 +38,8 @@ from typing import Any
 import numpy as np
 
 from hostagent.domain.errors import InvalidInput
+from hostagent.domain.assignment import Fairness
+from hostagent.learn import sim_queue
 from hostagent.learn.model import ModelBundle
 from hostagent.domain.placement import (
     GIB,
@@ -44,7 +50,8 @@ from hostagent.domain.placement import (
     place,
 )
 
-POLICIES = ("random", "first-fit", "best-fit-memory", "fastest-model", "model", "oracle")
+POLICIES = ("random", "first-fit", "best-fit-memory", "fastest-model", "model", "oracle", "matching-oracle")
+QUEUE_AWARE = frozenset({"model", "matching-oracle"})  # the queue-aware assignment (domain.assignment) decides
 EPOCH = 1_600_000_000.0  # simulated clock origin (2020-09-13): the store refuses timestamps before 2000
 SAMPLES_PER_LEASE = 3
 WORK_RATE_NOISE = 0.03  # a guest's own throughput counter is a little noisy (log-normal sigma)
@@ -225,6 +232,8 @@ def rule_scorers(table: Table, host: Sequence[SimGpu], rng: random.Random) -> di
             rank.get(d.model, 0.0) - 1e-9 * order[d.gpu_id] for d in ds]),
         "oracle": _RuleScorer("oracle", lambda r, ds: [
             table.thr[(r.task_type, d.model)] * health[d.gpu_id] for d in ds]),
+        "matching-oracle": _RuleScorer("matching-oracle", lambda r, ds: [
+            table.thr[(r.task_type, d.model)] * health[d.gpu_id] for d in ds]),
     }
 
 
@@ -298,6 +307,7 @@ class RunFigures:
     """Per-job and per-decision figures of one run."""
 
     jct: dict[int, float] = field(default_factory=dict)
+    wait: dict[int, float] = field(default_factory=dict)  # queue wait: start minus arrival
     regret: dict[int, float] = field(default_factory=dict)
     rules: dict[str, int] = field(default_factory=dict)
     memory_violations: int = 0
@@ -306,13 +316,19 @@ class RunFigures:
     trainings: list[dict[str, Any]] = field(default_factory=list)
 
 
+def _request(table: Table, job: Job) -> PlacementRequest:
+    return PlacementRequest(count=job.num_gpus, task_type=job.job_type, min_memory_gib=table.need_gib.get(job.job_type, 0.0),
+                            priority=job.priority, numa_policy="preferred")
+
+
 def _set_rate(table: Table, job: Job, gpus: Sequence[SimGpu]) -> float:
     return len(gpus) * min(table.thr[(job.job_type, g.model)] * g.health for g in gpus)
 
 
 def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job], *, seed: int,
                warmup_jobs: int, retrain_every: int, min_records: int, workdir: Path | None = None,
-               exploration: Exploration = Exploration(), warmup_epsilon: float = 0.3) -> RunFigures:
+               exploration: Exploration = Exploration(), warmup_epsilon: float = 0.3,
+               fairness: Fairness = Fairness()) -> RunFigures:
     """Simulate one policy over the trace and return its figures."""
     if policy not in POLICIES:
         raise InvalidInput(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}", field="policies")
@@ -338,6 +354,11 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
     running: list[tuple[float, int, int, tuple[str, ...], float, PlacementRequest, tuple[str, ...]]] = []
     queue: deque[Job] = deque()
     arrivals = deque(jobs)
+    qstate = sim_queue.QueueState(fairness)
+    running_on: dict[int, sim_queue.Running] = {}  # device index -> the job on it (queue-aware policies)
+
+    def fits(request: PlacementRequest, i: int) -> bool:
+        return host[i].memory_gib + 1e-9 >= request.min_memory_gib
     completed = 0
     next_train = warmup_jobs
     seq = 0
@@ -350,8 +371,12 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
                 break  # a queued job no free set can ever satisfy (cannot happen after check_inputs)
             while running and running[0][0] <= now:
                 end, _, jidx, gpu_ids, start, req, why = heapq.heappop(running)
+                was = None
                 for g in gpu_ids:
                     free[index[g]] = True
+                    was = running_on.pop(index[g], None)
+                if was is not None:
+                    qstate.finished(was.task_type, end - start, was.rate)
                 completed += 1
                 fig.last_end = max(fig.last_end, end)
                 if recorder is not None:
@@ -363,18 +388,27 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
                         next_train = completed + retrain_every
             while arrivals and arrivals[0].arrival_s <= now:
                 queue.append(arrivals.popleft())
+            if policy in QUEUE_AWARE:  # the agent's serve order: priority, then age
+                queue = deque(sorted(queue, key=lambda j: (-j.priority, j.arrival_s, j.index)))
             while queue:
                 job = queue[0]
-                need = table.need_gib.get(job.job_type, 0.0)
-                request = PlacementRequest(count=job.num_gpus, task_type=job.job_type, min_memory_gib=need,
-                                           priority=job.priority, numa_policy="preferred")
                 views = [base_views[i] if free[i] else busy_views[i] for i in range(len(host))]
+                said: tuple[str, ...] = ()
+                if policy in QUEUE_AWARE and scorer is not None:
+                    waiting = [(j.index, _request(table, j)) for j in itertools.islice(queue, sim_queue.WINDOW)]
+                    picked, pick = sim_queue.pick(qstate, waiting, base_views, free, fits, scorer, running_on, now)
+                    if picked is None:
+                        break
+                    job = jobs[picked]
+                    said = (f"queue: {pick.reason}",)
+                request = _request(table, job)
+                need = request.min_memory_gib
                 ex = exploration if scorer is not None else replace(exploration, epsilon=warmup_epsilon)
                 decision = place(request, views, scorer=scorer, exploration=ex if policy == "model" else None,
                                  rng=rng)
                 if not decision.chosen:
-                    break  # head of the queue waits for enough eligible devices to free up
-                queue.popleft()
+                    break  # the job to start waits for enough eligible devices to free up
+                queue.remove(job)
                 chosen = [by_id[g] for g in decision.chosen]
                 for g in decision.chosen:
                     free[index[g]] = False
@@ -386,7 +420,14 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
                 fig.regret[job.index] = max(0.0, 1.0 - rate / best) if best > 0 else 0.0
                 end = now + job.work / rate
                 fig.jct[job.index] = end - job.arrival_s
-                heapq.heappush(running, (end, seq, job.index, decision.chosen, now, request, decision.reasons))
+                fig.wait[job.index] = now - job.arrival_s
+                if scorer is not None and policy in QUEUE_AWARE:
+                    sc = qstate.scores(scorer, request, base_views)
+                    predicted = min(sc[index[g]] for g in decision.chosen)
+                    for g in decision.chosen:
+                        running_on[index[g]] = sim_queue.Running(job.job_type, now, predicted)
+                heapq.heappush(running, (end, seq, job.index, decision.chosen, now, request,
+                                         decision.reasons + said))
                 seq += 1
     finally:
         if recorder is not None:
@@ -413,10 +454,13 @@ def summarise(policy: str, seed: int, fig: RunFigures, jobs: Sequence[Job], warm
     ids = [j.index for j in jobs if j.index >= warmup_jobs]
     jct = np.array([fig.jct[i] for i in ids]) if ids else np.array([0.0])
     reg = np.array([fig.regret[i] for i in ids]) if ids else np.array([0.0])
+    wait = np.array([fig.wait.get(i, 0.0) for i in ids]) if ids else np.array([0.0])
     return {
         "policy": policy, "seed": seed, "mean_jct_s": float(jct.mean()), "p99_jct_s": float(np.percentile(jct, 99)),
         "makespan_s": float(fig.last_end - fig.first_arrival), "mean_regret": float(reg.mean()),
         "memory_violations": int(fig.memory_violations),
+        # queue wait (start minus arrival): the p99 is the fairness figure, what reordering the queue costs the unlucky
+        "mean_wait_s": float(wait.mean()), "p99_wait_s": float(np.percentile(wait, 99)),
     }
 
 
@@ -445,13 +489,15 @@ def simulate(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job], *, seeds
 
 def format_table(out: dict[str, Any]) -> str:
     """A plain-text table: one line per (policy, seed), then the mean over seeds per policy."""
-    cols = ("policy", "seed", "mean_jct_s", "p99_jct_s", "makespan_s", "mean_regret", "memory_violations")
-    lines = [f"{'policy':<16}{'seed':>5}{'mean_jct_s':>14}{'p99_jct_s':>14}{'makespan_s':>14}"
-             f"{'mean_regret':>13}{'mem_viol':>10}"]
+    cols = ("policy", "seed", "mean_jct_s", "p99_jct_s", "makespan_s", "mean_regret", "memory_violations",
+            "mean_wait_s", "p99_wait_s")
+    lines = [(f"{'policy':<16}{'seed':>5}{'mean_jct_s':>14}{'p99_jct_s':>14}{'makespan_s':>14}"
+              f"{'mean_regret':>13}{'mem_viol':>10}{'mean_wait_s':>13}{'p99_wait_s':>12}")]
 
     def line(r: dict[str, Any]) -> str:
         return (f"{r['policy']:<16}{r['seed']!s:>5}{r['mean_jct_s']:>14.0f}{r['p99_jct_s']:>14.0f}"
-                f"{r['makespan_s']:>14.0f}{r['mean_regret']:>13.4f}{r['memory_violations']:>10}")
+                f"{r['makespan_s']:>14.0f}{r['mean_regret']:>13.4f}{r['memory_violations']:>10}"
+                f"{r.get('mean_wait_s', 0.0):>13.0f}{r.get('p99_wait_s', 0.0):>12.0f}")
     for r in out["results"]:
         lines.append(line(r))
     lines.append("-- mean over seeds --")
@@ -473,13 +519,14 @@ def format_table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point (``hostagent model simulate`` / ``python -m hostagent.learn.simulate``)."""
-    ap = argparse.ArgumentParser(prog="hostagent model simulate", description=__doc__.split("\n\n")[0])
+def add_run_options(ap: argparse.ArgumentParser, *, seeds: int, seeds_help: str,
+                    trace: Callable[[], Any]) -> None:
+    """The options this harness and the multi-trace evaluation (learn.evaluate) share: the table, the host, the
+    trace option(s) (`trace` adds them), the policies and their seeds, the warm-up and retraining, exploration."""
     ap.add_argument("--throughputs", required=True, help="CSV job_type,gpu_model,throughput[,memory_gib]")
     ap.add_argument("--host", required=True, help="CSV gpu_id,gpu_model,memory_gib,numa_node[,health_factor]")
-    ap.add_argument("--trace", required=True, help="CSV arrival_s,job_type,work,num_gpus[,priority]")
-    ap.add_argument("--seeds", type=int, default=3, help="runs per policy, each with its own seed (default 3)")
+    trace()
+    ap.add_argument("--seeds", type=int, default=seeds, help=seeds_help)
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help=f"comma-separated, of {', '.join(POLICIES)} (default all)")
     ap.add_argument("--warmup-jobs", type=int, default=300,
@@ -487,6 +534,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--retrain-every", type=int, default=500, help="completed jobs between retrainings")
     ap.add_argument("--min-records", type=int, default=100, help="records before the first model may be trained")
     ap.add_argument("--epsilon", type=float, default=Exploration().epsilon, help="exploration rate once trained")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point (``hostagent model simulate`` / ``python -m hostagent.learn.simulate``)."""
+    ap = argparse.ArgumentParser(prog="hostagent model simulate", description=__doc__.split("\n\n")[0])
+    add_run_options(ap, seeds=3, seeds_help="runs per policy, each with its own seed (default 3)",
+                    trace=lambda: ap.add_argument("--trace", required=True,
+                                                  help="CSV arrival_s,job_type,work,num_gpus[,priority]"))
     ap.add_argument("--json", action="store_true", help="machine-readable JSON output")
     args = ap.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

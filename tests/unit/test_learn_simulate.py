@@ -73,7 +73,8 @@ def test_cli_reads_the_three_csvs_and_prints_json(tmp_path: Path, capsys: pytest
                         "--warmup-jobs", "10", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    keys = {"policy", "seed", "mean_jct_s", "p99_jct_s", "makespan_s", "mean_regret", "memory_violations"}
+    keys = {"policy", "seed", "mean_jct_s", "p99_jct_s", "makespan_s", "mean_regret", "memory_violations",
+            "mean_wait_s", "p99_wait_s"}
     assert len(out["results"]) == 4 and all(set(r) == keys for r in out["results"])
     oracle = [r for r in out["results"] if r["policy"] == "oracle"]
     assert all(r["mean_jct_s"] == pytest.approx(10.0) and r["mean_regret"] == 0.0 for r in oracle)
@@ -115,5 +116,5 @@ def test_generators_from_a_small_copy_of_the_data(tmp_path: Path) -> None:
         datasets.philly_trace(data, table[:2], datasets.host_from_mix("V100:1"), jobs=10, load=0.5, seed=0)
     assert datasets.main(["--data", str(data), "all", "--out", str(tmp_path / "out"), "--jobs", "40"]) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "alibaba_host.csv", "sia_host.csv", "sia_table.csv", "sia_trace.csv", "synthetic_table.csv",
-        "synthetic_trace.csv"]
+        "alibaba_host.csv", "roofline_host.csv", "roofline_table.csv", "roofline_trace.csv", "sia_host.csv",
+        "sia_table.csv", "sia_trace.csv", "synthetic_table.csv", "synthetic_trace.csv"]

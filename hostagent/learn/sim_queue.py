@@ -1,0 +1,117 @@
+"""The simulator's side of queue-aware assignment: it builds `domain.assignment` candidates from the waiting jobs,
+the free devices and the policy's scorer (the learned model, or the table for `matching-oracle`), exactly as the
+agent's lease queue builds them from queued leases (`services.lease_queue`), and asks `domain.assignment.choose`
+which job starts next. The set itself is then chosen by the real `place()`, as for every policy.
+
+What it may know: the scorer's predictions and what finished jobs showed (their run times), never the trace's work
+of a job still running or waiting. A job's expected run time at rate 1 is the median, over the last finished jobs of
+its task type, of their run time times the predicted rate of the set they ran on; a busy GPU's expected end is its
+job's start plus that expected run time at its predicted rate, or, once overdue, as long again as it has run (run
+times are heavy-tailed: a job that has outlived its expectation is expected to go on).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from hostagent.domain.assignment import Candidate, Fairness, Pick, choose
+from hostagent.domain.placement import DeviceView, PlacementRequest, Scorer
+
+WINDOW = 64  # queued jobs looked at per decision (the agent's BACKFILL_DEPTH)
+HISTORY = 50  # finished jobs per task type behind its expected run time
+
+
+@dataclass
+class Running:
+    """A running job as the assignment may see it."""
+
+    task_type: str
+    start: float
+    rate: float  # predicted rate of its set (per GPU, the slowest device's)
+
+
+@dataclass
+class QueueState:
+    """What queue-aware assignment remembers between decisions."""
+
+    fairness: Fairness
+    passes: dict[int, tuple[int, float]] = field(default_factory=dict)  # job index -> (times passed, since)
+    runs: dict[str, deque[float]] = field(default_factory=dict)  # task type -> recent run times at rate 1
+    cache: dict[tuple[object, ...], list[float]] = field(default_factory=dict)  # request key -> score per device
+    scorer_id: int = 0
+    waits: int = 0  # decisions in which some job chose to wait for a better GPU
+    passed_total: int = 0  # times a job was passed over
+
+    def scores(self, scorer: Scorer, request: PlacementRequest, views: Sequence[DeviceView]) -> list[float]:
+        """The scorer's prediction for every device of the host (free or not), cached per scorer and request."""
+        if id(scorer) != self.scorer_id:
+            self.cache.clear()
+            self.scorer_id = id(scorer)
+        # as the agent's queue does (services.lease_queue._Usable.rates): GPUs are compared by the model's figure
+        # for what the work is, not its size, length or priority, which move every GPU's prediction alike
+        key = (request.task_type, request.min_memory_gib, request.precision, request.data_scale)
+        got = self.cache.get(key)
+        if got is None:
+            plain = replace(request, count=1, priority=0, duration_s=None)
+            got = [float(x) for x in scorer.score(plain, views)]
+            self.cache[key] = got
+        return got
+
+    def finished(self, task_type: str, held_s: float, rate: float) -> None:
+        """A job ended: its run time at rate 1 joins its task type's history."""
+        if held_s > 0 and rate > 0:
+            self.runs.setdefault(task_type, deque(maxlen=HISTORY)).append(held_s * rate)
+
+    def run_s(self, task_type: str) -> float | None:
+        """Expected run time at rate 1 of a job of this task type (None before any finished)."""
+        got = self.runs.get(task_type)
+        return statistics.median(got) if got else None
+
+
+def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], views_free: Sequence[DeviceView],
+         free: Sequence[bool], fits: Callable[[PlacementRequest, int], bool], scorer: Scorer,
+         running_on: dict[int, Running], now: float) -> tuple[int | None, Pick]:
+    """The job (index) to start now among the first `WINDOW` waiting ones (in serve order), or None."""
+    cands: list[Candidate] = []
+    if waiting and not all(scorer.covers(req) for _, req in waiting[:WINDOW]):
+        # as the agent's queue: where the model does not cover every request, strict serve order (the first)
+        return waiting[0][0], Pick(str(waiting[0][0]), "first in serve order (the model does not cover them all)")
+    for order, (jidx, req) in enumerate(waiting[:WINDOW]):
+        sc = state.scores(scorer, req, views_free)
+        usable = [i for i in range(len(views_free)) if fits(req, i)]
+        if len(usable) < req.count:
+            continue
+        best = sorted((sc[i] for i in usable), reverse=True)[req.count - 1]
+        open_ = sorted((sc[i] for i in usable if free[i]), reverse=True)
+        now_rate = open_[req.count - 1] if len(open_) >= req.count else None
+        passes, since = state.passes.get(jidx, (0, None))
+        run_s = state.run_s(req.task_type)
+        better = None
+        if req.count == 1 and run_s is not None and now_rate is not None and best > now_rate:
+            ends = []
+            for i in usable:
+                job = running_on.get(i)
+                if job is None or sc[i] < best * 0.999:
+                    continue
+                elapsed = now - job.start
+                expected = (state.run_s(job.task_type) or 0.0) / job.rate if job.rate > 0 else 0.0
+                ends.append(expected - elapsed if elapsed < expected else elapsed)
+            better = min(ends) if ends else None
+        cands.append(Candidate(str(jidx), order, req.priority, now_rate, best, passes, since, run_s, better))
+    decision = choose(cands, state.fairness, now)
+    if decision.chosen is None:
+        return None, decision
+    for p in decision.passed:
+        n, since = state.passes.get(int(p), (0, None))
+        state.passes[int(p)] = (n + 1, now if since is None else since)
+    state.passed_total += len(decision.passed)
+    state.waits += bool(decision.waiting)
+    chosen = int(decision.chosen)
+    state.passes.pop(chosen, None)
+    return chosen, decision
+
+
+__all__ = ["QueueState", "Running", "WINDOW", "pick"]

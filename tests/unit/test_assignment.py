@@ -1,0 +1,93 @@
+"""Queue-aware assignment (domain.assignment) on small cases whose right answers are known by hand."""
+
+from __future__ import annotations
+
+from hostagent.domain.assignment import Candidate, Fairness, choose
+from hostagent.learn.simulate import Job, SimGpu, Table, run_policy
+
+F = Fairness(max_passes=3, max_delay_s=100.0)
+
+
+def test_each_job_gets_its_comparative_advantage() -> None:
+    # GPU X is free. A (first) runs at 1 on X and 10 on Y; B runs at 8 on X and 10 on Y: X is worth far more to B
+    a = Candidate("A", 0, 0, now=1.0, best=10.0)
+    b = Candidate("B", 1, 0, now=8.0, best=10.0)
+    pick = choose([a, b], F, now=0.0)
+    assert pick.chosen == "B" and pick.passed == ("A",)
+    assert "comparative advantage: 80% of its best rate" in pick.reason and "10% for the request ahead" in pick.reason
+    # the same two in strict order: the head goes
+    assert choose([a, b], Fairness(enabled=False), now=0.0).chosen == "A"
+    # equal advantage: serve order decides, nobody is passed over
+    same = choose([Candidate("A", 0, 0, 5.0, 10.0), Candidate("B", 1, 0, 5.0, 10.0)], F, now=0.0)
+    assert same.chosen == "A" and same.passed == ()
+
+
+def test_the_simulator_gives_each_job_its_comparative_advantage_and_the_greedy_oracle_does_not() -> None:
+    # Two GPU models with opposite speedups: "a" runs 10/s on X and 9/s on Y, "b" 1/s on X and 10/s on Y.
+    table = Table({("a", "X"): 10.0, ("a", "Y"): 9.0, ("b", "X"): 1.0, ("b", "Y"): 10.0}, {"a": 0.0, "b": 0.0})
+    host = [SimGpu("x", "X", 16.0, 0), SimGpu("y", "Y", 16.0, 0)]
+    # t=0: an "a" takes X until t=10. t=1: another "a" (90 units) and a "b" (100) arrive, the "a" first; Y is free.
+    jobs = [Job(0, 0.0, "a", 100.0, 1), Job(1, 1.0, "a", 90.0, 1), Job(2, 1.0, "b", 100.0, 1)]
+
+    def jcts(policy: str) -> list[float]:
+        fig = run_policy(policy, table, host, jobs, seed=0, warmup_jobs=0, retrain_every=10, min_records=10)
+        return [round(fig.jct[i], 6) for i in range(3)]
+    # greedy: the "a" in front takes Y (its best free GPU, 9/s: ends at 11); "b" waits for X and runs at 1/s there
+    # from t=10: ends at 110, 109 s after it came
+    assert jcts("oracle") == [10.0, 10.0, 109.0]
+    # comparative advantage: Y gives "b" 100 % of its best rate and "a" 90 %: "b" takes Y (ends at 11), "a" takes X
+    # when it frees at t=10 (10/s: ends at 19)
+    assert jcts("matching-oracle") == [10.0, 18.0, 10.0]
+    assert sum(jcts("matching-oracle")) < sum(jcts("oracle")) / 3
+
+
+def test_a_job_that_should_wait_does_and_one_that_should_not_does_not() -> None:
+    # A: 100 s of work at rate 1; the free GPU gives it 0.1 (1000 s), its best GPU (1.0) frees in 5 s: 105 s
+    slow_now = Candidate("A", 0, 0, now=0.1, best=1.0, run_s=100.0, better_in_s=5.0)
+    other = Candidate("B", 1, 0, now=0.5, best=1.0)
+    pick = choose([slow_now, other], F, now=0.0)
+    assert pick.chosen == "B" and "A" in pick.waiting and "A" not in pick.passed
+    assert "waiting for a better GPU: predicted to end in 105 s there (free in 5 s) against 1000 s" in pick.waiting["A"]
+    # the better GPU frees only in 2000 s: waiting would end later than starting now: no wait, and A is at 10 %
+    # of its best, B at 50 %: B still goes first, by comparative advantage, and A is passed over (not waiting)
+    late = Candidate("A", 0, 0, now=0.1, best=1.0, run_s=100.0, better_in_s=2000.0)
+    pick = choose([late, other], F, now=0.0)
+    assert pick.chosen == "B" and pick.waiting == {} and pick.passed == ("A",)
+    # exactly as soon either way (900 s wait + 100 s there = 1000 s now): "beats" means sooner, so no wait
+    even = Candidate("A", 0, 0, now=0.1, best=1.0, run_s=100.0, better_in_s=900.0)
+    assert choose([even, other], F, now=0.0).waiting == {}
+    # alone with the free GPU, a job that would rather wait still starts: a GPU is never left idle for a wait
+    alone = choose([slow_now, Candidate("C", 1, 0, now=None, best=1.0)], F, now=0.0)
+    assert alone.chosen == "A" and alone.waiting == {}
+    # every candidate would wait: none does
+    both = choose([slow_now, Candidate("B", 1, 0, now=0.1, best=1.0, run_s=100.0, better_in_s=5.0)], F, now=0.0)
+    assert both.chosen == "A" and both.waiting == {}
+
+
+def test_the_fairness_bound_stops_starvation() -> None:
+    def poor(passes: int, since: float | None = None) -> Candidate:
+        return Candidate("A", 0, 0, now=1.0, best=10.0, passes=passes, passed_since=since)
+    good = Candidate("B", 1, 0, now=10.0, best=10.0)
+    assert choose([poor(2), good], F, now=0.0).chosen == "B"  # passed over twice: the bound is 3
+    due = choose([poor(3), good], F, now=0.0)
+    assert due.chosen == "A" and "served in turn: passed over 3 time(s)" in due.reason
+    assert choose([poor(1, since=0.0), good], F, now=99.0).chosen == "B"
+    assert choose([poor(1, since=0.0), good], F, now=100.0).chosen == "A"  # first passed over 100 s ago
+    # a due request that cannot start now holds the others back: nobody passes it again
+    stuck = Candidate("A", 0, 0, now=None, best=10.0, passes=3)
+    held = choose([stuck, good], F, now=0.0)
+    assert held.chosen is None and "A is due" in held.reason
+    # a due request is never passed over by a waiting one either
+    assert choose([poor(3), Candidate("B", 1, 0, now=10.0, best=10.0, run_s=1.0, better_in_s=0.0)], F, 0.0).chosen == "A"
+
+
+def test_priorities_are_never_inverted() -> None:
+    low_but_perfect = Candidate("L", 0, 0, now=10.0, best=10.0)
+    high_but_poor = Candidate("H", 1, 5, now=1.0, best=10.0)
+    pick = choose([low_but_perfect, high_but_poor], F, now=0.0)
+    assert pick.chosen == "H" and pick.passed == ()
+    # a higher-priority request that cannot start now does not stop a lower one that can (the caller's backfilling
+    # decides whether it may); it is not counted as passed over
+    waiting_high = Candidate("H", 0, 5, now=None, best=10.0)
+    assert choose([waiting_high, low_but_perfect], F, now=0.0).chosen == "L"
+    assert choose([], F, now=0.0).chosen is None

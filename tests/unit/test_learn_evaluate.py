@@ -1,0 +1,203 @@
+"""The multi-trace evaluation: its statistics on hand-computed cases, its CLI on tiny generated inputs, bad input,
+the roofline table's ranking, and simulate's queue-wait figures."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from hostagent.domain.errors import InvalidInput
+from hostagent.learn import datasets, evaluate, simulate
+from hostagent.learn.simulate import Job, SimGpu, Table, run_policy
+
+# Job "a" is 10x faster on X, job "b" 10x faster on Y (opposite speedups)
+TABLE = Table({("a", "X"): 10.0, ("a", "Y"): 1.0, ("b", "X"): 1.0, ("b", "Y"): 10.0}, {"a": 0.0, "b": 0.0})
+RULES = "random,first-fit,best-fit-memory,fastest-model,matching-oracle"
+
+
+def _run(trace: str, policy: str, jct: float, wait: float = 0.0, load: float = 0.85) -> dict[str, object]:
+    return {"load": load, "trace": trace, "policy": policy, "seed": 0, "mean_jct_s": jct, "p99_jct_s": 2 * jct,
+            "makespan_s": 10 * jct, "mean_regret": 0.0, "memory_violations": 0, "mean_wait_s": wait / 2,
+            "p99_wait_s": wait, "evaluated_jobs": 100}
+
+
+def test_mean_and_confidence_interval_across_three_traces_by_hand() -> None:
+    # JCTs 100, 200, 300: mean 200, sample stdev 100, t(0.975, 2 df) = 4.302653: half-width 4.302653 * 100 / sqrt 3
+    m, h = evaluate.mean_ci([100.0, 200.0, 300.0])
+    assert m == 200.0 and h == pytest.approx(4.302653 * 100 / math.sqrt(3), rel=1e-6)  # 248.41
+    assert evaluate.mean_ci([5.0]) == (5.0, None)
+    assert evaluate.t975(2) == pytest.approx(4.302653, rel=1e-6) and evaluate.t975(30) == pytest.approx(2.042, abs=1e-3)
+    runs = [_run(t, "matching-oracle", j) for t, j in (("t1", 100.0), ("t2", 200.0), ("t3", 300.0))]
+    runs += [_run(t, "model", j, wait=w) for t, j, w in (("t1", 110.0, 10.0), ("t2", 200.0, 20.0), ("t3", 330.0, 30.0))]
+    runs += [_run(t, "first-fit", j, wait=10.0) for t, j in (("t1", 150.0), ("t2", 250.0), ("t3", 350.0))]
+    runs += [_run("t4", "first-fit", 9e9)]  # a trace that model never ran: left out of every figure
+    [g] = evaluate.aggregate(runs)
+    assert g["traces"] == 3 and g["dropped_traces"] == 1 and g["best_simple"] == "first-fit"
+    rows = {r["policy"]: r for r in g["policies"]}
+    mo, model = rows["matching-oracle"], rows["model"]
+    assert mo["mean_jct_s"] == 200.0 and mo["mean_jct_ci95_s"] == pytest.approx(248.4138, rel=1e-5)
+    assert model["mean_jct_s"] == 640.0 / 3 and model["jct_vs_matching_oracle"] == pytest.approx(640.0 / 600.0)
+    # paired: 1.1, 1.0, 1.1 per trace -> mean 1.0667, stdev 0.057735, half-width 4.302653 * 0.057735 / sqrt 3
+    paired = model["paired_vs_matching_oracle"]
+    assert paired["mean"] == pytest.approx(3.2 / 3) and paired["n"] == 3
+    assert paired["ci95"] == pytest.approx(4.302653 * 0.0577350 / math.sqrt(3), rel=1e-5)
+    assert model["jct_vs_best_simple"] == pytest.approx(640.0 / 750.0)
+    assert model["p99_wait_s"] == 20.0 and model["p99_wait_vs_first_fit"] == 2.0
+    got = {t["target"]: t["met"] for t in evaluate.targets([g], heterogeneous=True, spread=100.0)}
+    assert got == {"lowest mean JCT of the non-oracle policies": True, "within 5 % of matching-oracle": False,
+                   "at least 10 % below the best simple rule": True,
+                   "p99 queue wait at most 20 % above first-fit's": False}
+    low = evaluate.aggregate([{**r, "load": 0.7} for r in runs])
+    assert {t["target"]: t["met"] for t in evaluate.targets(low, heterogeneous=True, spread=100.0)}[
+        "no worse than the best simple rule"] is True
+
+
+def test_speedup_spread_and_offered_load() -> None:
+    # X over Y: 10x for "a", 0.1x for "b": the spread is 100
+    assert evaluate.speedup_spread(TABLE, ["X", "Y"]) == pytest.approx(100.0)
+    same = Table({("a", "X"): 2.0, ("a", "Y"): 1.0, ("b", "X"): 4.0, ("b", "Y"): 2.0}, {})
+    assert evaluate.speedup_spread(same, ["X", "Y"]) == 1.0
+    host = [SimGpu("x", "X", 16, 0), SimGpu("y", "Y", 16, 0)]
+    # harmonic-mean rate of "a" over X and Y: 2 / (1/10 + 1/1) = 1.81818; 2 jobs of work 10 over 100 s on 2 GPUs
+    jobs = [Job(0, 0.0, "a", 10.0, 1), Job(1, 100.0, "a", 10.0, 1)]
+    assert evaluate.offered_load(TABLE, host, jobs) == pytest.approx(2 * 10 / (2 / 1.1) / 200)
+
+
+def _inputs(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A 2-model table, a 4-GPU host and a small copy of the Philly data."""
+    (tmp_path / "t.csv").write_text("job_type,gpu_model,throughput\n"
+                                    + "".join(f"{j},{m},{t}\n" for (j, m), t in TABLE.thr.items()))
+    (tmp_path / "h.csv").write_text("gpu_id,gpu_model,memory_gib,numa_node\nx0,X,16,0\nx1,X,16,0\ny0,Y,16,1\n"
+                                    "y1,Y,16,1\n")
+    data = tmp_path / "data"
+    (data / "sia").mkdir(parents=True)
+    (data / "sia" / "philly_jobs.csv").write_text("timestamp,duration,num_gpus,gpu_time,cluster\n" + "".join(
+        f"2017-10-01 {i // 3600:02d}:{i // 60 % 60:02d}:{i % 60:02d},{60 + (37 * i) % 3000},{1 + (i % 7 == 0)},0,c\n"
+        for i in range(0, 3 * 400, 3)))
+    return tmp_path / "t.csv", tmp_path / "h.csv", data
+
+
+def test_cli_json_on_generated_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    table, host, data = _inputs(tmp_path)
+    argv = ["--throughputs", str(table), "--host", str(host), "--data", str(data), "--traces", "3", "--jobs", "300",
+            "--loads", "0.7,0.95", "--warmup-jobs", "50", "--policies", RULES, "--jobs-parallel", "1",
+            "--save-runs", str(tmp_path / "runs.jsonl"), "--json"]
+    assert evaluate.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [g["load"] for g in out["loads"]] == [0.7, 0.95] and all(g["traces"] == 3 for g in out["loads"])
+    keys = {"policy", "seed", "mean_jct_s", "p99_jct_s", "makespan_s", "mean_regret", "memory_violations",
+            "p99_wait_s", "mean_wait_s"}
+    assert len(out["runs"]) == 2 * 3 * 5 and all(keys <= set(r) for r in out["runs"])
+    assert {r["trace"] for r in out["runs"]} == {"philly seed 0", "philly seed 1", "philly seed 2"}
+    for g in out["loads"]:
+        rows = {r["policy"]: r for r in g["policies"]}
+        assert rows["matching-oracle"]["jct_vs_matching_oracle"] == 1.0
+        assert rows["first-fit"]["p99_wait_vs_first_fit"] == 1.0
+        assert rows[g["best_simple"]]["jct_vs_best_simple"] == 1.0
+        assert all(r["mean_jct_ci95_s"] > 0 and r["memory_violations"] == 0 for r in g["policies"])
+        # the mean JCT of a policy is the mean of its three runs
+        runs = [r["mean_jct_s"] for r in out["runs"] if r["load"] == g["load"] and r["policy"] == "random"]
+        assert rows["random"]["mean_jct_s"] == pytest.approx(sum(runs) / 3)
+    # the oracle knows the speedups: every placement the best free device (no regret) on a 100x spread table
+    assert out["meta"]["heterogeneous"] and out["meta"]["speedup_spread"] == pytest.approx(100.0)
+    assert all(r["mean_regret"] == 0 for r in out["runs"] if r["policy"] == "matching-oracle")
+    assert {t["met"] for t in out["targets"]} == {None}  # model was not run
+    # the saved runs aggregate to the same figures, and a report is readable
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 30
+    assert evaluate.main(["--throughputs", str(table), "--host", str(host), "--load-runs",
+                          str(tmp_path / "runs.jsonl"), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["loads"] == out["loads"]
+    assert evaluate.main(["--throughputs", str(table), "--host", str(host), "--load-runs",
+                          str(tmp_path / "runs.jsonl")]) == 0
+    text = capsys.readouterr().out
+    assert "load 0.95: 3 trace(s), 250 evaluated jobs each" in text and "targets (model):" in text
+
+
+def test_trace_files_in_worker_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    table, host, data = _inputs(tmp_path)
+    rows = datasets.read_csv(table)
+    hrows = datasets.read_csv(host)
+    for s in (0, 1):
+        datasets.write_csv(tmp_path / f"r{s}.csv", datasets.philly_trace(data, rows, hrows, jobs=120, load=0.8, seed=s))
+    assert evaluate.main(["--throughputs", str(table), "--host", str(host), "--trace-files",
+                          f"{tmp_path / 'r0.csv'},{tmp_path / 'r1.csv'}", "--policies", "first-fit,matching-oracle",
+                          "--warmup-jobs", "20", "--jobs-parallel", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # grouped by the offered load measured back from the files: what they were generated at
+    assert [g["load"] for g in out["loads"]] == [0.8] and out["loads"][0]["traces"] == 2 and len(out["runs"]) == 4
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--traces", "2", "--policies", "first-fit,best"], "unknown policy 'best'"),
+    (["--traces", "2", "--loads", "0.7,1.6"], "each offered load must be in (0, 1.5], got 1.6"),
+    (["--traces", "2", "--loads", "0"], "each offered load must be in (0, 1.5], got 0.0"),
+    (["--traces", "0"], "--traces must be >= 1"),
+    ([], "give --traces N"),
+    (["--trace-files", "MISSING"], "no such file"),
+    (["--traces", "1", "--trace-files", "x.csv"], "not both"),
+    (["--traces", "1", "--seeds", "0"], "--seeds must be >= 1"),
+    (["--traces", "1", "--jobs", "100", "--warmup-jobs", "100"], "leaves no job"),
+    (["--load-runs", "MISSING"], "no such file"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
+                                          message: str) -> None:
+    table, host, data = _inputs(tmp_path)
+    argv = ["--throughputs", str(table), "--host", str(host), "--data", str(data)]
+    argv += [str(tmp_path / a) if a == "MISSING" else a for a in extra]
+    assert evaluate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert evaluate.main(["--throughputs", str(tmp_path / "none.csv"), "--host", str(host), "--traces", "1"]) == 2
+    assert "none.csv: no such file" in capsys.readouterr().err
+
+
+def test_roofline_ranks_memory_bound_and_compute_bound_jobs_differently() -> None:
+    # A10: FP32 31.2 TFLOP/s, 600 GB/s; V100: FP32 15.7 TFLOP/s, 900 GB/s (spec sheets)
+    a10, v100 = datasets.ROOFLINE_GPUS["A10"], datasets.ROOFLINE_GPUS["V100"]
+    # compute-bound, 100 FLOP/byte: 1 / (1/31.2 + 1/60) = 20.526 on the A10; 1 / (1/15.7 + 1/90) = 13.368 on the V100
+    assert datasets.roofline_throughput(a10, 100.0, "fp32") == pytest.approx(20.5263, rel=1e-4)
+    assert datasets.roofline_throughput(v100, 100.0, "fp32") == pytest.approx(13.3680, rel=1e-4)
+    # memory-bound, 1 FLOP/byte: 1 / (1/31.2 + 1/0.6) = 0.58868 on the A10; 1 / (1/15.7 + 1/0.9) = 0.85121 on the V100
+    assert datasets.roofline_throughput(a10, 1.0, "fp32") == pytest.approx(0.588679, rel=1e-4)
+    assert datasets.roofline_throughput(v100, 1.0, "fp32") == pytest.approx(0.851205, rel=1e-4)
+    # FP16-tensor jobs run at the tensor peak: V100 125, A10 125 -> the bandwidth decides
+    assert datasets.roofline_throughput(v100, 50.0, "fp16") > datasets.roofline_throughput(a10, 50.0, "fp16")
+    rows = datasets.roofline_table(["A10", "V100"])
+    thr = {(r["job_type"], r["gpu_model"]): float(str(r["throughput"])) for r in rows}
+    assert thr[("gemm-fp32", "A10")] > thr[("gemm-fp32", "V100")]  # compute-bound: the A10's FP32 peak wins
+    assert thr[("stencil-fp32", "A10")] < thr[("stencil-fp32", "V100")]  # memory-bound: the V100's bandwidth wins
+    assert len(rows) == 2 * len(datasets.ROOFLINE_JOBS) and all(r["memory_gib"] for r in rows)
+    # the host generator's memory agrees with the spec sheets, and the roofline host mix is buildable
+    assert all(datasets.MEMORY_GIB[m] == spec[3] for m, spec in datasets.ROOFLINE_GPUS.items())
+    assert len(datasets.host_from_mix(datasets.ROOFLINE_HOST_MIX)) == 12
+    with pytest.raises(InvalidInput, match="no spec-sheet figures for 'H100'"):
+        datasets.roofline_table(["H100"])
+
+
+def test_simulate_json_reports_queue_wait_computed_by_hand(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # one X device; "a" runs 10 s on it. Arrivals at 0, 1, 2, 3 (4 jobs back to back): starts at 0, 10, 20, 30,
+    # waits 0, 9, 18, 27 s; after a warm-up of 1 job the evaluated waits are 9, 18, 27
+    table = Table({("a", "X"): 10.0}, {"a": 0.0})
+    jobs = [Job(i, float(i), "a", 100.0, 1) for i in range(4)]
+    fig = run_policy("first-fit", table, [SimGpu("x", "X", 16, 0)], jobs, seed=0, warmup_jobs=1, retrain_every=10,
+                     min_records=10)
+    out = simulate.summarise("first-fit", 0, fig, jobs, 1)
+    # numpy's linear percentile of (9, 18, 27) at 99: 18 + 0.98 * 9
+    assert out["mean_wait_s"] == 18.0 and out["p99_wait_s"] == pytest.approx(18 + 0.98 * 9)
+    (tmp_path / "t.csv").write_text("job_type,gpu_model,throughput\na,X,10\n")
+    (tmp_path / "h.csv").write_text("gpu_id,gpu_model,memory_gib,numa_node\nx,X,16,0\n")
+    (tmp_path / "r.csv").write_text("arrival_s,job_type,work,num_gpus\n" + "".join(f"{i},a,100,1\n" for i in range(4)))
+    assert simulate.main(["--throughputs", str(tmp_path / "t.csv"), "--host", str(tmp_path / "h.csv"), "--trace",
+                          str(tmp_path / "r.csv"), "--seeds", "1", "--policies", "first-fit,matching-oracle",
+                          "--warmup-jobs", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)["results"]
+    assert [r["p99_wait_s"] for r in res] == [pytest.approx(26.82)] * 2 and all(r["mean_wait_s"] == 18 for r in res)
+    assert simulate.main(["--throughputs", str(tmp_path / "t.csv"), "--host", str(tmp_path / "h.csv"), "--trace",
+                          str(tmp_path / "r.csv"), "--seeds", "1", "--policies", "first-fit",
+                          "--warmup-jobs", "1"]) == 0
+    assert "p99_wait_s" in capsys.readouterr().out
