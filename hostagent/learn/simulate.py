@@ -3,8 +3,8 @@
 Every policy goes through the real placement code (``hostagent.domain.placement.place``: the same filters and
 set choice the agent uses); policies differ only in the `Scorer` they pass. The learned policy ("model") starts
 with no model, writes every lease and its usage samples through the real usage store (a temporary SQLite file),
-trains from ``training_records()`` with the real lifecycle once the warm-up jobs have finished, and keeps
-retraining from new records as the run goes. It never reads the throughput table.
+trains from ``training_records()`` with the real lifecycle once ``min_records`` jobs have finished (or the warm-up
+jobs, if fewer), and retrains each time its records double, at most every ``retrain_every`` completions. It never reads the throughput table.
 
 Ground truth: a job's run time on a set of n devices is ``work / (n * min_i thr(job_type, model_i) * health_i)``
 (synchronous data parallel: the slowest device paces the step). Under the simple rules and the greedy `oracle`
@@ -360,7 +360,9 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
     def fits(request: PlacementRequest, i: int) -> bool:
         return host[i].memory_gib + 1e-9 >= request.min_memory_gib
     completed = 0
-    next_train = warmup_jobs
+    # the learned policy trains as soon as it has min_records finished jobs (or at the warm-up's end, if sooner),
+    # then each time its records double, at most every retrain_every completions: a young model improves fast
+    next_train = min(warmup_jobs, min_records)
     seq = 0
     try:
         while arrivals or queue or running:
@@ -385,7 +387,7 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
                                       _set_rate(table, job, [by_id[g] for g in gpu_ids]) / len(gpu_ids), req, why)
                     if completed >= next_train:
                         scorer = recorder.retrain() or scorer
-                        next_train = completed + retrain_every
+                        next_train = completed + min(retrain_every, completed)
             while arrivals and arrivals[0].arrival_s <= now:
                 queue.append(arrivals.popleft())
             if policy in QUEUE_AWARE:  # the agent's serve order: priority, then age
@@ -530,8 +532,10 @@ def add_run_options(ap: argparse.ArgumentParser, *, seeds: int, seeds_help: str,
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help=f"comma-separated, of {', '.join(POLICIES)} (default all)")
     ap.add_argument("--warmup-jobs", type=int, default=300,
-                    help="jobs before the first training, left out of the figures (default 300)")
-    ap.add_argument("--retrain-every", type=int, default=500, help="completed jobs between retrainings")
+                    help="jobs left out of the figures (default 300); the first training comes after "
+                         "min(warmup, min-records) jobs")
+    ap.add_argument("--retrain-every", type=int, default=500,
+                    help="most completed jobs between retrainings (it retrains when its records double, up to this)")
     ap.add_argument("--min-records", type=int, default=100, help="records before the first model may be trained")
     ap.add_argument("--epsilon", type=float, default=Exploration().epsilon, help="exploration rate once trained")
 
