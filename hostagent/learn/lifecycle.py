@@ -169,7 +169,11 @@ def train(store: ModelStore, *, target: str = "work_rate", since: float | None =
         figures["reason"] = f"{len(labelled)} labelled records < {min_records}: the cold-start rule stays in charge"
         return TrainResult("insufficient-records", None, figures)
     if current is None:
-        current = active_bundle(store)
+        try:
+            current = active_bundle(store)
+        except Exception as exc:  # noqa: BLE001 - an artifact that cannot be read must not block its replacement
+            log.warning("the active model cannot be loaded (%s): training as if there were none", exc)
+            figures["active_unreadable"] = str(exc)[:200]
     older, recent = split_recent(labelled, holdout_fraction)
     if current is not None:
         # judge on records the active model has not seen, or the comparison favours it unfairly

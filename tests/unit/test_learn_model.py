@@ -209,3 +209,12 @@ def test_a_gpu_model_without_records_is_scored_from_its_probes_against_the_known
     for devices in ([x, y, dev("g9", "Z")], [dev("g0", "X"), z]):
         s = score_devices(r, devices, scorer)
         assert s.scores == tuple(scorer.score(r, devices)) and "without records" not in s.reason
+
+
+def test_a_broken_active_artifact_does_not_block_its_replacement() -> None:
+    store = FakeStore(store_records(300))
+    store.save_model_version("placement-broken", artifact=b"not a model", activate=True, created_at=1.6e9)
+    res = lifecycle.train(store, now=1.7e9)  # type: ignore[arg-type]
+    assert res.decision == "promoted" and res.version is not None
+    assert "active_unreadable" in res.metrics
+    assert lifecycle.active_bundle(store) is not None  # type: ignore[arg-type]
