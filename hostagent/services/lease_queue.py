@@ -165,6 +165,7 @@ class _Usable:
     def __init__(self, m: LeaseCore) -> None:
         self.m = m
         self._feasible: dict[tuple[object, ...], list[Gpu]] = {}
+        self._free_of: dict[tuple[object, ...], list[Gpu]] = {}
         self._rates: dict[tuple[object, ...], dict[str, float] | None] = {}
         self._figures: dict[tuple[object, ...], tuple[float, float | None, dict[str, float]] | None] = {}
         self._free = {gid for gid in m.gpus if is_free(m, gid)}
@@ -177,7 +178,11 @@ class _Usable:
         return got
 
     def free(self, request: LeaseRequest) -> list[Gpu]:
-        return [g for g in self.feasible(request) if g.id in self._free]
+        key = (request.min_memory_gib, request.vendor, request.model, request.requires)
+        got = self._free_of.get(key)
+        if got is None:
+            got = self._free_of[key] = [g for g in self.feasible(request) if g.id in self._free]
+        return list(got)
 
     def is_free(self, gpu_id: str) -> bool:
         return gpu_id in self._free
