@@ -381,7 +381,8 @@ async def claim(m: LeaseCore, lease: Lease, free: Sequence[Gpu], count: int, act
         reasons = (*notes, why, *((vm.reason,) if vm else ()), *placement.reasons, *((cut,) if cut else ()),
                    *((forecast,) if forecast else ()))
         record = {"rule": placement.rule, "candidates": [dict(c) for c in placement.candidates],
-                  "dropped": [dict(d) for d in placement.dropped], "distance": placement.distance}
+                  "dropped": [dict(d) for d in placement.dropped], "distance": placement.distance,
+                  "model_version": placement.model_version}
         # the original drivers are read in the BINDING write's own worker hop (one hop for both)
         return await m._move(
             lease, S.BINDING, actor, f"placed on {', '.join(placement.gpu_ids)} ({placement.rule})",

@@ -70,6 +70,7 @@ class Placement:
     dropped: tuple[dict[str, Any], ...] = ()
     distance: float | None = None
     rule: str = "cold-start"
+    model_version: str | None = None  # the placement model that scored it (None: a rule decided)
 
 
 PlaceFn = Callable[[LeaseRequest, Sequence[Gpu], int, str], Placement]

@@ -14,6 +14,7 @@ from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import LeaseRequest
 from hostagent.domain.placement import (
     RULE_EXPLORE,
+    RULE_MODEL,
     RULE_NONE,
     DeviceView,
     DeviceViews,
@@ -166,6 +167,8 @@ class Placer:
         if alt is not None:
             placement = Placement(gpu_ids=(alt[0],), reasons=(scored.reason, alt[1]), candidates=placement.candidates,
                                   dropped=dropped, distance=None, rule=RULE_EXPLORE)
+        if placement.rule in (RULE_MODEL, RULE_EXPLORE):
+            placement = dataclasses.replace(placement, model_version=self.model_version or "unnamed")
         self._remember({"chosen": list(placement.gpu_ids), "rule": placement.rule,
                         "candidates": list(placement.candidates), "dropped": list(dropped),
                         "reasons": list(placement.reasons), "distance": placement.distance}, request)

@@ -75,6 +75,9 @@ async def placed_by(rig: AgentRig) -> str:
     leases = rig.runtime.manager.leases
     await until(lambda: body["id"] not in leases, 10, "the release")
     (rule,) = [x for x in body["reasons"] if x.startswith("rule=")]
+    # the lease's placement record names the model too (None where a rule decided), as journaled
+    version = got["placement"]["model_version"]
+    assert (version is None) == rule.startswith("rule=cold-start") and (version is None or version in rule), got
     return str(rule)
 
 
