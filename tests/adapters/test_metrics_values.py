@@ -607,7 +607,7 @@ async def test_model_version_names_the_model_in_use(tmp_path: Path, aiohttp_clie
     fill_store(rig.settings.store_url, "fleet-1", tmp_path / "fill.sqlite3", 120, 1_700_000_000.0, seed=3)
     trained = await rt.run(lifecycle.train, rt.store.store, min_records=100)
     assert trained.decision == "promoted"
-    await rt._load_model()  # the agent's next retraining check picks the active model up
+    await rt._load_model()  # what its next model check (placement.model_check_interval_s) does
     s1 = await op(rig)
     assert {k: v for k, v in s1.samples.items() if k[0] == "hostagent_model_version"} == {
         ("hostagent_model_version", frozenset({("version", trained.version), ("rule", "model")})): 1.0}
