@@ -80,6 +80,7 @@ class ModelBundle:
     trained_until: float = 0.0  # creation time of the newest record it was fitted on
     scaling: dict[str, dict[int, float]] = field(default_factory=dict)  # task -> GPUs -> median total work rate
     matrix: ThroughputMatrix = field(default_factory=ThroughputMatrix)  # (task, GPU model) rates (learn.matrix)
+    run_s: dict[str, float] = field(default_factory=dict)  # task -> median run time of its finished leases
 
     def __post_init__(self) -> None:
         self.encoder = FeatureEncoder(self.vocabulary)
@@ -137,7 +138,7 @@ class ModelBundle:
             "norms": self.norms, "task_counts": self.task_counts, "trained_on": self.trained_on,
             "params": _jsonable(self.params), "trained_until": self.trained_until,
             "scaling": {task: {str(n): v for n, v in totals.items()} for task, totals in self.scaling.items()},
-            "matrix": self.matrix.to_plain(),
+            "matrix": self.matrix.to_plain(), "run_s": self.run_s,
         })
         return blob
 
@@ -157,7 +158,8 @@ class ModelBundle:
                    trained_until=float(d.get("trained_until", 0.0)),
                    scaling={str(task): {int(n): float(v) for n, v in totals.items()}
                             for task, totals in (d.get("scaling") or {}).items()},
-                   matrix=ThroughputMatrix.from_plain(d.get("matrix")))
+                   matrix=ThroughputMatrix.from_plain(d.get("matrix")),
+                   run_s={str(k): float(v) for k, v in (d.get("run_s") or {}).items()})
 
 
 def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
@@ -185,7 +187,19 @@ def fit(examples: Sequence[Example], *, target: str = "work_rate",
     matrix = ThroughputMatrix.fit((e.request.task_type, e.device.model, math.log(e.work_rate) - norms[e.request.task_type])
                                   for e in kept if target == "work_rate" and e.work_rate is not None and e.work_rate > 0)
     return ModelBundle(est, vocab, target, norms, counts, len(kept), p, max(e.created_at for e in kept),
-                       scaling=scaling_of(examples), matrix=matrix)
+                       scaling=scaling_of(examples), matrix=matrix, run_s=run_times(examples))
+
+
+def run_times(examples: Sequence[Example], *, at_least: int = 3) -> dict[str, float]:
+    """Each task type's median run time over its finished leases (held, released, not failed), where at least
+    `at_least` ran: what the queue expects of a request of that type that does not state its `duration_s` (the
+    devices the leases ran on were, on average, of typical speed for the task type: the work-rate target is relative
+    to that)."""
+    held: dict[str, dict[str, float]] = {}
+    for e in examples:
+        if e.held_s > 0 and e.outcome not in FAILED_OUTCOMES:
+            held.setdefault(e.request.task_type, {})[e.lease_id] = e.held_s
+    return {task: float(np.median(list(v.values()))) for task, v in held.items() if len(v) >= at_least}
 
 
 def scaling_of(examples: Sequence[Example]) -> dict[str, dict[int, float]]:
@@ -213,6 +227,10 @@ class LearnedScorer:
         figures: domain.placement.capability_prior); none for a target other than the work rate."""
         known = set(self.bundle.vocabulary.get("model", ()))
         return [self.bundle.target == "work_rate" and d.model not in known for d in devices]
+
+    def typical_run_s(self, task_type: str) -> float | None:
+        """The task type's median run time in the records (None: fewer than 3 finished leases of it)."""
+        return self.bundle.run_s.get(task_type)
 
     def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
         """Predicted relative work rate per device (one batched predict call)."""

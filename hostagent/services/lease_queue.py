@@ -255,14 +255,15 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
         if backfill is not None:  # a backfill may take only its room, not every free GPU: rate those
             open_ = sorted((by_id.get(g.id, 0.0) for g in free), reverse=True)
             now_rate = open_[count - 1] if len(open_) >= count else None
+        # its expected run time on a typical GPU: what it states, else what the records show of its task type
+        run_s = float(x.request.duration_s) if x.request.duration_s else m.typical_run_s(x.request.task_type)
         better = None
-        if count == 1 and x.request.duration_s and now_rate is not None and best > now_rate:
+        if count == 1 and run_s and now_rate is not None and best > now_rate:
             ends = [busy_until(m, gid, now) - now for gid, rate in by_id.items()
                     if not usable.is_free(gid) and rate >= best * 0.999]
             better = min(ends) if ends else None
         n, since = m.queue_passes.get(x.id, (0, None))
-        cands.append(Candidate(x.id, rank[x.id], top, now_rate, best, n, since,
-                               float(x.request.duration_s) if x.request.duration_s else None, better))
+        cands.append(Candidate(x.id, rank[x.id], top, now_rate, best, n, since, run_s, better))
     pick = choose(cands, m.policy.fairness, now)
     for lease_id, why in pick.waiting.items():
         m.queue_notes[lease_id] = why

@@ -110,6 +110,11 @@ class Placer:
         self._last_rates[preq] = (tuple(gpus), measured, tuple(out))
         return out
 
+    def typical_run_s(self, task_type: str) -> float | None:
+        """The active model's median run time of the task type's finished leases (None: no model, or too few)."""
+        fn = getattr(self.scorer, "typical_run_s", None)
+        return fn(task_type) if fn is not None else None
+
     def scaling(self, task_type: str) -> Scaling | None:
         """What the active model's records say of the task type's total work rate by GPU count (None without a
         model, or where they hold fewer than two counts of it)."""
