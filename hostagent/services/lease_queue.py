@@ -195,10 +195,8 @@ class _Usable:
             # a request's length and priority move every GPU's prediction alike: the queue compares GPUs by the
             # model's figure for what the work is (task type, precision, data scale, memory), so the queued
             # requests fall into few shapes and each is predicted once per model (Placer.relative_rates keeps them)
-            # (its size does not matter: the placer predicts each GPU for a request of one)
-            plain = dataclasses.replace(request, duration_s=None, priority=0, accept_partial=False,
-                                        accept_deferred=False, not_after=None, idempotency_key=None, project=None,
-                                        total_memory_gib=None, target_work_rate=None)
+            # (its size and terms do not matter: the placer predicts each GPU for a request of one)
+            plain = dataclasses.replace(request, duration_s=None, priority=0)
             rates = self.m.relative_rates(plain, gpus)
             self._rates[key] = None if rates is None else dict(zip((g.id for g in gpus), rates))
         return self._rates[key]
