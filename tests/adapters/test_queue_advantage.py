@@ -211,3 +211,22 @@ async def test_a_backfill_is_rated_on_the_gpus_it_may_take(tmp_path: Path, aioht
     got = await view(rig, "vm-b", ncf["id"])
     assert got["state"] == "ACTIVE" and got["devices"][0]["gpu_id"] == t4, got
     assert (await view(rig, "vm-a", bert["id"]))["state"] == "QUEUED"
+
+
+async def test_the_queue_prices_each_kind_of_work_once_whatever_its_length(tmp_path: Path,
+                                                                          aiohttp_client: Any) -> None:
+    rig = await rig_with(tmp_path, aiohttp_client, guest_max_priority=5)
+    m = rig.runtime.manager
+    fillers = await fill(rig)
+    for who, length in (("vm-a", 600), ("vm-b", 7200), ("vm-d", None)):
+        await post(rig, who, 202, gpus=1, task_type="bert", priority=3, accept_deferred=True,
+                   **({"duration_s": length} if length else {}))
+    await post(rig, "vm-b", 202, gpus=1, task_type="ncf", priority=3, accept_deferred=True)
+    asked: list[LeaseRequest] = []
+    real = m.relative_rates
+    m.relative_rates = lambda request, gpus: (asked.append(request) if gpus else None) or real(request, gpus)
+    await free_a_t4(rig, fillers)
+    # three bert requests of different lengths are one kind of work: one prediction for them, one for ncf, each
+    # made for the work alone (no length, no priority: they move every GPU's prediction alike)
+    assert sorted(r.task_type for r in asked) == ["bert", "ncf"], asked
+    assert all(r.duration_s is None and r.priority == 0 for r in asked), asked
