@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, func, insert, select, text
+from sqlalchemy import MetaData, String, create_engine, func, insert, select, text
 from sqlalchemy.exc import DataError, IntegrityError
 
 from hostagent.domain.errors import InvalidInput
@@ -117,6 +117,37 @@ def test_the_database_itself_refuses_what_the_checks_would_miss(own_url: str) ->
             c.execute(insert(t.hosts).values(id="h" * 65, hostname="x", first_seen=1.0, last_seen=1.0))
         with engine.connect() as c:
             assert c.execute(select(func.count()).select_from(t.lease_events)).scalar_one() == 0
+    finally:
+        engine.dispose()
+
+
+def test_guards_installed_again_replace_the_old_ones(tmp_path: Path) -> None:
+    """A migration that changes a column's length installs the SQLite guards again (install_sqlite_guards): the old
+    triggers are dropped and made anew from the new lengths, once each."""
+    from hostagent.store.limits import install_sqlite_guards
+
+    url = f"sqlite:///{tmp_path / 'guards.sqlite3'}"
+    upgrade(url)
+    engine = create_engine(url)
+    try:
+        def triggers() -> list[str]:
+            with engine.connect() as c:
+                return sorted(r[0] for r in c.execute(text("SELECT name FROM sqlite_master WHERE type='trigger'")))
+        before = triggers()
+        assert before and all(n.startswith("guard_") for n in before)
+        # a migration widens lease_events.kind from 32 to 40 characters: the guards follow the new length
+        wider = MetaData()
+        for table in t.metadata.sorted_tables:
+            table.to_metadata(wider)
+        wider.tables["lease_events"].c.kind.type = String(40)  # a new type: the schema's own stays as it is
+        with engine.begin() as c:
+            made = install_sqlite_guards(c, wider)
+        assert made == len(before) and triggers() == before  # replaced, not doubled, not refused as existing
+        with engine.begin() as c:
+            c.execute(insert(t.lease_events).values(uid="u1", host_id="h", ts=1.0, kind="k" * 40, actor="a"))
+        with pytest.raises((DataError, IntegrityError)), engine.begin() as c:
+            c.execute(insert(t.lease_events).values(uid="u2", host_id="h", ts=1.0, kind="k" * 41, actor="a"))
+        assert t.lease_events.c.kind.type.length == 32
     finally:
         engine.dispose()
 
