@@ -34,6 +34,9 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
         d.heartbeat(vms[3], ended, [50, 55])
         status, body = d.api("DELETE", f"/v1/leases/{ended['id']}", d.vm_token(vms[3]))
         assert status == 200, body
+        # the release ends when the guest lets go: every test reads the host after it (not mid-detach)
+        assert wait_until(lambda: d.api("GET", f"/v1/leases/{ended['id']}", d.vm_token(vms[3]))[1]["state"]
+                          == "RELEASED", timeout=30.0), "the ended lease's release"
         d.extra = {"a": a, "b": b, "c": c, "ended": ended}  # type: ignore[attr-defined]
         yield d
     finally:
