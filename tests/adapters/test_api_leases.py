@@ -649,3 +649,10 @@ async def test_renew_names_an_unknown_field_and_events_filter_by_several_kinds(r
     got = (await (await rig.client.get(f"/v1/events?lease_id={body['id']}&kind=repair,transition",
                                        headers=op)).json())["events"]
     assert got == every  # a list of kinds: any of them
+    # a write that keeps the state (a renewal) is an "update" event, told apart from the transitions
+    other = await lease(rig, "vm-b")
+    r = await rig.client.post(f"/v1/leases/{other['id']}/renew", json={"duration_s": 600}, headers=rig.auth("vm-b"))
+    assert r.status == 200, await r.text()
+    updates = (await (await rig.client.get(f"/v1/events?lease_id={other['id']}&kind=update",
+                                           headers=op)).json())["events"]
+    assert [(e["from_state"], e["to_state"]) for e in updates] == [("ACTIVE", "ACTIVE")], updates
