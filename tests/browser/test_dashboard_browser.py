@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 import pytest
 from playwright.sync_api import Browser, expect
 
@@ -17,6 +18,18 @@ from tests.support.dashboard import Demo, login, screenshot, start_demo
 from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
+
+
+def released(d: Demo, lease: dict[str, Any]) -> None:
+    """Wait until a released lease has ended and its GPUs read free in the inventory (the release ends when the
+    guest lets go)."""
+    gone = {x["gpu_id"] for x in lease["devices"]}
+
+    def settled() -> bool:
+        if d.api("GET", f"/v1/leases/{lease['id']}", d.operator)[1]["state"] != "RELEASED":
+            return False
+        return all(g["state"] == "free" for g in d.api("GET", "/v1/gpus", d.operator)[1]["gpus"] if g["id"] in gone)
+    assert wait_until(settled, timeout=30.0), f"the release of {lease['id']}"
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +47,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
         d.heartbeat(vms[3], ended, [50, 55])
         status, body = d.api("DELETE", f"/v1/leases/{ended['id']}", d.vm_token(vms[3]))
         assert status == 200, body
-        # the release ends when the guest lets go: every test reads the host after it (not mid-detach)
-        assert wait_until(lambda: d.api("GET", f"/v1/leases/{ended['id']}", d.vm_token(vms[3]))[1]["state"]
-                          == "RELEASED", timeout=30.0), "the ended lease's release"
+        released(d, ended)  # every test reads the host after it, not mid-detach
         d.extra = {"a": a, "b": b, "c": c, "ended": ended}  # type: ignore[attr-defined]
         yield d
     finally:
@@ -163,9 +174,7 @@ def test_overview_refreshes_without_reload(browser: Browser, demo: Demo) -> None
         assert page.evaluate("window.__no_reload") == 42  # same document: fetched, not reloaded
     finally:
         demo.api("DELETE", f"/v1/leases/{new['id']}", demo.operator)
-        # the next test reads the host as the fixture left it: not while this lease still detaches
-        assert wait_until(lambda: demo.api("GET", f"/v1/leases/{new['id']}", demo.operator)[1]["state"]
-                          == "RELEASED", timeout=30.0), "the release"
+        released(demo, new)  # the next test reads the host as the fixture left it
     page.context.close()
 
 
