@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from hostagent.runtime import build_runtime, make_app
-from hostagent.services.probes import ProbeSettings
+from hostagent.services.probes import PROBE_CLAIM_PREFIX, ProbeSettings
 from hostagent.web.topology import TOPOLOGY
 from tests.support.agent import AgentRig, make_rig
+from tests.support.waits import until as wait_for
 
 # resnet per GPU model, reversed from their FP16 figures: only the task probe can make the T4 the fastest
 RATES = {"GA100": 500.0, "GV100": 300.0, "TU104": 900.0, "TU102": 100.0}
@@ -60,6 +61,9 @@ async def test_a_new_task_type_is_probed_first_and_its_figure_places_the_next_re
     assert r.status == 201 and not any("task probe" in x for x in first["reasons"]), first
     body = await until(client, op, lambda b: len(b["work_rate"]) == 4)
     assert {m[:5]: v for m, v in body["work_rate"].items()} == RATES and body["missing"] == [], body
+    # the figures are in once every probe has measured; the probes give their GPUs back just after: wait for that
+    claims = rig.runtime.manager.claims
+    await wait_for(lambda: not any(c.startswith(PROBE_CLAIM_PREFIX) for c in claims.values()), 10, "the probes' GPUs back")
     model = {g.id: g.model for g in rig.runtime.manager.gpus.values()}
     r = await client.post("/v1/leases", json={"task_type": "resnet"}, headers=rig.auth("vm-b"))
     second = await r.json()
