@@ -42,14 +42,17 @@ class FirstFit:
         return [-float(i) for i in range(len(devices))]
 
 
-def records(n: int, rng: random.Random) -> list[dict[str, object]]:
-    speed = {(t, m): math.exp(rng.gauss(0, 0.7)) for t in TASKS for m in MODELS}
+def records(n: int, rng: random.Random, models: dict[str, int] = MODELS,
+            tasks: Sequence[str] = TASKS) -> list[dict[str, object]]:
+    """Finished leases with a per (task, GPU model) speed; `models`: name -> memory GiB (scripts/bench_queue.py
+    passes its host's names)."""
+    speed = {(t, m): math.exp(rng.gauss(0, 0.7)) for t in tasks for m in models}
     out = []
     for i in range(n):
-        t, m = rng.choice(TASKS), rng.choice(list(MODELS))
+        t, m = rng.choice(list(tasks)), rng.choice(list(models))
         out.append({"id": f"L{i}", "host_id": "h", "task_type": t, "priority": 0, "min_memory_gib": rng.choice([0, 8]),
                     "duration_s": rng.choice([600, 3600, None]), "created_at": 1.7e9 + i, "outcome": "released",
-                    "devices": [{"gpu_id": f"g{i % 64}", "model": m, "memory_bytes": MODELS[m] * GIB,
+                    "devices": [{"gpu_id": f"g{i % 64}", "model": m, "memory_bytes": models[m] * GIB,
                                  "numa_node": i % 2}],
                     "usage": {"work_mean": speed[(t, m)] * math.exp(rng.gauss(0, 0.05)), "util_mean": 90.0}})
     return out

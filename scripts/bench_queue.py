@@ -27,7 +27,6 @@ import copy
 import cProfile
 import gc
 import io
-import math
 import os
 import pstats
 import random
@@ -37,6 +36,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_place  # noqa: E402  (its training records, with this host's model names)
 
 from hostagent.domain.assignment import Fairness  # noqa: E402
 from hostagent.domain.errors import Conflict  # noqa: E402
@@ -65,17 +67,8 @@ TARGETS = {16: 1.0, 64: 3.0}
 
 
 def records(n: int, rng: random.Random) -> list[dict[str, object]]:
-    """Finished leases with a per (task, model) speed (as scripts/bench_place.py, with this host's model names)."""
-    speed = {(t, m): math.exp(rng.gauss(0, 0.7)) for t in TASKS for m in MODELS}
-    out = []
-    for i in range(n):
-        t, m = rng.choice(TASKS), rng.choice(list(MODELS))
-        out.append({"id": f"L{i}", "host_id": "h", "task_type": t, "priority": 0, "min_memory_gib": rng.choice([0, 8]),
-                    "duration_s": rng.choice([600, 3600, None]), "created_at": 1.7e9 + i, "outcome": "released",
-                    "devices": [{"gpu_id": f"g{i % 64}", "model": m, "memory_bytes": MODELS[m] * GIB,
-                                 "numa_node": i % 2}],
-                    "usage": {"work_mean": speed[(t, m)] * math.exp(rng.gauss(0, 0.05)), "util_mean": 90.0}})
-    return out
+    """Finished leases with a per (task, model) speed: scripts/bench_place.py's, with this host's model names."""
+    return bench_place.records(n, rng, MODELS, TASKS)
 
 
 def host(n: int) -> list[Gpu]:
