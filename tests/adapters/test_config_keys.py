@@ -293,7 +293,7 @@ async def heartbeat(rig: AgentRig, lease_body: dict[str, Any], n: int, *, ts: fl
                     util: float = 50.0, mem: int = 0, who: str = "vm-a") -> int:
     gpu = lease_body["devices"][0]["gpu_id"]
     at = time.time() if ts is None else ts
-    samples = [{"ts": at - i * 0.001, "gpu": gpu, "util_pct": util, "mem_used_bytes": mem} for i in range(n)]
+    samples = [{"ts": at - i * 0.01, "gpu": gpu, "util_pct": util, "mem_used_bytes": mem} for i in range(n)]
     status, _ = await call(rig, "POST", f"/v1/leases/{lease_body['id']}/heartbeat", who, json={"samples": samples})
     return status
 

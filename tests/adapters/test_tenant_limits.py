@@ -199,8 +199,10 @@ async def test_a_guest_has_a_bounded_number_of_requests_in_progress(served: Serv
 
 # -- heartbeat samples ----------------------------------------------------------------------------------------------
 def samples(gpu: str, n: int, start: float | None = None, **extra: Any) -> list[dict[str, Any]]:
-    t0 = time.time() - n * 0.001 if start is None else start
-    return [{"ts": t0 + i * 0.001, "gpu": gpu, "util_pct": 50.0, "mem_used_bytes": 2**30, **extra}
+    # 10 ms apart: the store keeps samples to the millisecond and drops one that lands on another's (1 ms steps
+    # could round onto the same millisecond now and then, and the counts below would be one short)
+    t0 = time.time() - n * 0.01 if start is None else start
+    return [{"ts": t0 + i * 0.01, "gpu": gpu, "util_pct": 50.0, "mem_used_bytes": 2**30, **extra}
             for i in range(n)]
 
 
