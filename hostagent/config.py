@@ -43,6 +43,7 @@ class AgentSettings:
     guest_requests_per_s: float = 50.0  # a guest's sustained request rate (bursts of 10 s of it; long lists cost more)
     metrics_listen: str = ""  # "": /metrics on the API port, operator token required; "host:port": its own listener
     gc_freeze: bool = True  # after start (and each model swap), freeze the heap out of the collector's reach
+    public_url: str = ""  # this agent's dashboard as other hosts (the fleet page) link to it; "": the bound address
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class StoreSettings:
     raw_retention_days: int = 30
     minute_retention_days: int = 90
     max_lag_s: float = 60.0  # readiness turns degraded when the mirror or the sample queue is further behind
+    fleet_publish_interval_s: float = 15.0  # this agent's live state (GPU states, queue, model...) to the store
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,7 @@ _POSITIVE = {
     "agent.max_connections", "agent.max_connections_per_source", "agent.max_inflight_per_token", "agent.guest_requests_per_s",
     "store.samples_per_lease_per_s", "store.ingest_share", "host.step_timeout_s", "libvirt.detach_timeout_s", "store.queue_max",
     "store.flush_interval_s", "store.flush_batch", "store.max_lag_s", "leases.default_duration_s", "leases.max_duration_s",
+    "store.fleet_publish_interval_s",
     "reclaim.check_interval_s", "reclaim.grace_s", "placement.retrain_interval_s",
     "leases.fairness_max_passes", "leases.fairness_max_delay_s",
     "placement.model_check_interval_s",
@@ -356,6 +359,9 @@ def _check_cross(s: Settings) -> None:
         raise ConfigError("store.ingest_share: a part of store.queue_max, 0 < share <= 1", field="store.ingest_share")
     if s.agent.metrics_listen:
         metrics_address(s.agent.metrics_listen)
+    if s.agent.public_url and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", s.agent.public_url):
+        raise ConfigError(f"agent.public_url: expected an http:// or https:// URL with no query, got "
+                          f"{s.agent.public_url!r}", field="agent.public_url")
     if bool(s.agent.tls_cert) != bool(s.agent.tls_key):
         raise ConfigError("agent.tls_cert and agent.tls_key must be set together", field="agent.tls_cert")
     for v in s.host.gpu_vendors:

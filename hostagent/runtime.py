@@ -10,7 +10,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from hostagent.host.interrupts import irq_bypass
 from hostagent.host.sysfs import Sysfs
 from hostagent.domain.placement import Exploration
 from hostagent.services.grant_path import gpu_capabilities
+from hostagent.services.fleet import publisher_for
 from hostagent.services.leases import LeaseManager, LeasePolicy, lease_view
 from hostagent.services.model_follow import RETRAIN, START, ModelFollower
 from hostagent.services.placement import Placer
@@ -155,6 +156,7 @@ class Runtime:
     use_store: bool = True
     placer: Any = None
     models: Any = None  # the ModelFollower: the placer follows the store's active model version
+    fleet: Any = None  # the FleetPublisher: this host's live state to the shared store (services.fleet)
     reread_retry_s: float = REREAD_RETRY_S
     _reconnects: int = 0
     _mirror_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -378,7 +380,8 @@ class Runtime:
             # scikit-learn is a heavy import: load the model after readiness, the cold-start rule decides until then
             loop_tasks += [self._load_model(), self._mirror_loop(), self._periodic(3600.0, self._prune),
                            self._periodic(self.settings.placement.retrain_interval_s, self._retrain),
-                           self._periodic(self.settings.placement.model_check_interval_s, self.models.check)]
+                           self._periodic(self.settings.placement.model_check_interval_s, self.models.check),
+                           self.fleet.run()]
         self.tasks.extend(asyncio.create_task(c) for c in loop_tasks)  # beside a re-read a reconnect may have begun
         self.manager._wake_queue.set()
         if self.reaper is not None:
@@ -538,6 +541,8 @@ class Runtime:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if self.store is not None and self.fleet is not None:
+            await self.fleet.stopping()  # others see this host stopped, not just silent
         if self.ingestor is not None:
             with contextlib.suppress(Exception):
                 await self.ingestor.close()
@@ -647,6 +652,7 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
                  "heartbeats a lease is never judged idle", untrusted)
     rt.reaper = Reaper(manager, reaper_settings(settings.reclaim, untrusted), samples_since=rt.samples_since,
                        read_interrupts=host.vfio_interrupts)
+    rt.fleet = publisher_for(rt)
     return rt
 
 
@@ -657,11 +663,12 @@ def make_app(runtime: Runtime, *, probe_runners: list[Any] | None = None,
     settings); the rest is composed as the agent runs it."""
     from hostagent.web import dashboard, metrics
     from hostagent.web.app import add_api_routes, auth_middleware, error_middleware
-    from hostagent.web.keys import RUNTIME
+    from hostagent.web.keys import RUNTIME, SERVED
 
     app = web.Application(middlewares=[metrics.metrics_middleware, error_middleware, auth_middleware],
                           client_max_size=runtime.settings.agent.max_body_bytes)
     app[RUNTIME] = runtime
+    app[SERVED] = runtime.fleet.served if runtime.fleet is not None else (lambda url: None)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await runtime.start()
@@ -680,11 +687,13 @@ def make_app(runtime: Runtime, *, probe_runners: list[Any] | None = None,
     return app
 
 
-def serve(settings: Settings, *, banner: str | None = None) -> int:
-    """Build the agent from settings and serve it until SIGTERM/SIGINT (``hostagent serve``, the demo)."""
+def serve(settings: Settings, *, banner: str | None = None,
+          on_serving: Callable[[str], Awaitable[None]] | None = None) -> int:
+    """Build the agent from settings and serve it until SIGTERM/SIGINT (``hostagent serve``, the demo; the demo's
+    guests run as `on_serving(url)`)."""
     from hostagent.web import serve as server
 
-    return server.serve(settings, lambda: make_app(build_runtime(settings)), banner=banner)
+    return server.serve(settings, lambda: make_app(build_runtime(settings)), banner=banner, on_serving=on_serving)
 
 
 __all__ = ["Runtime", "build_runtime", "lease_view", "make_app", "serve"]

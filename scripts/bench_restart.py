@@ -132,7 +132,7 @@ def import_breakdown(state: Path, top: int = 6) -> list[tuple[str, float]]:
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", PYTHONPROFILEIMPORTTIME="1")
     err = state.parent / "importtime.txt"
     with open(err, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "hostagent", "demo", "--port", "0", "--state-dir", str(state)],
+        proc = subprocess.Popen([sys.executable, "-m", "hostagent", "demo", "--port", "0", "--state-dir", str(state), "--quiet"],
                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -156,7 +156,7 @@ def profile_restart(state: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     with open(state / "agent.log", "a", encoding="utf-8") as log:
         proc = subprocess.Popen([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "hostagent", "demo",
-                                 "--port", "0", "--state-dir", str(state)], cwd=REPO, env=env,
+                                 "--port", "0", "--state-dir", str(state), "--quiet"], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=log, text=True)
         assert proc.stdout is not None
         url = ""

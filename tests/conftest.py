@@ -27,7 +27,8 @@ import numpy  # noqa: E402, F401
 # The groups are scheduled here rather than with xdist_group marks: xdist 3.8 puts a mark's group into the node id,
 # which pytest 9.2 no longer reads back, so `--dist loadgroup` silently ran every test on its own.
 SERIAL_GROUPS = {
-    "mariadb": ("tests/adapters/test_agent_store.py", "tests/adapters/test_spool_order.py",
+    "mariadb": ("tests/adapters/test_agent_store.py", "tests/adapters/test_spool_order.py", "tests/adapters/test_fleet.py",
+                "tests/adapters/test_demo_fleet.py",
                 "tests/adapters/test_store_", "tests/unit/test_store_"),
     "machine": ("tests/e2e/", "tests/adapters/test_libvirtd", "tests/adapters/test_libvirt_deadlines.py",
                 "tests/adapters/test_crash_matrix.py", "tests/unit/test_bench_parts.py"),

@@ -42,9 +42,19 @@ def register(sub: Any) -> None:
     p.add_argument("--listen", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--state-dir", type=Path, help="where to keep state (default: a new temporary directory)")
     p.add_argument("--db", help="usage store URL (default SQLite in the state directory)")
-    p.add_argument("--scenario", default="demo16",
-                   help="simulated host: demo16, dgx8, workstation (as found), workstation-vfio (prepared); "
-                        "default demo16")
+    p.add_argument("--scenario", default="mixed16",
+                   help="simulated host: mixed16 (datacenter GPUs and consumer cards whose groups carry audio and "
+                        "USB-C functions), demo16, dgx8, workstation (as found), workstation-vfio (prepared); "
+                        "default mixed16")
+    p.add_argument("--quiet", action="store_true",
+                   help="an idle host: no simulated guests at work and no past usage written")
+    p.add_argument("--history-days", type=float, default=2.0, metavar="DAYS",
+                   help="days of past usage to write before serving, once per state directory (0: none; default 2)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the live guests' choices (default: random)")
+    p.add_argument("--hosts", type=int, default=1, metavar="N",
+                   help="run a fleet: N demo hosts over the one --db store (hosts 2..N as child processes on the "
+                        "ports after --port), each with its own dashboard, all on the Fleet page")
+    p.add_argument("--host-id", help="this host's id in the store (default demo-host; demo-host-1.. in a fleet)")
     p.add_argument("--fast-reclaim", action="store_true",
-                   help="idle reclaim in seconds instead of an hour, to watch it happen")
+                   help="idle reclaim in seconds instead of an hour (minutes in a living demo), to watch it happen")
     p.set_defaults(func=cmd_demo)

@@ -1,7 +1,7 @@
 """Fake host trees (sysfs, /dev/vfio, /proc) shaped like real ones, for tests and the demo.
 
 `build_tree(root, scenario)` writes `root/sys` (the sysfs root), `root/dev`, `root/proc` and `root/lib/modules`.
-Scenario names are an API: `dgx8`, `workstation`, `shared-rootport`, `iommu-off`, `demo16`. Writes to the tree
+Scenario names are an API: `dgx8`, `workstation`, `shared-rootport`, `iommu-off`, `demo16`, `mixed16`. Writes to the tree
 behave like the kernel's only through hostagent.host.fakekernel.FakeKernel, which whoever built the tree composes
 explicitly (`host.kernel = "fake"` in the agent's settings, or `FakeKernel(tree.sys_root)` in a test).
 """
@@ -47,7 +47,7 @@ _IO = 0x40101
 # "workstation" is a desktop as found (no iommu=pt, Xorg holding the NVIDIA card, efifb on the RTX 4090's BAR: the
 # agent refuses to lease that card); "workstation-vfio" is the same machine prepared for passthrough (booted with
 # iommu=pt and video=efifb:off, no display manager).
-SCENARIOS = ("dgx8", "workstation", "workstation-vfio", "shared-rootport", "iommu-off", "demo16")
+SCENARIOS = ("dgx8", "workstation", "workstation-vfio", "shared-rootport", "iommu-off", "demo16", "mixed16")
 
 
 @dataclass
@@ -202,6 +202,44 @@ def _scenario_demo16() -> _Topo:
     return _dgx_like([["a100-pcie-40gb"] * 4, ["v100-pcie-32gb"] * 4, ["t4"] * 4, ["rtx6000"] * 4], 4, extras=True)
 
 
+# Turing boards (GeForce RTX 2080 Ti, Quadro RTX 6000) carry four functions in one group: VGA, HDMI audio, and the
+# USB-C (VirtualLink) port's xHCI and UCSI controllers. A lease takes all four.
+_TURING_FUNCTIONS = ((0x040300, 0x10F7, "snd_hda_intel", ((0, 16 * 1024, _MEM32),)),
+                     (0x0C0330, 0x1AD6, "xhci_hcd", ((0, 256 * 1024, _MEM64_PREF),)),
+                     (0x0C8000, 0x1AD7, "nvidia-gpu", ((0, 4 * 1024, _MEM32),)))
+
+
+def _turing_board(topo: _Topo, bus: int, parent: str, numa: int, device: int, subsys: tuple[int, int],
+                  bar1: int) -> None:
+    vga = (0x030000, device, "nvidia", _nv_bars(16 * MiB, bar1, 32 * MiB))
+    for fn, (cls, dev, drv, bars) in enumerate((vga, *_TURING_FUNCTIONS)):
+        topo.add(FakeDevice(f"0000:{bus:02x}:00.{fn}", 0x10DE, dev, cls, drv, parent, numa, subsys, bars,
+                            topo.link(3, 16)))
+
+
+def _scenario_mixed16() -> _Topo:
+    """The demo's default: datacenter GPUs behind switches (4 A100 and 4 V100 on node 0, 4 T4 on node 1) and four
+    Turing boards on node 1's root ports (2 Quadro RTX 6000, 2 GeForce RTX 2080 Ti), each a group of four functions."""
+    topo = _Topo()
+    for numa, root_bus in ((0, 0x00), (1, 0x80)):
+        topo.host_bridge(root_bus, numa)
+    bus = 0x01
+    for sw, model in enumerate(("a100-pcie-40gb", "v100-pcie-32gb")):
+        for i, down in enumerate(topo.switch(topo.root_port(0x00, 1 + sw, 0), bus, 4, 0)):
+            _nvidia_gpu(topo, f"0000:{bus + 2 + i:02x}:00.0", down, 0, model)
+        bus += 6
+    _mlx_nic(topo, bus, topo.root_port(0x00, 3, 0), 0)
+    _nvme(topo, bus + 1, topo.root_port(0x00, 4, 0), 0)
+    bus = 0x81
+    for i, down in enumerate(topo.switch(topo.root_port(0x80, 1, 1), bus, 4, 1)):
+        _nvidia_gpu(topo, f"0000:{bus + 2 + i:02x}:00.0", down, 1, "t4")
+    bus += 6
+    boards = [(0x1E30, (0x10DE, 0x12BA), 32 * GiB)] * 2 + [(0x1E07, (0x10DE, 0x12FA), 16 * GiB)] * 2
+    for k, (device, subsys, bar1) in enumerate(boards):
+        _turing_board(topo, bus + k, topo.root_port(0x80, 2 + k, 1, gen=3), 1, device, subsys, bar1)
+    return topo
+
+
 def _scenario_workstation() -> _Topo:
     topo = _Topo()
     topo.host_bridge(0, 0)
@@ -272,6 +310,7 @@ _BUILDERS: dict[str, Callable[[], _Topo]] = {
     "shared-rootport": _scenario_shared_rootport,
     "iommu-off": _scenario_iommu_off,
     "demo16": _scenario_demo16,
+    "mixed16": _scenario_mixed16,
 }
 
 CMDLINES = {
@@ -376,7 +415,9 @@ def record_interrupts(proc_root: str | os.PathLike[str], address: str, count: in
         counts = [n] + [0] * (ncpu - 1)
         numbered.append(f"{irq + v:>4}: " + "".join(f"{c:>10d} " for c in counts)
                         + f" IR-PCI-MSIX-{address}    {v}-edge      vfio-msix[{v}]({address})\n")
-    path.write_text(header + "".join(numbered) + "".join(named))
+    tmp = path.with_name(f".interrupts.{os.getpid()}")
+    tmp.write_text(header + "".join(numbered) + "".join(named))
+    os.replace(tmp, path)  # a reader (the reaper, in a worker thread) sees the old file or the new one, never half
 
 
 def _proc_modules_line(module: str) -> str:

@@ -74,10 +74,18 @@ class TrainResult:
 
 def split_recent(examples: Sequence[Example], fraction: float) -> tuple[list[Example], list[Example]]:
     """Older part and most recent part, split on lease boundaries (all devices of a lease fall on one side)."""
-    leases = sorted({(e.created_at, e.lease_id) for e in examples})
+    leases = sorted({(e.created_at, e.lease_key) for e in examples})
     n_hold = max(1, int(round(len(leases) * fraction))) if leases else 0
-    recent = set(lid for _, lid in leases[len(leases) - n_hold:])
-    return [e for e in examples if e.lease_id not in recent], [e for e in examples if e.lease_id in recent]
+    recent = set(key for _, key in leases[len(leases) - n_hold:])
+    return [e for e in examples if e.lease_key not in recent], [e for e in examples if e.lease_key in recent]
+
+
+def hosts_of(examples: Sequence[Example]) -> dict[str, int]:
+    """Leases per host among the examples: whose records a model learns from (every host of a fleet store)."""
+    leases: dict[str, set[str]] = {}
+    for e in examples:
+        leases.setdefault(e.host, set()).add(e.lease_id)
+    return {host: len(ids) for host, ids in sorted(leases.items())}
 
 
 def evaluate_bundle(bundle: ModelBundle, examples: Sequence[Example], *, seed: int = 0) -> dict[str, Any]:
@@ -164,7 +172,7 @@ def train(store: ModelStore, *, target: str = "work_rate", since: float | None =
     examples = load_examples(store, since=since)
     labelled, _, _ = target_values(examples, target)
     figures: dict[str, Any] = {"records": len(examples), "labelled": len(labelled), "target": target,
-                               "min_records": min_records}
+                               "min_records": min_records, "hosts": hosts_of(labelled)}
     if len(labelled) < min_records:
         figures["reason"] = f"{len(labelled)} labelled records < {min_records}: the cold-start rule stays in charge"
         return TrainResult("insufficient-records", None, figures)
@@ -237,7 +245,8 @@ def show(store: ModelRegistry, *, limit: int = 20) -> list[dict[str, Any]]:
         out.append({"version": row["version"], "active": bool(row.get("active")), "created_at": row.get("created_at"),
                     "trained_on": row.get("trained_on"), "decision": metrics.get("decision"),
                     "reason": metrics.get("reason"), "error": (metrics.get("candidate") or {}).get("error"),
-                    "rank_accuracy": (metrics.get("candidate") or {}).get("rank_accuracy")})
+                    "rank_accuracy": (metrics.get("candidate") or {}).get("rank_accuracy"),
+                    "hosts": metrics.get("hosts")})
     return out
 
 

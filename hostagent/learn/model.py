@@ -195,17 +195,17 @@ def run_times(examples: Sequence[Example], *, at_least: int = 3) -> dict[str, fl
     `at_least` ran: what the queue expects of a request of that type that does not state its `duration_s` (the
     devices the leases ran on were, on average, of typical speed for the task type: the work-rate target is relative
     to that)."""
-    held: dict[str, dict[str, float]] = {}
+    held: dict[str, dict[tuple[str, str], float]] = {}
     for e in examples:
         if e.held_s > 0 and e.outcome not in FAILED_OUTCOMES:
-            held.setdefault(e.request.task_type, {})[e.lease_id] = e.held_s
+            held.setdefault(e.request.task_type, {})[e.lease_key] = e.held_s
     return {task: float(np.median(list(v.values()))) for task, v in held.items() if len(v) >= at_least}
 
 
 def scaling_of(examples: Sequence[Example]) -> dict[str, dict[int, float]]:
     """What the records say of each task type's total work rate by GPU count (domain.terms.scaling_totals), from
     the finished leases that reported work (one entry per lease: its examples share the per-GPU mean)."""
-    leases = {e.lease_id: (e.request.task_type, e.request.count, e.work_rate) for e in examples
+    leases = {e.lease_key: (e.request.task_type, e.request.count, e.work_rate) for e in examples
               if e.work_rate is not None and e.work_rate > 0 and e.outcome not in FAILED_OUTCOMES}
     return scaling_totals(list(leases.values()))
 

@@ -49,6 +49,12 @@ class Example:
     held_s: float
     outcome: str | None  # released | reclaimed | preempted | expired | failed
     tenant: str = ""  # the VM whose lease it was (its domain UUID): whose word the labels are
+    host: str = ""  # the host whose lease it was (a fleet store holds many; lease ids are unique per host only)
+
+    @property
+    def lease_key(self) -> tuple[str, str]:
+        """The lease's identity across a fleet's records: (host, lease id)."""
+        return (self.host, self.lease_id)
 
 
 def _num(x: Any) -> float | None:
@@ -107,7 +113,7 @@ def examples_from_records(records: Sequence[Mapping[str, Any]],
                 lease_id=str(rec.get("id")), created_at=created, request=request, device=device,
                 work_rate=_num(usage.get("work_mean")), util_pct=_num(usage.get("util_mean")),
                 held_s=_num(rec.get("held_s")) or 0.0, outcome=rec.get("outcome"),
-                tenant=str(rec.get("domain_uuid") or ""),
+                tenant=str(rec.get("domain_uuid") or ""), host=str(host or ""),
             ))
         if rec.get("outcome") in FAILED_OUTCOMES:
             ended = _num(rec.get("ended_at")) or created

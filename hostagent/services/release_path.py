@@ -46,12 +46,21 @@ async def release_lease(m: LeaseCore, lease_id: str, *, actor: str, reason: str 
             raise Conflict(f"lease {lease_id} is being set up ({lease.state.value}); retry in a moment",
                            field="id")
         earlier: tuple[Step, ...] = ()
+        if lease.state is S.ACTIVE and lease.notice == "reclaim" and actor.startswith("guest"):
+            # the guest answers a reclaim notice: the lease ended by the reclaim (accounting and the model's
+            # outcome labels say so), the guest's own release only its cooperative part
+            reason = f"{reason} on the reclaim notice ({why_noticed(lease)})"
         if lease.state is S.ACTIVE:  # RELEASING and DETACHING go to the journal together (one fsync)
             earlier = (Step(S.ACTIVE, S.RELEASING, reason),)
             lease = lease.transition(S.RELEASING, end_reason=reason)
         if lease.state is S.RELEASING:
             lease = await m._move(lease, S.DETACHING, actor, "detaching from the domain", earlier=earlier)
         return await finish_release(m, lease, actor, final)
+
+
+def why_noticed(lease: Lease) -> str:
+    """Why a lease under a reclaim notice got it: preemption by a named request, or idleness."""
+    return f"preempted by {lease.preempted_by}" if lease.preempted_by else "idle"
 
 
 async def finish_release(m: LeaseCore, lease: Lease, actor: str, final: LeaseState) -> Lease:

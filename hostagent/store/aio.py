@@ -126,6 +126,14 @@ class AsyncUsageStore:
         """See UsageStore.list_gpus."""
         return await self.run(self.store.list_gpus, **kw)
 
+    async def publish_fleet(self, info: Mapping[str, Any], states: Mapping[str, str], **kw: Any) -> None:
+        """See UsageStore.publish_fleet."""
+        await self.run(self.store.publish_fleet, info, states, **kw)
+
+    async def fleet_hosts(self) -> list[dict[str, Any]]:
+        """See UsageStore.fleet_hosts."""
+        return await self.run(self.store.fleet_hosts)
+
     async def insert_lease(self, lease: Mapping[str, Any]) -> str:
         """See UsageStore.insert_lease."""
         return await self.run(self.store.insert_lease, lease)

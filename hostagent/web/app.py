@@ -19,6 +19,7 @@ from hostagent.domain.admission import TokenBucket
 from hostagent.domain.errors import (Conflict, Forbidden, HostAgentError, InvalidInput, NotFound, TooManyRequests,
                                      Unauthorized)
 from hostagent.domain.lease import LeaseState, parse_lease_request
+from hostagent.services.fleet import fleet_view, read_fleet
 from hostagent.services.leases import lease_view
 from hostagent.store.lease_listing import sqlite_integer
 from hostagent.web.auth import Identity, bearer, require
@@ -517,6 +518,19 @@ async def list_events(request: web.Request) -> web.Response:
     return web.json_response({"events": [e.to_dict() for e in events], "next_cursor": after})
 
 
+async def fleet_status(request: web.Request) -> web.Response:
+    """Operator: every host sharing the usage store as each last published itself (services.fleet): GPUs by state,
+    utilization, queue, model version, dashboard URL, staleness; the fleet's idle candidates and totals. 503 while
+    the store cannot be read; no hosts (`store: false`) for an agent without a store."""
+    ident(request, operator=True)
+    rt = request.app[RUNTIME]
+    kw = {"now": time.time(), "this_host": rt.settings.agent.host_id,
+          "interval_s": rt.settings.store.fleet_publish_interval_s}
+    if rt.store is None:
+        return web.json_response({**fleet_view([], **kw), "store": False})
+    return web.json_response({**await read_fleet(rt.store, **kw), "store": True})
+
+
 def _page_limit(request: web.Request, default: int) -> int:
     """The `limit` query parameter: rows per page, 1..MAX_PAGE (a 400 naming the field otherwise)."""
     if "limit" not in request.query:
@@ -561,3 +575,4 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_post("/v1/leases/{lease_id}/reclaim", reclaim_control)
     app.router.add_get("/v1/reaper", reaper_status)
     app.router.add_get("/v1/events", list_events)
+    app.router.add_get("/v1/fleet", fleet_status)

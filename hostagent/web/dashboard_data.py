@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlencode
 
-from hostagent.domain.errors import InvalidInput, NotFound
+from hostagent.domain.errors import HostAgentError, InvalidInput, NotFound
 from hostagent.domain.inventory import GpuState
 from hostagent.domain.lease import Lease, LeaseState
 from hostagent.web.dashboard_charts import (
@@ -33,9 +33,10 @@ from hostagent.web.dashboard_charts import (
     with_gaps,
 )
 from hostagent.services.admission import queue_deadline
+from hostagent.services.fleet import read_fleet
 from hostagent.store.lease_listing import LeaseFilter, Order, Position, decode_cursor, encode_cursor
 from hostagent.web.dashboard_csv import csv_cell, gpu_hours
-from hostagent.web.dashboard_format import duration
+from hostagent.web.dashboard_format import duration, group_note
 from hostagent.web.dashboard_source import DashboardSource, Notes
 
 RANGES: dict[str, int] = {"1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400}
@@ -86,7 +87,7 @@ class DashboardData(DashboardSource):
                 "id": gid, "address": v["address"], "model": v["model"], "vendor": v["vendor"],
                 "memory_bytes": v["memory_bytes"], "numa_node": v["numa_node"], "iommu_group": v["iommu_group"],
                 "state": v["state"], "quarantine_reason": v["quarantine_reason"], "attention": v["attention"],
-                "unviable_reason": v["unviable_reason"],
+                "unviable_reason": v["unviable_reason"], "group_note": group_note(v["functions"]),
                 "lease": None if lease is None else {
                     "id": lease.id, "domain": lease.domain_name, "state": lease.state.value,
                     "since": lease_start(lease), "task_type": lease.request.task_type,
@@ -97,7 +98,7 @@ class DashboardData(DashboardSource):
         live = list(m.leases.values())
         reaper = self.rt.reaper
         strikes = [s for s in (reaper.status() if reaper is not None else []) if s["strike"] != "none"]
-        hosts = await self.hosts(notes)
+        fleet = await self.fleet(notes)
         return {
             "now": now, "host_id": self.rt.settings.agent.host_id,
             "counts": {s: counts.get(s, 0) for s in STATE_ORDER}, "total": len(gpus), "gpus": gpus,
@@ -106,7 +107,7 @@ class DashboardData(DashboardSource):
                         "since": x.queued_at or x.created_at, "position": m.queue_position(x), "eta": m.eta(x),
                         "deadline": queue_deadline(m.policy, x), "note": m.queue_notes.get(x.id)}
                        for x in m.queue()],
-            "strikes": strikes, "hosts": hosts, "store": self.store_status(),
+            "strikes": strikes, "hosts": fleet["hosts"] if fleet else [], "fleet": fleet, "store": self.store_status(),
             "ready": bool(self.rt.started and self.rt.hypervisor_ok), "notes": notes.items,
         }
 
@@ -117,27 +118,23 @@ class DashboardData(DashboardSource):
         health = self.rt.store_health()  # the figures /readyz reports: the dashboard never says more or less
         return {"configured": True, "degraded": not health["ok"], **health}
 
-    async def hosts(self, notes: Notes) -> list[dict[str, Any]]:
-        """Hosts sharing the store (one row each with GPU counts by recorded state); [] without a store."""
-        rows = await self.store_call(notes, "list_gpus", all_hosts=True) if self.has_store else None
-        if not rows:
-            return []
-        by_host: dict[str, dict[str, Any]] = {}
-        for r in rows:
-            h = by_host.setdefault(r["host_id"], {"host_id": r["host_id"], "gpus": 0, "states": collections.Counter(),
-                                                  "last_seen": 0.0, "models": collections.Counter()})
-            h["gpus"] += 1
-            h["states"][r.get("state") or "unknown"] += 1
-            h["models"][r.get("model") or "?"] += 1
-            h["last_seen"] = max(h["last_seen"], float(r.get("last_seen") or 0))
-        me = self.rt.settings.agent.host_id
-        out = []
-        for h in sorted(by_host.values(), key=lambda x: (x["host_id"] != me, x["host_id"])):
-            h["states"] = dict(h["states"])
-            h["models"] = ", ".join(f"{n}× {k}" for k, n in h["models"].most_common())
-            h["this"] = h["host_id"] == me
-            out.append(h)
-        return out
+    async def fleet(self, notes: Notes) -> dict[str, Any] | None:
+        """The hosts sharing the store as each last published itself (services.fleet: the fleet page, and the
+        overview's hosts block); None without a store, or when it cannot be read (noted)."""
+        if not self.has_store:
+            return None
+        try:
+            return await read_fleet(self.rt.store, now=self.clock(), this_host=self.rt.settings.agent.host_id,
+                                    interval_s=self.rt.settings.store.fleet_publish_interval_s)
+        except HostAgentError as exc:
+            notes.add(f"usage store: {exc.message} (the fleet's hosts cannot be shown)")
+            return None
+
+    async def fleet_page(self) -> dict[str, Any]:
+        """/ui/fleet: every host of the shared store, the fleet's idle candidates and totals."""
+        notes = Notes()
+        return {"fleet": await self.fleet(notes), "has_store": self.has_store, "now": self.clock(),
+                "interval_s": self.rt.settings.store.fleet_publish_interval_s, "notes": notes.items}
 
     # -- GPU page ------------------------------------------------------------------------------------------------
     async def gpu_page(self, gpu_id: str, range_name: str | None) -> dict[str, Any]:

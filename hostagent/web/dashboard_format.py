@@ -123,3 +123,20 @@ def pct(value: float | None) -> str:
 
 __all__ = ["TIME_STYLES", "age_text", "age_view", "countdown_tag", "countdown_text", "duration", "gib",
            "heartbeat_view", "iso", "pct", "time_tag", "time_text"]
+
+
+# What a function beside the GPU in its IOMMU group is, by PCI class (base class and subclass), for one line.
+FUNCTION_KINDS = {"0403": "audio", "0c03": "USB", "0c80": "USB-C controller", "0c05": "SMBus", "0200": "network",
+                  "0108": "NVMe", "0604": "bridge"}
+
+
+def group_note(functions: list[dict[str, Any]]) -> str | None:
+    """'whole group: 4 functions (GPU, audio, USB, USB-C controller)' for a GPU whose group holds more than it; a
+    lease takes every one. None for a GPU alone in its group."""
+    if len(functions) < 2:
+        return None
+    kinds = []
+    for f in functions:
+        code = str(f.get("class") or "")[2:6]
+        kinds.append("GPU" if code.startswith("03") else FUNCTION_KINDS.get(code, code or "function"))
+    return f"whole group: {len(functions)} functions ({', '.join(kinds)})"

@@ -1,5 +1,5 @@
 """Dashboard page views: the GET handlers that render a page (overview, one GPU, the leases table and its CSV
-export, one lease, reclaim, the placement model) and the JSON each page polls for live refresh under /ui/api
+export, one lease, reclaim, the placement model, the fleet) and the JSON each page polls for live refresh under /ui/api
 (fragments of the same templates, series for the charts). It owns which template and which data each URL gets;
 every handler asks DashboardData for the page's content and renders it, nothing more.
 """
@@ -134,10 +134,24 @@ async def model_page(request: web.Request) -> web.Response:
                                           "notes": data["notes"]})
 
 
+@page
+async def fleet_page(request: web.Request) -> web.Response:
+    """/ui/fleet: every host sharing the usage store, the fleet's idle candidates and totals."""
+    data = await dashboard_of(request).data.fleet_page()
+    return render(request, "fleet.html", {"title": "Fleet", "nav": "fleet", "F": data, "notes": data["notes"]})
+
+
+@page
+async def fleet_json(request: web.Request) -> web.Response:
+    """/ui/api/fleet: the fleet page's body for live refresh."""
+    data = await dashboard_of(request).data.fleet_page()
+    return web.json_response({"now": data["now"], "html": render_fragment(request, "_fleet_body.html", {"F": data})})
+
+
 async def ui_root(request: web.Request) -> web.StreamResponse:
     """/ui -> the overview."""
     return see_other("/")
 
 
-__all__ = ["gpu_json", "gpu_page", "lease_json", "lease_page", "leases_csv", "leases_page", "leases_rows_json",
+__all__ = ["fleet_json", "fleet_page", "gpu_json", "gpu_page", "lease_json", "lease_page", "leases_csv", "leases_page", "leases_rows_json",
            "model_page", "overview", "overview_json", "reclaim_json", "reclaim_page", "ui_root"]

@@ -44,6 +44,24 @@ MAX_HEARTBEAT_MEM_BYTES = 2**50
 MAX_WORK_RATE = 1e15  # the usage store's bound; the heartbeat handler checks it before anything is written
 
 
+_FLEET_HOST = {"type": "object", "required": ["id", "last_seen", "stale", "gpus", "states"], "properties": {
+    "id": {"type": "string"}, "hostname": _NULLABLE_STR, "agent_version": _NULLABLE_STR, "this": {"type": "boolean"},
+    "url": {**_NULLABLE_STR, "description": "the host's own dashboard (agent.public_url, else its bound address)"},
+    "last_seen": _NULLABLE_NUM, "age": {"type": "number"}, "interval_s": {"type": "number"},
+    "stale_after": {"type": "number"},
+    "stale": {"type": "boolean", "description": "not heard from in 3 of its publish intervals"},
+    "stopped": {"type": "boolean"}, "publishing": {"type": "boolean"}, "gpus": {"type": "integer"},
+    "states": {"type": "object", "additionalProperties": {"type": "integer"}, "description": "GPUs by state"},
+    "util_pct": _NULLABLE_NUM, "queue": {"type": "integer", "nullable": True},
+    "active_leases": {"type": "integer", "nullable": True}, "model_version": _NULLABLE_STR,
+    "model_current": {"type": "boolean"}, "idle": {"type": "array", "items": {"type": "object"}}}}
+_FLEET = {"type": "object", "required": ["hosts", "idle", "totals", "store"], "properties": {
+    "now": {"type": "number"}, "store": {"type": "boolean", "description": "false: this agent has no usage store"},
+    "hosts": {"type": "array", "items": _FLEET_HOST},
+    "idle": {"type": "array", "items": {"type": "object"}, "description": "leases on an idle strike, every host's"},
+    "totals": {"type": "object"}, "active_model": _NULLABLE_STR}}
+
+
 def _label(max_len: int, **extra: Any) -> dict[str, Any]:
     """A free-text label of the lease request: no control or invisible formatting characters, as the request
     parser checks (the same pattern)."""
@@ -315,6 +333,12 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                                "next_cursor": {"type": "string", "nullable": True,
                                                "description": "older events follow; null on the last page"}}}}}},
                           "400": _err("bad limit or cursor"), **_STD}}},
+        "/v1/fleet": {"get": {
+            "summary": "operator: every host sharing the usage store, as each last published itself (GPUs by state, "
+                       "utilization, queue, model version in use, dashboard URL, stale mark), the fleet's idle "
+                       "candidates and totals", "operationId": "getFleet", "security": _SECURED,
+            "responses": {"200": {"description": "the fleet", "content": {"application/json": {"schema": _FLEET}}},
+                          "503": _err("the usage store cannot be read"), **_STD}}},
     }
     from hostagent.web import openapi_ext
 

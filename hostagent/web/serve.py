@@ -5,6 +5,7 @@ parser errors in the API's error model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import ipaddress
 import json
@@ -15,7 +16,7 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, cast
 
@@ -28,6 +29,7 @@ from aiohttp.web_request import BaseRequest
 from hostagent.config import AgentSettings, Settings
 from hostagent.domain.errors import ConfigError
 from hostagent.web.app import SERVER_HEADER, error_body, http_code
+from hostagent.web.keys import SERVED
 
 log = logging.getLogger("hostagent.serve")
 
@@ -441,9 +443,12 @@ async def _watchdog(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
 
 
-def serve(settings: Settings, make_app: Callable[[], web.Application], *, banner: str | None = None) -> int:
+def serve(settings: Settings, make_app: Callable[[], web.Application], *, banner: str | None = None,
+          on_serving: Callable[[str], Awaitable[None]] | None = None) -> int:
     """Serve the app `make_app` builds until SIGTERM/SIGINT; print the bound URL (and a banner) once listening.
-    The composition root passes the factory (:func:`hostagent.runtime.serve`): this module never builds the agent."""
+    The composition root passes the factory (:func:`hostagent.runtime.serve`): this module never builds the agent.
+    `on_serving(url)` runs as a task once the agent listens (the demo's guests) and is cancelled, and awaited, at
+    the stop before the agent itself stops."""
     from hostagent.host.memory import limit_arenas
     from hostagent.logs import setup_logging
 
@@ -454,17 +459,19 @@ def serve(settings: Settings, make_app: Callable[[], web.Application], *, banner
              tarpit_bound(settings.agent, nofile))
     ctx = ssl_context(settings)
     try:
-        asyncio.run(_serve(settings, make_app, ctx, banner))
+        asyncio.run(_serve(settings, make_app, ctx, banner, on_serving))
     except KeyboardInterrupt:
         pass
     return 0
 
 
 async def _serve(settings: Settings, make_app: Callable[[], web.Application], ctx: ssl.SSLContext | None,
-                 banner: str | None) -> None:
+                 banner: str | None, on_serving: Callable[[str], Awaitable[None]] | None = None) -> None:
     app = make_app()
     app.cleanup_ctx.append(_watchdog)
     runner, url = await start_server(app, settings, ctx)
+    if SERVED in app:
+        app[SERVED](url)  # the agent's own link to itself (the fleet page's), port 0 resolved
     try:
         scrape = await start_metrics_server(app, settings)
     except BaseException:
@@ -481,9 +488,14 @@ async def _serve(settings: Settings, make_app: Callable[[], web.Application], ct
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    companion = asyncio.create_task(on_serving(url)) if on_serving is not None else None
     try:
         await stop.wait()
     finally:
+        if companion is not None:
+            companion.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await companion
         if scrape is not None:
             await scrape[0].cleanup()
         await runner.cleanup()

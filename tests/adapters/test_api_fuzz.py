@@ -46,7 +46,7 @@ EXAMPLES = 125  # per operation and identity, spread over the three kinds of cas
 SEEDED_IDS = {"getGpu": "gpu_id", "clearQuarantine": "gpu_id", "probeGpu": "gpu_id", "getLease": "lease_id",
               "releaseLease": "lease_id", "heartbeat": "lease_id", "renewLease": "lease_id",
               "reclaimControl": "lease_id"}
-OPERATOR_ONLY = {"clearQuarantine", "probeGpu", "reclaimControl", "reaperStatus", "listEvents"}
+OPERATOR_ONLY = {"clearQuarantine", "probeGpu", "reclaimControl", "reaperStatus", "listEvents", "getFleet"}
 # from_url leaves out the operation that serves the document itself; test_openapi_document_itself covers it
 NOT_FUZZED = {("GET", "/v1/openapi.json")}
 STATS: dict[str, dict[str, collections.Counter[str]]] = {}
@@ -192,7 +192,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     env = {**os.environ, "HOSTAGENT_AGENT__GUEST_REQUESTS_PER_S": "1000000"}
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "hostagent", "demo", "--port", "0", "--state-dir", str(state),
-                                 "--scenario", "dgx8"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                 "--scenario", "dgx8", "--quiet"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
                                 env=env)
     url = None
     deadline = time.monotonic() + 60

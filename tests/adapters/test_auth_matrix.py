@@ -55,6 +55,7 @@ API: dict[tuple[str, str], tuple[Any, dict[str, int]]] = {
     ("POST", "/v1/leases/{lease_id}/reclaim"): ({"paused": True}, OPERATOR),
     ("GET", "/v1/reaper"): (None, OPERATOR),
     ("GET", "/v1/events"): (None, OPERATOR),
+    ("GET", "/v1/fleet"): (None, OPERATOR),
 }
 
 PAGE = {"none": 303, "bad": 303, "vm": 303, "operator": 200}  # 303: to the login page
@@ -80,8 +81,10 @@ DASHBOARD_ROUTES: dict[tuple[str, str], tuple[dict[str, str] | None, dict[str, i
     ("POST", "/ui/leases/{lease_id}/reclaim"): ({"paused": "1"}, ACTION),
     ("GET", "/ui/reclaim"): (None, PAGE),
     ("GET", "/ui/model"): (None, PAGE),
+    ("GET", "/ui/fleet"): (None, PAGE),
     ("GET", "/ui/api/overview"): (None, DASH_JSON),
     ("GET", "/ui/api/reclaim"): (None, DASH_JSON),
+    ("GET", "/ui/api/fleet"): (None, DASH_JSON),
     ("GET", "/ui/api/gpus/{gpu_id}"): (None, DASH_JSON),
     ("GET", "/ui/api/leases"): (None, DASH_JSON),
     ("GET", "/ui/api/leases/{lease_id}"): (None, DASH_JSON),

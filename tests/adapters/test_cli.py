@@ -145,7 +145,8 @@ def test_token_issue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 # actions to theirs (bench's benchmarks take the benchmark script's own arguments: listed only).
 HELP: dict[str, Any] = {
     "serve": ("--config", "--sysfs-root", "--port", "--listen"),
-    "demo": ("--port", "--listen", "--state-dir", "--db", "--scenario", "--fast-reclaim"),
+    "demo": ("--port", "--listen", "--state-dir", "--db", "--scenario", "--quiet", "--history-days", "--seed",
+             "--hosts", "--host-id", "--fast-reclaim"),
     "doctor": ("--config", "--json", "--sysfs-root"),
     "gpus": ("--config", "--json", "--sysfs-root"),
     "leases": ("--url", "--token", "--token-file", "--timeout", "--state", "--since"),

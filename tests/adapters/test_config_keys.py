@@ -1171,6 +1171,9 @@ TABLE: dict[str, Effect | Proven] = {
     "agent.gc_freeze": Effect(
         False, "the heap is not frozen after the start and the model load (by default it is)", heap_frozen,
         default=True, changed=False),
+    "agent.public_url": Proven(
+        "tests/adapters/test_fleet.py::test_public_url_is_the_link_other_hosts_follow",
+        "the fleet page of every agent on the store links to this host there; left out, the address it serves on"),
     # [host]
     "host.sysfs_root": Effect(
         "{tmp}/other/sys", "the GPUs are those of this tree (a workstation's 3, not a DGX's 8)", gpu_count,
@@ -1276,6 +1279,10 @@ TABLE: dict[str, Effect | Proven] = {
     "store.max_lag_s": Effect(
         0.3, "/readyz reports the store degraded when samples have waited longer than this",
         store_healthy_after_wait, base=SLOW_FLUSH, default=True, changed=False, together=True),
+    "store.fleet_publish_interval_s": Proven(
+        "tests/adapters/test_fleet.py::test_the_publish_interval_is_store_fleet_publish_interval_s",
+        "the agent writes its live state to the store this often: at 0.2 s a new lease shows in the fleet within a "
+        "few intervals, at an hour the store still holds the start's snapshot"),
     # [leases]
     "leases.default_duration_s": Effect(
         600, "a request without duration_s expires this long after it was made", ttl_of_grant,

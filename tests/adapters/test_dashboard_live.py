@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from hostagent.web.dashboard_format import (age_view, countdown_tag, countdown_text, duration, heartbeat_view,
-                                            time_tag)
+from hostagent.web.dashboard_format import (age_view, countdown_tag, countdown_text, duration, group_note,
+                                            heartbeat_view, time_tag)
 from tests.support.agent import AgentRig, Clock, make_rig, start_rig
 
 CSRF = re.compile(r'name="csrf" value="([^"]+)"')
@@ -21,6 +21,13 @@ FULL_TIME = re.compile(r">\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} UTC</time>")
 
 
 # ---- pure formatting -------------------------------------------------------------------------------------------
+
+
+def test_a_gpu_with_functions_beside_it_says_the_lease_takes_its_whole_group() -> None:
+    turing = [{"class": "0x030000"}, {"class": "0x040300"}, {"class": "0x0c0330"}, {"class": "0x0c8000"}]
+    assert group_note(turing) == "whole group: 4 functions (GPU, audio, USB, USB-C controller)"
+    assert group_note([{"class": "0x030200"}, {"class": "0x0b4000"}]) == "whole group: 2 functions (GPU, 0b40)"
+    assert group_note([{"class": "0x030200"}]) is None  # alone in its group: nothing to say
 
 
 def test_one_time_format_to_the_second_with_the_zone() -> None:

@@ -162,8 +162,9 @@ async def test_reclaim_notice_runs_hook_stops_command_and_releases(live: LiveAge
     assert env["HOSTAGENT_NOTICE_REASON"] == reason
     assert env["HOSTAGENT_GPU_IDS"] == lease.gpu_ids[0] and float(env["HOSTAGENT_DEADLINE"]) > time.time()
     final = (await leases_of(live))[0]
-    # Released by the guest (cooperatively), before the reaper's deadline: not "reclaimed: idle".
-    assert final.state.value == "RELEASED" and final.end_reason == "released by guest"
+    # Released by the guest (cooperatively), before the reaper's deadline, and the reason says it answered the notice
+    why = "preempted by l-higher" if reason == "preempted" else "idle"
+    assert final.state.value == "RELEASED" and final.end_reason == f"released by guest on the reclaim notice ({why})"
 
 
 async def test_strike_one_warning_runs_the_hook_once(live: LiveAgent, tmp_path: Path,
@@ -424,7 +425,7 @@ async def test_daemon_honours_a_reclaim_notice(live: LiveAgent, tmp_path: Path,
     os.kill(os.getpid(), signal.SIGTERM)
     assert await asyncio.wait_for(task, 10) == 0
     assert hook_out.read_text().split() == ["checkpoint", lease["id"]]
-    assert (await leases_of(live))[0].end_reason == "released by guest"
+    assert (await leases_of(live))[0].end_reason == "released by guest on the reclaim notice (idle)"
 
 
 async def test_more_than_its_share_429_is_retried_after_retry_after(live: LiveAgent,

@@ -55,6 +55,7 @@ OPERATIONS = {
     "heartbeat": ("POST", "/v1/leases/{lease_id}/heartbeat"), "renewLease": ("POST", "/v1/leases/{lease_id}/renew"),
     "reclaimControl": ("POST", "/v1/leases/{lease_id}/reclaim"), "listEvents": ("GET", "/v1/events"),
     "reaperStatus": ("GET", "/v1/reaper"), "getTopology": ("GET", "/v1/topology"), "probeStatus": ("GET", "/v1/probes"),
+    "getFleet": ("GET", "/v1/fleet"),
 }
 
 

@@ -100,10 +100,12 @@ class Demo:
                 self.proc.wait(timeout=10)
 
 
-def start_demo(state_dir: Path, *extra: str, timeout: float = 60.0) -> Demo:
-    """Run `python -m hostagent demo --port 0 --state-dir DIR` and wait for the URL it prints."""
+def start_demo(state_dir: Path, *extra: str, timeout: float = 60.0, living: bool = False) -> Demo:
+    """Run `python -m hostagent demo --port 0 --state-dir DIR` and wait for the URL it prints. Unless `living`, the
+    demo is quiet (no simulated guests, no history) on the demo16 host, so a test's own leases are all there is."""
+    quiet = () if living else ("--quiet", "--scenario", "demo16")
     proc = subprocess.Popen([sys.executable, "-m", "hostagent", "demo", "--port", "0", "--state-dir", str(state_dir),
-                             *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             *quiet, *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     deadline = time.monotonic() + timeout
     lines: list[str] = []
@@ -122,7 +124,10 @@ def start_demo(state_dir: Path, *extra: str, timeout: float = 60.0) -> Demo:
     # keep draining its output so the pipe never fills and blocks the agent
     import threading
 
-    demo = Demo(proc, m.group(1), state_dir, json.loads((state_dir / "demo-credentials.json").read_text()), lines)
+    creds = state_dir / "demo-credentials.json"
+    if not creds.exists():  # a fleet demo (--hosts N): the first host's, in its own directory
+        creds = state_dir / "demo-host-1" / "demo-credentials.json"
+    demo = Demo(proc, m.group(1), state_dir, json.loads(creds.read_text()), lines)
     threading.Thread(target=lambda: [demo.log.append(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     return demo
 

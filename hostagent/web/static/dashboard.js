@@ -81,7 +81,8 @@
       var age = Math.max(0, t - parseFloat(el.dataset.ageFrom));
       el.textContent = dur(age) + " ago";
       var box = el.closest("[data-fresh]") || el;
-      box.classList.toggle("stale", age > STALE_AFTER);
+      // a fleet host is stale past its own bound (3 publish intervals), a figure past dashboard.stale_after_s
+      box.classList.toggle("stale", age > (parseFloat(box.dataset.staleAfter) || STALE_AFTER));
     });
     (root || document).querySelectorAll("[data-hb-since]").forEach(function (el) {
       var v = heartbeatView(parseFloat(el.dataset.hbLast), parseFloat(el.dataset.hbSince), t);
@@ -283,6 +284,13 @@
           swap(head, data.head);
           updateCharts(data.series);
         });
+      });
+    },
+    fleet: function () {
+      var box = document.getElementById("fleet-body");
+      if (!box) return;
+      every(REFRESH_MS, function () {
+        return getJSON(box.dataset.refresh).then(function (data) { swap(box, data.html); });
       });
     },
     reclaim: function () {
