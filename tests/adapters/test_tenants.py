@@ -6,6 +6,7 @@ simulated host (dgx8: 8 GPUs)."""
 from __future__ import annotations
 
 import asyncio
+import time
 import random
 from pathlib import Path
 from typing import Any
@@ -42,9 +43,11 @@ def held(rig: AgentRig, vm: str) -> int:
     return sum(len(x.devices) for x in m.leases.values() if x.domain_name == vm and x.state.holds_devices)
 
 
-async def settle(rig: AgentRig) -> None:
-    """Let the queue drain and every grant finish."""
-    for _ in range(200):
+async def settle(rig: AgentRig, timeout: float = 30.0) -> None:
+    """Let the queue drain and every grant finish (a grant of 8 GPUs can take seconds on a loaded machine: the
+    bound is generous, and reached only when something is wrong)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         await rig.runtime.manager.drain_queue()
         if not any(x.state in (S.BINDING, S.ATTACHING) for x in rig.runtime.manager.leases.values()):
             return
