@@ -114,6 +114,8 @@ class LeaseSettings:
     queue_order: str = "advantage"  # advantage (comparative advantage, bounded) | strict (serve order only)
     fairness_max_passes: int = 8  # a queued request passed over this often is served in turn
     fairness_max_delay_s: float = 3600.0  # ... or once first passed over this long ago
+    booking_horizon_s: float = 30 * 86400.0  # how far ahead a booking (start_at) may start
+    booking_lead_s: float = 30.0  # a booking binds at least this long before its start (longer if grants are slower)
     journal_retention_days: int = 90  # ended leases (and their events) kept in the journal; 0: forever
 
 
@@ -250,7 +252,7 @@ _POSITIVE = {
     "store.flush_interval_s", "store.flush_batch", "store.max_lag_s", "leases.default_duration_s", "leases.max_duration_s",
     "store.fleet_publish_interval_s",
     "reclaim.check_interval_s", "reclaim.grace_s", "placement.retrain_interval_s",
-    "leases.fairness_max_passes", "leases.fairness_max_delay_s",
+    "leases.fairness_max_passes", "leases.fairness_max_delay_s", "leases.booking_horizon_s", "leases.booking_lead_s",
     "placement.model_check_interval_s",
     "dashboard.refresh_s", "dashboard.stale_after_s",
 }

@@ -124,8 +124,8 @@ def lease_policy(settings: Settings) -> LeasePolicy:
         vm_quota=Quota(lz.max_gpus_per_vm, lz.max_gpu_hours_per_day_per_vm, lz.guest_max_priority),
         project_quotas=projects, queue_max_per_vm=lz.queue_max_per_vm, queue_max_wait_s=lz.queue_max_wait_s,
         pinned=frozenset(settings.host.pinned), preempt_min_priority=lz.preempt_min_priority,
-        preempt_notice_s=settings.reclaim.notice_window_s,
-        cap_at_scaling_limit=settings.placement.cap_at_scaling_limit,
+        preempt_notice_s=settings.reclaim.notice_window_s, booking_horizon_s=lz.booking_horizon_s,
+        cap_at_scaling_limit=settings.placement.cap_at_scaling_limit, booking_lead_s=lz.booking_lead_s,
         fairness=Fairness(lz.fairness_max_passes, lz.fairness_max_delay_s, enabled=lz.queue_order == "advantage"),
     )
 
@@ -243,7 +243,7 @@ class Runtime:
         """Usage so far: from the store when present, else the in-memory window."""
         window = list(self.recent_samples.get(lease_id, ()))
         live = self.manager.leases.get(lease_id)
-        if live is not None and live.state in (LeaseState.REQUESTED, LeaseState.QUEUED):
+        if live is not None and live.state in (LeaseState.REQUESTED, LeaseState.QUEUED, LeaseState.BOOKED):
             return {"samples": 0}  # nothing to ask the store for yet (guests poll queued leases often)
         if self.store is not None:
             with contextlib.suppress(HostAgentError):

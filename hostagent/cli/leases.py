@@ -9,11 +9,15 @@ from hostagent.cli.common import EXIT_OK, add_client_options, api, emit, fmt_tim
 
 
 def lease_rows(leases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Flatten lease JSON for a table."""
+    """Flatten lease JSON for a table (a booking shows its GPUs and when it starts)."""
     return [{"id": x["id"], "state": x["state"], "vm": x["domain"]["name"],
-             "gpus": ",".join(d["gpu_id"] for d in x["devices"]) or "-", "task": x["request"]["task_type"],
+             "gpus": ",".join(d["gpu_id"] for d in x["devices"]) or (
+                 ",".join((x.get("booking") or {}).get("gpus") or []) if x["state"] == "BOOKED" else "") or "-",
+             "task": x["request"]["task_type"],
              "prio": x["request"]["priority"], "expires": fmt_time(x.get("expires_at")),
-             "note": (x["warnings"][0]["code"] if x.get("warnings") else x.get("end_reason") or "")}
+             "note": (x["warnings"][0]["code"] if x.get("warnings") else x.get("end_reason") or (
+                 f"starts {fmt_time(x['booking']['start_at'])}" if x["state"] == "BOOKED" and x.get("booking")
+                 else ""))}
             for x in leases]
 
 
@@ -42,7 +46,7 @@ def register(sub: Any) -> None:
     """Add `leases` and `release`."""
     p = sub.add_parser("leases", help="list leases (through the agent's API)")
     add_client_options(p)
-    p.add_argument("--state", help="comma-separated states, e.g. ACTIVE,QUEUED")
+    p.add_argument("--state", help="comma-separated states, e.g. ACTIVE,QUEUED (BOOKED: the bookings ahead)")
     p.add_argument("--since", type=float, help="unix seconds")
     p.set_defaults(func=cmd_leases)
 

@@ -199,7 +199,7 @@ def seed_history(settings: Any, creds: dict[str, Any], state_dir: Path, *, days:
     hv.save()
     done["model"] = train_model(settings)
     print(f"hostagent demo: {done['leases']} leases in {done['wall_s']:g} s ({done['reclaimed']} reclaimed idle, "
-          f"{done['queued']} queued); placement model: {done['model'].get('decision')} "
+          f"{done['queued']} queued, {done['booked']} booked ahead); placement model: {done['model'].get('decision')} "
           f"{done['model'].get('version') or ''}".rstrip(), flush=True)
     marker.write_text(json.dumps(done, indent=2) + "\n")
     return done

@@ -46,10 +46,12 @@ class Pace:
     queue_patience_s: float
     heartbeat_s: float
     sample_s: float
+    book_chance: float = 0.0  # how often a job is booked ahead (start_at) instead of asked for now
+    book_ahead_s: tuple[float, float] = (120.0, 900.0)  # how far ahead
 
 
 LIVE = Pace(think_s=(5.0, 40.0), busy_s=(60.0, 420.0), forget_chance=0.2, priority_chance=0.1,
-            queue_patience_s=300.0, heartbeat_s=15.0, sample_s=5.0)
+            queue_patience_s=300.0, heartbeat_s=15.0, sample_s=5.0, book_chance=0.15, book_ahead_s=(120.0, 900.0))
 
 
 class HostInterrupts:
@@ -122,8 +124,8 @@ class DemoGuest:
     next_at: float = 0.0
     next_beat: float = 0.0
     next_sample: float = 0.0
-    counts: dict[str, int] = field(default_factory=lambda: {"leases": 0, "queued": 0, "withdrawn": 0, "refused": 0,
-                                                             "reclaimed": 0, "released": 0})
+    counts: dict[str, int] = field(default_factory=lambda: {"leases": 0, "queued": 0, "booked": 0, "withdrawn": 0,
+                                                             "refused": 0, "reclaimed": 0, "released": 0})
     monitor: Monitor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -152,8 +154,13 @@ class DemoGuest:
     async def _ask(self) -> None:
         self.job = job = draw_job(self.rng, busy_s=self.pace.busy_s, forget_chance=self.pace.forget_chance,
                                   priority_chance=self.pace.priority_chance)
+        request = job.request(duration_s=job.busy_s * 2 + 600)
+        booking = self.rng.random() < self.pace.book_chance
+        if booking:  # booked ahead: the host binds the GPUs at its start (the earliest window that fits, if taken)
+            request.update(start_at=self.clock() + self.rng.uniform(*self.pace.book_ahead_s),
+                           duration_s=int(job.busy_s * 1.5 + 300), accept_partial=False)
         try:
-            status, body = await self.client.create_lease(job.request(duration_s=job.busy_s * 2 + 600))
+            status, body = await self.client.create_lease(request)
         except ApiError as exc:  # more than the host could ever give, a quota: think again
             self.counts["refused"] += 1
             log.debug("%s: lease refused: %s", self.name, exc.message)
@@ -161,7 +168,11 @@ class DemoGuest:
             return
         self.counts["leases"] += 1
         self.lease = body
-        if status == 202 or body.get("state") == "QUEUED":
+        if body.get("state") == "BOOKED":  # waits for its start as a queued request waits for its turn
+            self.counts["booked"] += 1
+            start = float((body.get("booking") or {}).get("start_at") or self.clock())
+            self.state, self.next_at = "queued", start + self.pace.queue_patience_s
+        elif status == 202 or body.get("state") == "QUEUED":
             self.counts["queued"] += 1
             self.state, self.next_at = "queued", self.clock() + self.pace.queue_patience_s
         else:

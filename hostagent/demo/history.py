@@ -30,7 +30,8 @@ log = logging.getLogger("hostagent.demo")
 
 # Jobs of 20 minutes to 5 hours, think times up to an hour: about a hundred leases a day on the demo's 16 GPUs.
 HISTORY = Pace(think_s=(300.0, 3600.0), busy_s=(1200.0, 5 * 3600.0), forget_chance=0.15, priority_chance=0.1,
-               queue_patience_s=2 * 3600.0, heartbeat_s=300.0, sample_s=60.0)
+               queue_patience_s=2 * 3600.0, heartbeat_s=300.0, sample_s=60.0, book_chance=0.1,
+               book_ahead_s=(1800.0, 6 * 3600.0))
 STEP_S = 60.0  # the virtual clock's step: a guest samples once per step at most
 # The detector's periods in the history (the operator's defaults scaled by a half): a forgotten GPU is reclaimed
 # within about an hour of going idle.

@@ -30,7 +30,7 @@ class HostAgentError(Exception):
         return body
 
 
-PUBLIC_DETAILS = ("available_in_s",)  # details the API's error body carries (the rest stay in logs and journals)
+PUBLIC_DETAILS = ("available_in_s", "earliest_start")  # details the API's error body carries (the rest stay in logs and journals)
 
 
 class InvalidInput(HostAgentError):

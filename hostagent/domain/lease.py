@@ -18,6 +18,7 @@ class LeaseState(str, enum.Enum):
     """Where a lease is in its life."""
 
     REQUESTED = "REQUESTED"
+    BOOKED = "BOOKED"  # a booking: GPUs held in the calendar for [start_at, start_at + duration_s)
     QUEUED = "QUEUED"
     BINDING = "BINDING"
     ATTACHING = "ATTACHING"
@@ -43,7 +44,10 @@ class LeaseState(str, enum.Enum):
 
 S = LeaseState
 TRANSITIONS: Mapping[LeaseState, frozenset[LeaseState]] = {
-    S.REQUESTED: frozenset({S.QUEUED, S.BINDING, S.FAILED}),
+    S.REQUESTED: frozenset({S.BOOKED, S.QUEUED, S.BINDING, S.FAILED}),
+    # at its start a booking binds its GPUs, or waits first in its priority when they are not free; cancelled,
+    # displaced by a booking of higher priority, or past its end unstarted
+    S.BOOKED: frozenset({S.BINDING, S.QUEUED, S.RELEASED, S.EXPIRED, S.FAILED}),
     S.QUEUED: frozenset({S.BINDING, S.EXPIRED, S.RELEASED, S.FAILED}),
     S.BINDING: frozenset({S.ATTACHING, S.FAILED}),
     S.ATTACHING: frozenset({S.ACTIVE, S.FAILED}),
@@ -122,6 +126,7 @@ class LeaseRequest:
     requires: tuple[str, ...] = ()  # features every GPU must have (domain.capabilities.FEATURES), sorted
     total_memory_gib: float | None = None  # instead of gpus: the fewest GPUs holding this much, evenly
     target_work_rate: float | None = None  # instead of gpus: the fewest GPUs the model predicts do this much work/s
+    start_at: float | None = None  # a booking: the GPUs from this time (unix seconds) for duration_s
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (read in one C call: a listing of a thousand leases makes a thousand of these)."""
@@ -190,6 +195,14 @@ def parse_lease_request(body: Any, *, now: float, max_duration_s: int) -> LeaseR
     for flag in ("accept_partial", "accept_deferred"):
         if flag in body:
             kw[flag] = _flag(body, flag)
+    if "start_at" in body and body["start_at"] is not None:
+        at = float(_num(body, "start_at", integer=False, lo=0, hi=1e11))
+        if at <= now:
+            raise InvalidInput("start_at is not in the future: a lease that starts now leaves start_at out",
+                               field="start_at")
+        if body.get("duration_s") is None:
+            raise InvalidInput("a booking (start_at) states its length: duration_s is required", field="start_at")
+        kw["start_at"] = at
     if "not_after" in body and body["not_after"] is not None:
         na = float(_num(body, "not_after", integer=False, lo=0, hi=1e11))
         if na <= now:
@@ -289,6 +302,7 @@ class Lease:
     last_check_at: float | None = None  # reaper's last idle check
     irq_baseline: tuple[tuple[str, int], ...] = ()  # vfio interrupt counts per function at the last check
     preempted_by: str | None = None  # the queued lease of higher priority this one's reclaim notice is for
+    booked_gpus: tuple[str, ...] = ()  # a booking's GPUs in the calendar (BOOKED; what it binds at its start)
 
     def transition(self, target: LeaseState, **changes: Any) -> Lease:
         """A copy in the target state; raises InvalidTransition if the table forbids it."""
@@ -340,6 +354,7 @@ class Lease:
             "last_check_at": self.last_check_at,
             "irq_baseline": [list(x) for x in self.irq_baseline],
             "preempted_by": self.preempted_by,
+            "booked_gpus": list(self.booked_gpus),
         }
 
     @classmethod
@@ -372,6 +387,7 @@ class Lease:
             last_check_at=d.get("last_check_at"),
             irq_baseline=tuple((str(a), int(n)) for a, n in d.get("irq_baseline", ())),
             preempted_by=d.get("preempted_by"),
+            booked_gpus=tuple(d.get("booked_gpus", ())),
         )
 
 

@@ -25,8 +25,8 @@ from hostagent.guest.sampler import PciDisplay, Sampler, normalize_bus_id, scan_
 
 log = logging.getLogger("hostagent.guest")
 
-LIVE_STATES = ["REQUESTED", "QUEUED", "BINDING", "ATTACHING", "ACTIVE", "RELEASING", "DETACHING", "DETACH_PENDING",
-               "REBINDING"]
+LIVE_STATES = ["REQUESTED", "BOOKED", "QUEUED", "BINDING", "ATTACHING", "ACTIVE", "RELEASING", "DETACHING",
+               "DETACH_PENDING", "REBINDING"]
 # CLI flag -> API field of POST /v1/leases (the request fields of the lease API)
 REQUEST_FIELDS = {"gpus": "gpus", "task_type": "task_type", "data_scale": "data_scale", "precision": "precision",
                   "min_memory_gib": "min_memory_gib", "duration": "duration_s", "priority": "priority",
@@ -100,9 +100,37 @@ def build_parser() -> argparse.ArgumentParser:
     _request_args(p)
     p.add_argument("--auto-renew", action="store_true", help="renew the lease while the command runs")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    p = sub.add_parser("reserve", help="book GPUs ahead for a time window: the host binds and attaches them at its "
+                                       "start (state BOOKED until then; `release` cancels)")
+    _common(p, True)
+    _request_args(p)
+    p.add_argument("--start", required=True, type=parse_start, metavar="WHEN",
+                   help="when the window starts: unix seconds, +SECONDS from now, or ISO 8601 with a zone "
+                        "(2026-11-28T09:00+01:00); --duration gives its length (required)")
+    p.add_argument("--or-later", action="store_true",
+                   help="when the window is taken, book the earliest one that fits instead of refusing")
     p = sub.add_parser("daemon", help="the long-running monitor: heartbeats with usage for this VM's leases")
     _common(p, True)
     return ap
+
+
+def parse_start(text: str) -> float:
+    """A booking's start: unix seconds, +SECONDS from now, or an ISO 8601 time with its zone."""
+    import datetime as dt
+
+    try:
+        if text.startswith("+"):
+            return time.time() + float(text[1:])
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not unix seconds, +SECONDS or an ISO 8601 time") from None
+    if when.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{text!r} has no time zone: add one (e.g. +01:00 or Z)")
+    return when.timestamp()
 
 
 def request_body(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,6 +166,11 @@ def describe_lease(lease: dict[str, Any]) -> str:
     if lease.get("state") == "QUEUED":
         q = lease.get("queue") or {}
         lines.append(f"  queued: position {q.get('position')}, eta {_when(q.get('eta'))}")
+    if lease.get("booking"):
+        b = lease["booking"]
+        lines.append(f"  booked: {', '.join(b.get('gpus') or []) or '?'} from {_when(b.get('start_at'))} to "
+                     f"{_when(b.get('end_at'))}" + (f"; bound and attached from {_when(b['binds_at'])}"
+                                                    if b.get("binds_at") else ""))
     if lease.get("expires_at"):
         lines.append(f"  expires {_when(lease['expires_at'])}")
     for d in lease.get("devices") or ():
@@ -471,8 +504,31 @@ def _sd_notify(state: str) -> None:
         sock.sendto(state.encode(), addr)
 
 
+async def cmd_reserve(args: argparse.Namespace, cfg: GuestConfig, client: HostClient, out: TextIO) -> int:
+    """`reserve`: book GPUs for [--start, --start + --duration); print the booking, or the earliest window offered."""
+    if args.duration is None:
+        raise GuestError("a booking states its length: --duration SECONDS")
+    body = request_body(args)
+    body["start_at"] = args.start
+    body["accept_deferred"] = bool(args.or_later)
+    try:
+        _, lease = await client.create_lease(body)
+    except ApiError as exc:
+        err = (exc.body or {}).get("error", {}) if isinstance(exc.body, dict) else {}
+        if exc.status == 409 and err.get("earliest_start") is not None:
+            offer = GuestError(f"{exc.server_message}\nthe earliest window that fits starts "
+                               f"{_when(err['earliest_start'])}: pass --start {err['earliest_start']:.0f}, or "
+                               "--or-later")
+            offer.exit_code = exc.exit_code
+            raise offer from None
+        raise
+    emit(args, lease, describe_lease(lease), out)
+    return 0
+
+
 COMMANDS: dict[str, Callable[..., Any]] = {"lease": cmd_lease, "status": cmd_status, "release": cmd_release,
-                                           "renew": cmd_renew, "run": cmd_run, "daemon": cmd_daemon}
+                                           "renew": cmd_renew, "run": cmd_run, "daemon": cmd_daemon,
+                                           "reserve": cmd_reserve}
 
 
 async def amain(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:

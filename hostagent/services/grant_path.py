@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,6 +38,7 @@ from hostagent.domain.lease import (
     new_lease,
 )
 from hostagent.domain.terms import check_requires, resolve_memory, resolve_throughput
+from hostagent.services import bookings
 from hostagent.services.admission import apply_priority_policy, cap_length, check_queue_share, quota_cap_for
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import LOGGER, LeaseCore, clocked, guest_addr, render_hostdevs, step_hook
@@ -198,7 +200,11 @@ async def _decide_and_grant(m: LeaseCore, domain_uuid: str, domain_name: str, re
         lease = new_lease(f"l-{uuid.uuid4().hex[:12]}", domain_uuid, domain_name, request, now)
         born = (Step(None, S.REQUESTED, "requested"),)
         candidates = feasible(m, request)
+        if request.start_at is not None:  # a booking: into the calendar, bound at its start (services.bookings)
+            return await bookings.book(m, domain_uuid, domain_name, request, candidates, actor, notes)
         free = [g for g in candidates if is_free(m, g.id)]
+        # never a GPU it would still hold when a booking of it starts (a lease that ends in time backfills the gap)
+        free = bookings.clear_for(m, free, now, now + (request.duration_s or m.policy.default_duration_s))
         queued = [x for x in m.leases.values() if x.state is S.QUEUED]
         waiting = [Waiting(x.id, x.request.priority, x.queued_at or x.created_at, x.request.gpus) for x in queued]
         # A queued request its own tenant's quota holds back (GPU-hours spent) waits without holding anyone up:
@@ -356,8 +362,9 @@ def granted_forecast(m: LeaseCore, request: LeaseRequest, chosen: Sequence[Gpu])
 
 
 async def claim(m: LeaseCore, lease: Lease, free: Sequence[Gpu], count: int, actor: str, why: str,
-                earlier: Sequence[Step] = (), *, notes: Sequence[str] = ()) -> Lease:
-    """Place, claim devices in memory and journal BINDING with the original drivers (under the decide lock)."""
+                earlier: Sequence[Step] = (), *, notes: Sequence[str] = (), until: float | None = None) -> Lease:
+    """Place, claim devices in memory and journal BINDING with the original drivers (under the decide lock);
+    `until`: its expiry (a booking's end), else its length from now."""
     placement = m.place(lease.request, free, count, lease.domain_uuid)
     chosen = [m.gpus[i] for i in placement.gpu_ids]
     for g in chosen:
@@ -375,7 +382,8 @@ async def claim(m: LeaseCore, lease: Lease, free: Sequence[Gpu], count: int, act
         return new.with_changes(devices=tuple(devices))
 
     try:
-        duration, cut = cap_length(m, lease, len(chosen), lease.request.duration_s or m.policy.default_duration_s)
+        length = (until - m.clock()) if until is not None else (lease.request.duration_s or m.policy.default_duration_s)
+        duration, cut = cap_length(m, lease, len(chosen), length)
         vm = m.vm_numa.get(lease.domain_uuid)
         forecast = granted_forecast(m, lease.request, chosen)
         reasons = (*notes, why, *((vm.reason,) if vm else ()), *placement.reasons, *((cut,) if cut else ()),
@@ -401,6 +409,7 @@ async def bind_and_attach(m: LeaseCore, lease: Lease, actor: str) -> Lease:
     """BINDING -> ATTACHING -> ACTIVE, or roll back to FAILED with every device given back."""
     async with m.lease_lock(lease.id):
         bound: list[LeaseDevice] = []
+        began = time.monotonic()
         try:
             # the guest slots first (binding does not change the domain), so that the binds and the ATTACHING
             # write share one worker hop
@@ -429,6 +438,7 @@ async def bind_and_attach(m: LeaseCore, lease: Lease, actor: str) -> Lease:
                 changes["devices"] = tuple(LeaseDevice(d.gpu_id, d.functions, d.original_drivers, d.iommu_group,
                                                        tuple(placed.get(a, "") for a in d.functions))
                                            for d in lease.devices)
+            m.grant_seconds.append(time.monotonic() - began)  # what a booking's lead time is measured on
             return await m._move(lease, S.ACTIVE, actor, "attached and verified in the domain XML", **changes)
         except HostAgentError as exc:
             return await rollback(m, lease, bound, actor, exc)

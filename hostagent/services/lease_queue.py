@@ -7,6 +7,8 @@ queue goes through the grant path's `claim` and `bind_and_attach`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 
@@ -15,6 +17,7 @@ from hostagent.domain.errors import Conflict
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState
 from hostagent.domain.preemption import Holder, choose_victims, may_preempt
+from hostagent.services import bookings
 from hostagent.services.grant_path import (
     BACKFILL_DEPTH,
     backfill_room,
@@ -101,6 +104,10 @@ async def drain(m: LeaseCore) -> list[Lease]:
     is capped to what they leave."""
     granted = []
     while True:
+        booked = await _convert_due(m)  # bookings whose start has come go first: their time was promised
+        if booked is not None:
+            granted.append(await bind_and_attach(m, booked, "calendar"))
+            continue
         async with m._decide:
             pick = _next_grant(m)
             if pick is None:
@@ -134,12 +141,15 @@ def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None
     head = hs[0]
     at = order.index(head)
     usable = _Usable(m)
+    calendar = bookings.has_bookings(m)
     ready: list[tuple[Lease, list[Gpu], int, str | None]] = []
     for x in order[at:at + BACKFILL_DEPTH]:  # the head, then backfill candidates: bounded work per decision
         allowed = allows(x)
         if not allowed:
             continue
         free = usable.free(x.request)
+        if calendar:  # never a GPU it would still hold when a booking of it starts
+            free = bookings.clear_for(m, free, now, now + (x.request.duration_s or m.policy.default_duration_s))
         need = min(x.request.gpus, allowed)
         if x is head or (ready and ready[0][0] is head and x.request.priority == head.request.priority):
             # the head can start: every request of its priority that can start too competes with it for the free
@@ -330,10 +340,51 @@ async def preempt_for_head(m: LeaseCore) -> tuple[str, ...]:
     return decision.victims
 
 
+async def _convert_due(m: LeaseCore) -> Lease | None:
+    """The first booking whose start (less the lead time) has come, bound as BINDING on its GPUs (or on others that
+    fit where its own are not free); too few free: it waits first among its priority in the queue; its window
+    over: EXPIRED. None when no booking is due."""
+    async with m._decide:
+        now = m.clock()
+        for lease in bookings.due(m, now):
+            async with m.lease_lock(lease.id):
+                current = m.leases.get(lease.id)
+                if current is None or current.state is not S.BOOKED:
+                    continue
+                end = bookings.booking_end(current)
+                if end <= now:
+                    await m._move(current, S.EXPIRED, "calendar", "its window passed before it could start",
+                                  ended_at=now, end_reason="booking window passed")
+                    continue
+                others = bookings.holds(m, now, ignore=[current.id])
+                free = [g for g in feasible(m, current.request) if is_free(m, g.id)
+                        and bookings.next_start(others, g.id, now) >= end]
+                chosen, count, why = bookings.conversion(m, current, free)
+                if count < len(current.booked_gpus) and now < (current.request.start_at or 0):
+                    continue  # a GPU still on its way back (an expiry, a detach): try again until its start
+                if count < len(current.booked_gpus) and not (current.request.accept_partial and count):
+                    await m._move(current, S.QUEUED, "calendar", f"{why}: waits first among its priority",
+                                  queued_at=current.created_at, reasons=(*current.reasons, why))
+                    m._wake_queue.set()
+                    continue
+                try:
+                    return await claim(m, current, chosen, count, "calendar", why, until=end)
+                except Conflict as exc:
+                    await m._move(current, S.QUEUED, "calendar", f"placement: {exc.message}",
+                                  queued_at=current.created_at)
+    return None
+
+
 async def run(m: LeaseCore) -> None:
-    """Background task: drain the queue whenever devices may have freed."""
+    """Background task: drain the queue whenever devices may have freed, and when the next booking is due."""
     while True:
-        await m._wake_queue.wait()
+        wait = bookings.next_due_in(m, m.clock())
+        if wait is None:
+            await m._wake_queue.wait()
+        else:
+            with contextlib.suppress(TimeoutError):  # a due booking waiting for its GPUs: tried twice a second
+                async with asyncio.timeout(min(max(wait, 0.5), 60.0)):
+                    await m._wake_queue.wait()
         m._wake_queue.clear()
         try:
             await m.drain_queue()

@@ -58,6 +58,8 @@ class LeasePolicy:
     preempt_notice_s: float = 60.0  # a preempted lease's notice window (reclaim.notice_window_s)
     cap_at_scaling_limit: bool = False  # cut a request to where its task type's records stop gaining
     fairness: Fairness = Fairness()  # how far comparative advantage may reorder the queue (domain.assignment)
+    booking_horizon_s: float = 30 * 86400.0  # how far ahead a booking may start
+    booking_lead_s: float = 30.0  # a booking binds at least this long before its start (more if grants are slower)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +147,7 @@ class LeaseCore(Protocol):
     typical_run_s: Callable[[str], float | None]  # task type -> its median run time in the model's records
     queue_passes: dict[str, tuple[int, float]]  # queued lease -> (times passed over, since when)
     queue_notes: dict[str, str]  # queued lease -> why it waits (passed over, waiting for a better GPU)
+    grant_seconds: deque[float]  # how long the latest grants took to bind and attach (a booking's lead time)
 
     def get(self, lease_id: str, *, domain_uuid: str | None = None) -> Lease: ...
 

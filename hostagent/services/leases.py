@@ -11,6 +11,7 @@ lease_types.py (the policy, placement and timing types they share, still importa
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -25,7 +26,7 @@ from hostagent.domain.inventory import Gpu, GpuState
 from hostagent.domain.admission import DAY_S, LEDGER_MAX, Ledger
 from hostagent.domain.numa import VmNuma
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Step
-from hostagent.services import admission, grant_path, lease_queue, quarantine, release_path
+from hostagent.services import admission, bookings, grant_path, lease_queue, quarantine, release_path
 from hostagent.services.admission import queue_deadline
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import (
@@ -113,6 +114,7 @@ class LeaseManager:
         self.typical_run_s: Callable[[str], float | None] = lambda task_type: None  # the runtime sets the placer's
         self.queue_passes: dict[str, tuple[int, float]] = {}
         self.queue_notes: dict[str, str] = {}
+        self.grant_seconds: collections.deque[float] = collections.deque(maxlen=20)
         self.ledger = Ledger()
         self.step_count = 0
         self.queue_cache: tuple[Any, float, dict[str, tuple[int, float | None]]] | None = None
@@ -351,7 +353,13 @@ class LeaseManager:
             cut = None
             if lease.state is S.ACTIVE:  # no longer than its GPU-hours quotas leave (the renewal is refused at none)
                 d, cut = admission.cap_length(self, lease, len(lease.devices), d)
-            return await self._write(lease.with_changes(expires_at=self.clock() + d), lease.state, actor,
+            until, booked = bookings.renewal_cap(self, lease, self.clock() + d)  # never into a booking of its GPUs
+            if booked:
+                if until <= (lease.expires_at or 0):
+                    raise Conflict(f"cannot renew: {booked}", field="duration_s")
+                cut = "; ".join(c for c in (cut, booked) if c)
+                d = until - self.clock()
+            return await self._write(lease.with_changes(expires_at=until), lease.state, actor,
                                      f"renewed for {d:g} s" + (f" ({cut})" if cut else ""))
 
     @_agent_side
@@ -413,6 +421,12 @@ def lease_view(lease: Lease, manager: LeaseManager | None = None) -> dict[str, A
                     "notice": lease.notice, "notice_deadline": lease.notice_deadline,
                     "preempted_by": lease.preempted_by},
     }
+    if lease.request.start_at is not None and lease.request.duration_s is not None:
+        body["booking"] = {"start_at": lease.request.start_at,
+                           "end_at": lease.request.start_at + lease.request.duration_s,
+                           "gpus": list(lease.booked_gpus),
+                           "binds_at": (lease.request.start_at - bookings.lead_s(manager)
+                                        if manager is not None and lease.state is S.BOOKED else None)}
     if lease.notice == "warning":
         body["warnings"].append({"code": "idle_strike_one", "message": "GPU looked idle; it will be reclaimed if "
                                  "still idle at the recheck", "recheck_at": lease.recheck_at})

@@ -128,7 +128,7 @@ class Reconciler:
 
     async def _lease(self, lease: Lease) -> None:
         st = lease.state
-        if st is S.QUEUED:
+        if st in (S.QUEUED, S.BOOKED):  # nothing bound yet: the queue and the calendar take them up again
             return
         if st is S.REQUESTED:
             await self.m._move(lease, S.FAILED, self.actor, "agent stopped before placement",

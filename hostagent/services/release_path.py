@@ -39,9 +39,14 @@ async def release_lease(m: LeaseCore, lease_id: str, *, actor: str, reason: str 
         lease = m.leases.get(lease_id) or lease
         if lease.state.terminal:
             return lease
-        if lease.state in (S.QUEUED, S.REQUESTED):
+        if lease.state in (S.QUEUED, S.REQUESTED, S.BOOKED):  # nothing bound: out of the queue or the calendar
             target = S.EXPIRED if final is S.EXPIRED else S.RELEASED
-            return await m._move(lease, target, actor, reason, ended_at=m.clock(), end_reason=reason)
+            if lease.state is S.BOOKED and final is not S.EXPIRED:
+                reason = f"booking cancelled ({reason})"
+            done = await m._move(lease, target, actor, reason, ended_at=m.clock(), end_reason=reason)
+            if lease.state is S.BOOKED:
+                m._wake_queue.set()  # its GPUs are free again in the calendar: a queued request may fit now
+            return done
         if lease.state in (S.BINDING, S.ATTACHING):
             raise Conflict(f"lease {lease_id} is being set up ({lease.state.value}); retry in a moment",
                            field="id")

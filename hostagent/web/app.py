@@ -300,7 +300,7 @@ async def create_lease(request: web.Request) -> web.Response:
             raise Forbidden("a guest may lease only for its own VM", field="domain")
     elif who.is_operator:
         raise InvalidInput("an operator must name the VM with 'domain' (name or UUID)", field="domain")
-    req = parse_lease_request(body, now=time.time(), max_duration_s=rt.settings.leases.max_duration_s)
+    req = parse_lease_request(body, now=rt.clock(), max_duration_s=rt.settings.leases.max_duration_s)
     assert domain_uuid is not None
     lease = await rt.manager.request(domain_uuid, req, actor=who.subject, trusted=who.is_operator)
     status = 202 if lease.state is LeaseState.QUEUED else 201

@@ -21,6 +21,7 @@ from hostagent.web.dashboard_csv import CSV_COLUMNS
 from hostagent.web.dashboard_format import duration, gib, iso, pct, time_tag
 from hostagent.web.dashboard_login import login_form, login_submit, logout
 from hostagent.web.dashboard_pages import (
+    calendar_page,
     fleet_json,
     fleet_page,
     gpu_json,
@@ -75,6 +76,7 @@ def install(app: web.Application, runtime: Any) -> Dashboard:
     r.add_post("/ui/leases/{lease_id}/reclaim", reclaim_action)
     r.add_get("/ui/reclaim", reclaim_page)
     r.add_get("/ui/model", model_page)
+    r.add_get("/ui/calendar", calendar_page)
     r.add_get("/ui/fleet", fleet_page)
     r.add_get("/ui/api/overview", overview_json)
     r.add_get("/ui/api/reclaim", reclaim_json)
@@ -91,7 +93,7 @@ __all__ = [
     "install",
     # re-exported from the rooms the dashboard was split into (existing imports keep working)
     "CSP", "CSV_COLUMNS", "DASHBOARD", "DASH_KEY", "HERE", "STATIC", "TEMPLATES", "Dashboard", "Handler",
-    "clear_quarantine_action", "duration", "fleet_json", "fleet_page", "gib", "gpu_json", "gpu_page", "iso", "lease_json", "lease_page",
+    "calendar_page", "clear_quarantine_action", "duration", "fleet_json", "fleet_page", "gib", "gpu_json", "gpu_page", "iso", "lease_json", "lease_page",
     "leases_csv", "leases_page", "leases_rows_json", "login_form", "login_submit", "logout", "model_page", "overview",
     "overview_json", "pct", "reclaim_action", "reclaim_json", "reclaim_page", "release_action", "setup_templates",
     "time_tag",

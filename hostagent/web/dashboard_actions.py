@@ -19,11 +19,13 @@ async def release_action(request: web.Request, who: Identity) -> str:
     """Operator: release a lease, or cancel a queued request."""
     rt = dashboard_of(request).rt
     lease_id = request.match_info["lease_id"]
-    queued = rt.manager.get(lease_id).state.value == "QUEUED"  # the button said Cancel: a request leaves the queue
+    # the button said Cancel: a request leaves the queue, a booking the calendar
+    was = rt.manager.get(lease_id).state.value
+    queued = was in ("QUEUED", "BOOKED")
     reason = "cancelled by operator" if queued else "released by operator"
     lease = await rt.manager.release(lease_id, actor=f"dashboard:{who.subject}", reason=reason)
     if queued:
-        return f"queued request {lease_id} cancelled ({lease.state.value})"
+        return f"{'booking' if was == 'BOOKED' else 'queued request'} {lease_id} cancelled ({lease.state.value})"
     if lease.state.value == "DETACH_PENDING":
         return f"lease {lease_id}: the guest has not acknowledged the detach yet (DETACH_PENDING)"
     return f"lease {lease_id} released ({lease.state.value})"

@@ -34,8 +34,10 @@ from hostagent.web.dashboard_charts import (
 )
 from hostagent.services.admission import queue_deadline
 from hostagent.services.fleet import read_fleet
+from hostagent.services.bookings import lead_s
 from hostagent.store.lease_listing import LeaseFilter, Order, Position, decode_cursor, encode_cursor
 from hostagent.web.dashboard_csv import csv_cell, gpu_hours
+from hostagent.web.dashboard_calendar import calendar_view
 from hostagent.web.dashboard_format import duration, group_note
 from hostagent.web.dashboard_source import DashboardSource, Notes
 
@@ -135,6 +137,11 @@ class DashboardData(DashboardSource):
         notes = Notes()
         return {"fleet": await self.fleet(notes), "has_store": self.has_store, "now": self.clock(),
                 "interval_s": self.rt.settings.store.fleet_publish_interval_s, "notes": notes.items}
+
+    async def calendar_page(self, range_name: str | None) -> dict[str, Any]:
+        """/ui/calendar: the calendar ahead (dashboard_calendar)."""
+        m = self.rt.manager
+        return calendar_view(m, self.clock(), range_name, lead_s(m))
 
     # -- GPU page ------------------------------------------------------------------------------------------------
     async def gpu_page(self, gpu_id: str, range_name: str | None) -> dict[str, Any]:

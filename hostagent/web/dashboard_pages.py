@@ -135,6 +135,13 @@ async def model_page(request: web.Request) -> web.Response:
 
 
 @page
+async def calendar_page(request: web.Request) -> web.Response:
+    """/ui/calendar: every GPU's time ahead (its lease until expiry, its bookings) and the bookings."""
+    data = await dashboard_of(request).data.calendar_page(request.query.get("range"))
+    return render(request, "calendar.html", {"title": "Calendar", "nav": "calendar", "C": data, "notes": []})
+
+
+@page
 async def fleet_page(request: web.Request) -> web.Response:
     """/ui/fleet: every host sharing the usage store, the fleet's idle candidates and totals."""
     data = await dashboard_of(request).data.fleet_page()

@@ -90,6 +90,12 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
             "accept_deferred": {"type": "boolean"},
             "not_after": {"type": "number", "minimum": 0, "maximum": 1e11, "nullable": True,
                           "description": "unix seconds, in the future (checked against the agent's clock)"},
+            "start_at": {"type": "number", "minimum": 0, "maximum": 1e11, "nullable": True,
+                         "description": "a booking: the GPUs from this time (unix seconds, in the future, within "
+                                        "leases.booking_horizon_s) for duration_s (required), state BOOKED until "
+                                        "then. Refused (409, with earliest_start and available_in_s) when they are "
+                                        "not free; accept_deferred books the earliest window instead, "
+                                        "accept_partial takes what is free at start_at"},
             "idempotency_key": _label(128, nullable=True),
             "vendor": _label(128, nullable=True),
             "model": _label(128, nullable=True),
@@ -148,6 +154,12 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                                                                  "waiting for a better GPU"}}},
             "usage": {"type": "object"},
             "placement": {"type": "object"},
+            "booking": {"type": "object", "description": "a booking's window and GPUs (start_at requests)",
+                        "properties": {"start_at": {"type": "number"}, "end_at": {"type": "number"},
+                                       "gpus": {"type": "array", "items": {"type": "string"}},
+                                       "binds_at": {**_NULLABLE_NUM, "description": "when the agent binds and "
+                                                    "attaches its GPUs (its start less the lead time), while "
+                                                    "BOOKED"}}},
         },
     }
     gpu = {
@@ -223,6 +235,8 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
             "post": {"summary": "ask for GPUs", "operationId": "createLease", "security": _SECURED,
                      "x-runtime-checks": {"domain": "an operator must name the VM; a guest may name only its own",
                                           "not_after": "must be in the future",
+                                          "start_at": "must be in the future, within leases.booking_horizon_s; "
+                                                      "needs duration_s",
                                           "total_memory_gib": "not together with gpus",
                                           "target_work_rate": "not together with gpus or total_memory_gib; needs "
                                                               "task_type",
@@ -231,7 +245,8 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                                              for f in LABEL_FIELDS}},
                      "requestBody": {"required": True, "content": {"application/json": {
                          "schema": {"$ref": "#/components/schemas/LeaseRequest"}}}},
-                     "responses": {"201": _ok("granted and attached", "Lease"),
+                     "responses": {"201": _ok("granted and attached (ACTIVE), or booked ahead (BOOKED: start_at)",
+                                              "Lease"),
                                    "202": _ok("queued (see queue.position and queue.eta)", "Lease"),
                                    "409": _err("refused: no capacity, quota, or queue full"),
                                    "415": _err("wrong content type"),
@@ -367,7 +382,11 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                                    "available_in_s": {"type": "number", "minimum": 0, "description":
                                                       "a request refused for want of free GPUs: seconds until as "
                                                       "many are expected free (from the leases' ends and the "
-                                                      "requests ahead); absent when no end is known"}}}}},
+                                                      "requests ahead); absent when no end is known"},
+                                   "earliest_start": {"type": "number", "description":
+                                                      "a booking refused at its start_at: the earliest start "
+                                                      "(unix seconds) at which as many GPUs are free for its "
+                                                      "duration_s"}}}}},
                 "LeaseRequest": lease_request,
                 "Lease": lease,
                 "Gpu": gpu,

@@ -82,6 +82,7 @@ DASHBOARD_ROUTES: dict[tuple[str, str], tuple[dict[str, str] | None, dict[str, i
     ("GET", "/ui/reclaim"): (None, PAGE),
     ("GET", "/ui/model"): (None, PAGE),
     ("GET", "/ui/fleet"): (None, PAGE),
+    ("GET", "/ui/calendar"): (None, PAGE),
     ("GET", "/ui/api/overview"): (None, DASH_JSON),
     ("GET", "/ui/api/reclaim"): (None, DASH_JSON),
     ("GET", "/ui/api/fleet"): (None, DASH_JSON),

@@ -1314,6 +1314,13 @@ TABLE: dict[str, Effect | Proven] = {
     "leases.fairness_max_delay_s": Proven(
         "tests/adapters/test_queue_advantage.py::test_the_operator_bounds_it_or_turns_it_off",
         "a request first passed over this long ago is served in turn"),
+    "leases.booking_horizon_s": Proven(
+        "tests/adapters/test_bookings.py::test_bad_bookings_get_a_clear_400_and_change_nothing",
+        "a booking starting further ahead than this is refused 400 (a day here: two days ahead is too far)"),
+    "leases.booking_lead_s": Proven(
+        "tests/adapters/test_bookings.py::test_at_its_start_a_booking_binds_its_gpus_ready_on_time",
+        "a booking binds this long before its start (60 s here: not at 61 s before it, at 59 s), and its offers "
+        "start this long after the GPUs free"),
     "leases.preempt_min_priority": Proven(
         "tests/adapters/test_preemption.py::test_preempt_min_priority_from_config",
         "a queued request of at least this priority reclaims a lower one's GPU", pending=True),

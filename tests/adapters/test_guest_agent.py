@@ -490,3 +490,39 @@ async def test_overloaded_host_503_is_retried_after_retry_after(live: LiveAgent,
     assert e.value.status == 503 and e.value.retry_after == 3.0
     assert "overloaded or its hypervisor is unavailable (503 overloaded)" in e.value.message
     assert "retry after 3 s" in e.value.message
+
+
+# ---- bookings (issue #22) --------------------------------------------------------------------------------------
+
+
+async def test_reserve_books_a_window_offers_the_earliest_and_release_cancels(live: LiveAgent, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = config(tmp_path, live)
+    out = io.StringIO()
+    rc = await amain(["--config", str(cfg), "--json", "reserve", "--gpus", "8", "--start", "+3600", "--duration",
+                      "1800", "--task-type", "training"], out=out)
+    assert rc == 0
+    booked = json.loads(out.getvalue())
+    assert booked["state"] == "BOOKED" and len(booked["booking"]["gpus"]) == 8
+    assert abs(booked["booking"]["start_at"] - (time.time() + 3600)) < 30
+    # the same window again is refused with the earliest one that fits, said in the guest's terms
+    assert await amain(["--config", str(cfg), "reserve", "--gpus", "1", "--start", "+3700", "--duration",
+                        "60"]) == 3
+    err = capsys.readouterr().err
+    assert "the earliest window that fits starts" in err and "--or-later" in err
+    out = io.StringIO()
+    assert await amain(["--config", str(cfg), "--json", "reserve", "--gpus", "1", "--start", "+3700", "--duration",
+                        "60", "--or-later"], out=out) == 0
+    later = json.loads(out.getvalue())
+    assert later["booking"]["start_at"] >= booked["booking"]["end_at"]
+    out = io.StringIO()
+    assert await amain(["--config", str(cfg), "status", booked["id"]], out=out) == 0
+    assert "booked: " in out.getvalue() and "bound and attached from" in out.getvalue()
+    out = io.StringIO()
+    assert await amain(["--config", str(cfg), "release", booked["id"]], out=out) == 0
+    assert "booking cancelled" in out.getvalue()
+    # bad input, refused before anything is sent
+    assert await amain(["--config", str(cfg), "reserve", "--start", "+60"]) == 2  # no --duration
+    with pytest.raises(SystemExit):
+        await amain(["--config", str(cfg), "reserve", "--start", "2026-11-28T09:00", "--duration", "60"])  # no zone
+    assert "has no time zone" in capsys.readouterr().err

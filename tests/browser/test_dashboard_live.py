@@ -220,7 +220,7 @@ def test_unknown_ui_path_is_the_html_error_page(browser: Browser, demo: Demo) ->
     assert resp is not None and resp.status == 404 and resp.headers["content-type"].startswith("text/html")
     expect(page.locator("main h1")).to_have_text("404 · not_found")
     expect(page.locator("main")).to_contain_text("no page at /ui/nope")
-    expect(page.locator("header nav a")).to_have_count(4)  # the dashboard around it, logged in
+    expect(page.locator("header nav a")).to_have_count(6)  # the dashboard around it, logged in
     resp = page.goto(demo.url + "/ui/api/nope")
     assert resp is not None and resp.status == 404 and resp.headers["content-type"].startswith("application/json")
     page.context.close()

@@ -1,0 +1,123 @@
+"""The booking calendar: who holds which GPU over which span of time, now and ahead (pure).
+
+A *hold* is one GPU claimed over ``[start, end)``: by a running lease (from now until it is expected to free the
+GPU: its expiry, or never when it has none) or by a booking (from its start less the lead time the agent needs to
+bind and attach it, until its end). The lease service asks four questions:
+
+- which GPUs are free over a window (`free_over`), for a new booking, and for a lease granted now: a lease never
+  takes a GPU it would still hold when a booking of it starts (`clear_until`);
+- the earliest window at or after a time in which enough GPUs are free for a duration (`earliest_window`), the offer
+  a refused booking gets;
+- which bookings a booking of higher priority may displace to fit (`displace`): strictly lower priority only, the
+  lowest first, among equals the youngest, only as many as it needs, none when displacing them all would not do;
+- when a GPU's next booking starts (`next_start`), which caps a renewal.
+
+Spans are half-open: a hold ending at t and one starting at t do not overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+INF = math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """One GPU claimed over [start, end) by a lease (a running one, or a booking)."""
+
+    gpu_id: str
+    start: float
+    end: float
+    lease_id: str
+    priority: int = 0
+    created_at: float = 0.0
+    booking: bool = False  # a booking (displaceable by a higher priority), not a lease holding the GPU now
+
+    def overlaps(self, start: float, end: float) -> bool:
+        """Whether this hold meets [start, end)."""
+        return self.start < end and start < self.end
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Where a booking fits: its start and the GPUs free over [start, start + duration)."""
+
+    start: float
+    gpus: tuple[str, ...]
+
+
+def free_over(gpus: Iterable[str], holds: Iterable[Hold], start: float, end: float,
+              ignore: Iterable[str] = ()) -> list[str]:
+    """The GPUs (in the given order) no hold meets over [start, end); holds of the leases in `ignore` don't count."""
+    skip = set(ignore)
+    busy = {h.gpu_id for h in holds if h.lease_id not in skip and h.overlaps(start, end)}
+    return [g for g in gpus if g not in busy]
+
+
+def next_start(holds: Iterable[Hold], gpu_id: str, after: float, ignore: Iterable[str] = ()) -> float:
+    """When the first booking of `gpu_id` that ends after `after` starts (INF when none)."""
+    skip = set(ignore)
+    return min((h.start for h in holds if h.booking and h.gpu_id == gpu_id and h.end > after
+                and h.lease_id not in skip), default=INF)
+
+
+def clear_until(gpus: Iterable[str], holds: Sequence[Hold], now: float, until: float) -> list[str]:
+    """The GPUs a lease granted at `now` and held until `until` may take: no booking of them starts before `until`."""
+    return [g for g in gpus if next_start(holds, g, now) >= until]
+
+
+def earliest_window(gpus: Sequence[str], holds: Sequence[Hold], count: int, duration: float, not_before: float,
+                    horizon: float) -> Window | None:
+    """The earliest start in [not_before, horizon] at which `count` of `gpus` are free for `duration`; None when
+    there is none. Only the window's opening and the ends of holds can be the earliest start (a GPU frees only
+    when a hold of it ends)."""
+    if count < 1 or count > len(gpus):
+        return None
+    starts = sorted({not_before, *(h.end for h in holds if not_before < h.end <= horizon and h.end < INF)})
+    for t in starts:
+        if t > horizon:
+            break
+        free = free_over(gpus, holds, t, t + duration)
+        if len(free) >= count:
+            return Window(t, tuple(free))
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Displacement:
+    """The bookings a booking of higher priority displaces, and the GPUs that then fit it."""
+
+    victims: tuple[str, ...]  # lease ids, in the order chosen
+    gpus: tuple[str, ...]
+
+
+def displace(gpus: Sequence[str], holds: Sequence[Hold], count: int, start: float, end: float,
+             priority: int) -> Displacement | None:
+    """The fewest bookings of strictly lower priority, the lowest first and among equals the youngest, whose
+    removal leaves `count` of `gpus` free over [start, end); None when even removing all of them would not (a
+    running lease is never displaced here: preemption is the queue's, by leases.preempt_min_priority)."""
+    mine = [h for h in holds if h.overlaps(start, end) and h.gpu_id in set(gpus)]
+    candidates: dict[str, tuple[int, float]] = {}
+    for h in mine:
+        if h.booking and h.priority < priority:
+            candidates[h.lease_id] = (h.priority, -h.created_at)
+    order = sorted(candidates, key=lambda lid: (candidates[lid], lid))
+    removed: list[str] = []
+    free = free_over(gpus, mine, start, end)
+    for lease_id in order:
+        if len(free) >= count:
+            break
+        removed.append(lease_id)
+        free = free_over(gpus, mine, start, end, ignore=removed)
+    if len(free) < count:
+        return None
+    # a victim the later ones made unneeded keeps its booking (the last chosen, of the highest priority, first)
+    needed = list(removed)
+    for v in reversed(removed):
+        rest = [r for r in needed if r != v]
+        if len(free_over(gpus, mine, start, end, ignore=rest)) >= count:
+            needed = rest
+    return Displacement(tuple(needed), tuple(free_over(gpus, mine, start, end, ignore=needed)))
