@@ -127,6 +127,7 @@ class LeaseRequest:
     total_memory_gib: float | None = None  # instead of gpus: the fewest GPUs holding this much, evenly
     target_work_rate: float | None = None  # instead of gpus: the fewest GPUs the model predicts do this much work/s
     start_at: float | None = None  # a booking: the GPUs from this time (unix seconds) for duration_s
+    top_up: bool = True  # a partial grant is topped up as GPUs free (false: keep what was granted)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (read in one C call: a listing of a thousand leases makes a thousand of these)."""
@@ -192,7 +193,7 @@ def parse_lease_request(body: Any, *, now: float, max_duration_s: int) -> LeaseR
         kw["duration_s"] = _num(body, "duration_s", integer=True, lo=1, hi=max_duration_s)
     if "priority" in body:
         kw["priority"] = _num(body, "priority", integer=True, lo=-1000, hi=1000)
-    for flag in ("accept_partial", "accept_deferred"):
+    for flag in ("accept_partial", "accept_deferred", "top_up"):
         if flag in body:
             kw[flag] = _flag(body, flag)
     if "start_at" in body and body["start_at"] is not None:
@@ -303,6 +304,7 @@ class Lease:
     irq_baseline: tuple[tuple[str, int], ...] = ()  # vfio interrupt counts per function at the last check
     preempted_by: str | None = None  # the queued lease of higher priority this one's reclaim notice is for
     booked_gpus: tuple[str, ...] = ()  # a booking's GPUs in the calendar (BOOKED; what it binds at its start)
+    adding: tuple[str, ...] = ()  # GPUs a top-up is adding to this ACTIVE lease (in devices, not yet attached)
 
     def transition(self, target: LeaseState, **changes: Any) -> Lease:
         """A copy in the target state; raises InvalidTransition if the table forbids it."""
@@ -355,6 +357,7 @@ class Lease:
             "irq_baseline": [list(x) for x in self.irq_baseline],
             "preempted_by": self.preempted_by,
             "booked_gpus": list(self.booked_gpus),
+            "adding": list(self.adding),
         }
 
     @classmethod
@@ -388,6 +391,7 @@ class Lease:
             irq_baseline=tuple((str(a), int(n)) for a, n in d.get("irq_baseline", ())),
             preempted_by=d.get("preempted_by"),
             booked_gpus=tuple(d.get("booked_gpus", ())),
+            adding=tuple(d.get("adding", ())),
         )
 
 

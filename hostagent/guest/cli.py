@@ -67,6 +67,8 @@ def _request_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--duration", type=int, default=None, metavar="SECONDS", help="lease TTL in seconds")
     g.add_argument("--priority", type=int, default=None, help="-1000..1000")
     g.add_argument("--accept-partial", action="store_true", help="take fewer GPUs than asked when that is all")
+    g.add_argument("--no-top-up", action="store_true",
+                   help="with --accept-partial: keep what is granted (by default the host adds the rest as GPUs free)")
     g.add_argument("--no-queue", action="store_true", help="refuse rather than wait in the host's queue")
     g.add_argument("--not-after", type=float, default=None, metavar="UNIX_TS", help="give up queueing after this")
     g.add_argument("--idempotency-key", default=None, help="default: a fresh one per invocation (safe retries)")
@@ -142,6 +144,8 @@ def request_body(args: argparse.Namespace) -> dict[str, Any]:
             body[key] = value
     if args.accept_partial:
         body["accept_partial"] = True
+    if getattr(args, "no_top_up", False):
+        body["top_up"] = False
     body["accept_deferred"] = not args.no_queue
     # A key per invocation makes the POST safe to retry after a lost reply: the host answers with the same lease.
     body.setdefault("idempotency_key", f"guest-{uuid.uuid4().hex}")

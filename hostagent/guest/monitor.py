@@ -218,6 +218,8 @@ class Monitor:
         t.lease["state"] = state
         if reply.get("expires_at") is not None:
             t.lease["expires_at"] = reply["expires_at"]
+        if state == "ACTIVE" and int(reply.get("granted_gpus") or 0) > len(t.gpu_ids):
+            await self._topped_up(t)
         if state in TERMINAL:
             self._ended(t, state, None)
             return
@@ -251,6 +253,20 @@ class Monitor:
                 await stop_processes(self.gpu_users(t), self.cfg.stop_grace_s)
         if self.auto_renew and state == "ACTIVE":
             await self._maybe_renew(t)
+
+    async def _topped_up(self, t: Tracked) -> None:
+        """The host added GPUs to a partial lease: read its devices again and sample the new ones too."""
+        try:
+            body = await self.client.get_lease(t.id)
+        except (ApiError, HostUnreachable) as exc:
+            log.warning("lease %s: the host topped it up but its devices could not be read: %s", t.id, exc.message)
+            return
+        before = set(t.gpu_ids)
+        t.lease["devices"] = body.get("devices") or []
+        added = [g for g in t.gpu_ids if g not in before]
+        log.warning("lease %s topped up by the host: now %d GPU(s) (%s added)", t.id, len(t.gpu_ids),
+                    ", ".join(added) or "none")
+        self.refresh_devices(reopen=True)
 
     async def _maybe_renew(self, t: Tracked) -> None:
         expires = t.lease.get("expires_at")

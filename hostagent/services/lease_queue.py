@@ -17,7 +17,7 @@ from hostagent.domain.errors import Conflict
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState
 from hostagent.domain.preemption import Holder, choose_victims, may_preempt
-from hostagent.services import bookings
+from hostagent.services import bookings, top_up
 from hostagent.services.grant_path import (
     BACKFILL_DEPTH,
     backfill_room,
@@ -111,6 +111,12 @@ async def drain(m: LeaseCore) -> list[Lease]:
         async with m._decide:
             pick = _next_grant(m)
             if pick is None:
+                more = top_up.next_top_up(m)  # nothing queued can start: a partial grant may take a free GPU
+                if more is not None:
+                    done = await top_up.top_up(m, more[0].id, more[1])
+                    if done is not None and done.gpu_ids != more[0].gpu_ids:
+                        granted.append(done)
+                        continue
                 await preempt_for_head(m)
                 return granted
             head, free, count, why = pick

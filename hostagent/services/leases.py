@@ -26,7 +26,7 @@ from hostagent.domain.inventory import Gpu, GpuState
 from hostagent.domain.admission import DAY_S, LEDGER_MAX, Ledger
 from hostagent.domain.numa import VmNuma
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Step
-from hostagent.services import admission, bookings, grant_path, lease_queue, quarantine, release_path
+from hostagent.services import admission, bookings, grant_path, lease_queue, quarantine, release_path, top_up
 from hostagent.services.admission import queue_deadline
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import (
@@ -421,6 +421,11 @@ def lease_view(lease: Lease, manager: LeaseManager | None = None) -> dict[str, A
                     "notice": lease.notice, "notice_deadline": lease.notice_deadline,
                     "preempted_by": lease.preempted_by},
     }
+    if lease.state is S.ACTIVE and lease.request.gpus > len(lease.devices) - len(lease.adding):
+        body["partial"] = {"asked": lease.request.gpus, "granted": len(lease.devices) - len(lease.adding),
+                           "top_up": lease.request.top_up, "adding": list(lease.adding),
+                           "rest_expected_at": (top_up.rest_expected_at(manager, lease, manager.clock())
+                                                if manager is not None else None)}
     if lease.request.start_at is not None and lease.request.duration_s is not None:
         body["booking"] = {"start_at": lease.request.start_at,
                            "end_at": lease.request.start_at + lease.request.duration_s,

@@ -14,6 +14,7 @@ from hostagent.domain.lease import Lease, LeaseDevice, LeaseState
 from hostagent.domain.pci import PciAddress
 from hostagent.services.lease_types import VFIO_DRIVER as VFIO
 from hostagent.services.lease_types import render_hostdevs
+from hostagent.services import top_up
 from hostagent.services.leases import LeaseManager
 
 log = logging.getLogger("hostagent.reconcile")
@@ -182,6 +183,12 @@ class Reconciler:
             await self.m.release(lease.id, actor=self.actor, reason=f"domain {dom.state} while the agent was away")
             await self._note(lease.id, f"ACTIVE lease whose domain is {dom.state}", "released", lease_id=lease.id)
             return
+        if lease.adding:  # stopped in a top-up: finish it (attached) or undo it (not), before anything else
+            attached = await self._attached(lease)
+            if attached is not None:
+                for note in await top_up.settle_after_crash(self.m, lease, attached, self.actor):
+                    await self._note(lease.id, "ACTIVE lease stopped in a top-up", note, lease_id=lease.id)
+                lease = self.m.leases.get(lease.id, lease)
         # Re-bind devices that lost vfio-pci (host reboot), then re-attach what is missing.
         for dev in lease.devices:
             drivers = await self._drivers(dev)

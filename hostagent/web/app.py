@@ -468,7 +468,8 @@ async def heartbeat(request: web.Request) -> web.Response:
     current = rt.manager.leases.get(lease.id, lease)
     view = lease_view(current, rt.manager)
     return web.json_response({"accepted": accepted, "state": current.state.value, "warnings": view["warnings"],
-                              "reclaim": view["reclaim"], "expires_at": current.expires_at})
+                              "reclaim": view["reclaim"], "expires_at": current.expires_at,
+                              "granted_gpus": len(current.devices) - len(current.adding)})
 
 
 # ---- events, topology, openapi ---------------------------------------------------------------------------------

@@ -58,6 +58,8 @@ FAST_RECLAIM = {"check_interval_s": 0.3, "grace_s": 0.6, "min_lease_age_s": 0.0,
 # first wait is its domain lookup, before the request, and a persistent detach is confirmed at once anyway.
 LIBVIRTD_GRANT_POINTS = ["after-attaching", "after-attach-call", "after-active"]
 LIBVIRTD_RELEASE_POINTS = ["after-detaching", "after-detach-confirmed", "give-back:unbind-vfio"]
+# A partial lease topped up when GPUs free (services.top_up): each of its journaled steps.
+TOP_UP_POINTS = ["top-up:journaled", "top-up:bound", "top-up:attached"]
 RECLAIM_REASON = "reclaimed: idle"  # the end_reason the reaper's release gives the lease
 ACK_DELAY_S = 0.2  # the guest acknowledges a detach this long after it is asked (the agent waits up to 2 s)
 
@@ -123,6 +125,15 @@ def _run_point(ap: AgentProcess, row: Row) -> str:
                 _lease(ap, row.gpus)
             except OSError:
                 pass  # the connection dies with the agent
+        elif row.phase == "top-up":  # a partial lease of 1 of 2 GPUs, topped up when the other lease ends
+            total = len(read_world(ap).viable)
+            status, hold = _lease(ap, total - 1)
+            assert status == 201, hold
+            status, body = ap.call("POST", "/v1/leases", {"gpus": 2, "accept_partial": True}, token=ap.vm_token)
+            assert status == 201 and len(body["devices"]) == 1, body
+            lease_id = body["id"]
+            with contextlib.suppress(OSError):
+                ap.call("DELETE", f"/v1/leases/{hold['id']}", token=ap.vm_token)
         else:
             status, body = _lease(ap, row.gpus)
             assert status == 201 and body["state"] == "ACTIVE", body
@@ -145,6 +156,8 @@ def _run_point(ap: AgentProcess, row: Row) -> str:
     try:
         if row.phase == "reclaim":
             _check_reclaim_survives_restart(ap, lease_id)
+        if row.phase == "top-up":  # the restarted agent settles the top-up, then tops it up again: let it finish
+            _wait_topped_up(ap, lease_id)
         verdict = check_invariants(ap, since_seq=snap.last_seq)
         lease = verdict.leases.get(lease_id) if lease_id else next(iter(verdict.leases.values()), None)
         state = lease["state"] if lease else "none"
@@ -185,6 +198,18 @@ def _follow_up(ap: AgentProcess, free: int, row: Row) -> None:
     status, body = ap.call("DELETE", f"/v1/leases/{body['id']}", token=ap.vm_token)
     assert (status, body["state"]) == ((202, "DETACH_PENDING") if row.refuse_detach else (200, "RELEASED")), body
     assert not check_invariants(ap).violations
+
+
+def _wait_topped_up(ap: AgentProcess, lease_id: str | None) -> None:
+    """The partial lease ends with both its GPUs and no top-up under way."""
+    deadline = time.monotonic() + 30
+    body: Any = None
+    while time.monotonic() < deadline:
+        _, body = ap.call("GET", f"/v1/leases/{lease_id}", token=ap.operator)
+        if body["state"] == "ACTIVE" and len(body["devices"]) == 2 and "partial" not in body:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the top-up did not finish after the restart: {body}")
 
 
 def _check_reclaim_survives_restart(ap: AgentProcess, lease_id: str | None) -> None:
@@ -229,6 +254,11 @@ def test_crash_while_the_guest_holds_a_detached_device(tmp_path: Path, point: st
     """The guest never acknowledges the detach: after the restart the lease is DETACH_PENDING, its devices still
     on vfio-pci and in the domain (never given back while the domain may hold them)."""
     _run_point(make_agent_process(tmp_path, refuse_detach=True), Row(point, "release", refuse_detach=True))
+
+
+@pytest.mark.parametrize("point", TOP_UP_POINTS)
+def test_crash_during_top_up(tmp_path: Path, point: str) -> None:
+    _run_point(make_agent_process(tmp_path), Row(point, "top-up"))
 
 
 @pytest.mark.parametrize("point", RECLAIM_POINTS + MID_RECLAIM_POINTS)

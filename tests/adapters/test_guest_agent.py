@@ -526,3 +526,24 @@ async def test_reserve_books_a_window_offers_the_earliest_and_release_cancels(li
     with pytest.raises(SystemExit):
         await amain(["--config", str(cfg), "reserve", "--start", "2026-11-28T09:00", "--duration", "60"])  # no zone
     assert "has no time zone" in capsys.readouterr().err
+
+
+async def test_the_monitor_learns_of_a_top_up_from_its_heartbeat_reply(live: LiveAgent, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeNvml(attached_gpus(live.rig)).install(monkeypatch)
+    cfg = load_config(str(config(tmp_path, live)))
+    async with HostClient(live.url, live.rig.tokens["vm-b"], retries=0) as other, \
+            HostClient(live.url, cfg.token(), retries=0) as client:
+        _, big = await other.create_lease({"gpus": 6})
+        _, lease = await client.create_lease({"gpus": 4, "accept_partial": True})
+        assert lease["partial"]["granted"] == 2
+        mon = Monitor(client, cfg, lambda: Sampler.open(sys_root=cfg.sys_root))
+        t = mon.track(lease)
+        await other.release(big["id"])
+        await wait_for(lambda: len(live.runtime.manager.leases[lease["id"]].devices) == 4
+                       and not live.runtime.manager.leases[lease["id"]].adding)
+        reply = await mon.heartbeat(t)
+        assert reply is not None and reply["granted_gpus"] == 4
+        assert len(t.gpu_ids) == 4 and set(t.gpu_ids) >= {d["gpu_id"] for d in lease["devices"]}
+        await mon.release(t, "test")
+        await mon.close()

@@ -124,7 +124,7 @@ async def test_the_vm_gpu_quota_refuses_and_caps_through_the_api(tmp_path: Path,
     assert msg == "quota: VM vm-a may hold at most 2 GPU(s); a request for 3 can never be granted", msg
     assert not m.leases, "a refused request leaves nothing queued or journaled"
     first = await lease(rig, "vm-a", gpus=1)
-    capped = await lease(rig, "vm-a", gpus=3, accept_partial=True)
+    capped = await lease(rig, "vm-a", gpus=3, accept_partial=True, top_up=False)
     assert capped["granted_gpus"] == 1 and held(rig, "vm-a") == 2
     assert any("the quota leaves 1" in r for r in capped["reasons"]), capped["reasons"]
     msg = await refused(rig, "vm-a", gpus=1, accept_deferred=True)
@@ -154,7 +154,7 @@ async def test_a_project_gpu_quota_spans_its_vms(tmp_path: Path, aiohttp_client:
     # vm-b holds nothing itself: the project's GPUs held by vm-a count against it
     msg = await refused(rig, "vm-b", gpus=2)
     assert msg == "quota: project team may hold at most 3 GPU(s) and holds 2", msg
-    capped = await lease(rig, "vm-b", gpus=2, accept_partial=True)
+    capped = await lease(rig, "vm-b", gpus=2, accept_partial=True, top_up=False)
     assert capped["granted_gpus"] == 1 and any("the quota leaves 1" in r for r in capped["reasons"])
     assert "project team may hold at most 3 GPU(s) and holds 3" in await refused(rig, "vm-a", gpus=1)
     assert "can never be granted" in await refused(rig, "vm-b", gpus=4, accept_deferred=True)

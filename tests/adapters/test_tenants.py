@@ -58,7 +58,7 @@ async def settle(rig: AgentRig, timeout: float = 30.0) -> None:
 async def test_a_partial_grant_is_capped_to_what_the_quota_leaves(tmp_path: Path, aiohttp_client: Any) -> None:
     rig = await _rig(tmp_path, aiohttp_client, max_gpus_per_vm=3)
     first = await lease(rig, "vm-a", gpus=2)
-    body = await lease(rig, "vm-a", gpus=8, accept_partial=True)
+    body = await lease(rig, "vm-a", gpus=8, accept_partial=True, top_up=False)  # it keeps its one GPU
     assert body["granted_gpus"] == 1 and held(rig, "vm-a") == 3
     assert any("the quota leaves 1" in r for r in body["reasons"]), body["reasons"]
     code, refused, _ = await post(rig, "vm-a", gpus=1, accept_partial=True)
@@ -105,7 +105,8 @@ async def test_a_queued_grant_is_rechecked_against_the_quota(tmp_path: Path, aio
     await settle(rig)
     assert m.leases[queued["id"]].state is S.QUEUED
     assert m.leases[behind["id"]].state is S.ACTIVE
-    assert held(rig, "vm-a") == 1
+    # the queued one was not granted; its running lease, cut to the GPU-hour, may have expired by now
+    assert held(rig, "vm-a") <= 1
 
 
 async def test_requests_a_quota_holds_back_never_hold_up_anyone(tmp_path: Path, aiohttp_client: Any) -> None:

@@ -368,10 +368,13 @@ def repairs_needed(snap: KillSnapshot) -> dict[str, str]:
         st = LeaseState(x["state"])
         if st.holds_devices:
             owned.update(d["gpu_id"] for d in x["devices"])
-        if st in (LeaseState.QUEUED,):
+        if st in (LeaseState.QUEUED, LeaseState.BOOKED):  # nothing bound: nothing to repair
             continue
         if st is not LeaseState.ACTIVE:
             need[x["id"]] = f"stopped in {st.value}"
+            continue
+        if (x.get("partial") or {}).get("adding"):  # the API's view of a lease stopped mid top-up
+            need[x["id"]] = "ACTIVE, stopped in a top-up"
             continue
         dom = w.domains.get(x["domain"]["uuid"])
         funcs = [f for d in x["devices"] for f in d["functions"]]

@@ -233,3 +233,12 @@ def test_lease_flags_in_the_tenants_terms_become_request_fields() -> None:
     args = build_parser().parse_args(["lease", "--target-work-rate", "2500", "--task-type", "resnet"])
     body = request_body(args)
     assert body["target_work_rate"] == 2500.0 and body["task_type"] == "resnet" and "gpus" not in body
+
+
+def test_a_partial_lease_is_topped_up_unless_the_guest_says_no_top_up() -> None:
+    from hostagent.guest.cli import build_parser, request_body
+
+    body = request_body(build_parser().parse_args(["lease", "--gpus", "4", "--accept-partial"]))
+    assert body["accept_partial"] is True and "top_up" not in body  # the host's default: topped up
+    body = request_body(build_parser().parse_args(["lease", "--gpus", "4", "--accept-partial", "--no-top-up"]))
+    assert body["top_up"] is False
