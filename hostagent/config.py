@@ -110,6 +110,9 @@ class LeaseSettings:
     max_gpus_per_vm: int = 0  # 0: no quota
     max_gpu_hours_per_day_per_vm: float = 0.0  # 0: no quota
     projects: dict[str, dict[str, Any]] = field(default_factory=dict)  # project -> {domains, max_gpus, ...}
+    # rule -> {priority, and any of task_type, project, domains, max_duration_s}: the priority of a request that
+    # states none, from the first rule (in file order) it matches
+    priority_rules: dict[str, dict[str, Any]] = field(default_factory=dict)
     numa_policy: str = "preferred"  # required | preferred | any, for multi-GPU requests
     queue_order: str = "advantage"  # advantage (comparative advantage, bounded) | strict (serve order only)
     fairness_max_passes: int = 8  # a queued request passed over this often is served in turn
@@ -395,6 +398,31 @@ def _check_cross(s: Settings) -> None:
     if not -1000 <= s.leases.guest_max_priority <= 1000:
         raise ConfigError("leases.guest_max_priority: must be -1000..1000", field="leases.guest_max_priority")
     _check_projects(s.leases.projects)
+    _check_priority_rules(s.leases.priority_rules, s.leases.projects)
+
+
+RULE_KEYS = {"priority": int, "task_type": str, "project": str, "domains": list, "max_duration_s": int}
+
+
+def _check_priority_rules(rules: dict[str, Any], projects: dict[str, Any]) -> None:
+    """Each [leases.priority_rules.NAME] table: a priority and known match keys of the right types."""
+    for name, r in rules.items():
+        where = f"leases.priority_rules.{name}"
+        if not isinstance(r, dict):
+            raise ConfigError(f"{where}: must be a table", field=where)
+        for key, value in r.items():
+            want = RULE_KEYS.get(key)
+            if want is None:
+                raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(sorted(RULE_KEYS))})",
+                                  field=f"{where}.{key}")
+            if isinstance(value, bool) or not isinstance(value, want):
+                raise ConfigError(f"{where}.{key}: wrong type", field=f"{where}.{key}")
+        if "priority" not in r or not -1000 <= r["priority"] <= 1000:
+            raise ConfigError(f"{where}.priority: required, -1000..1000", field=f"{where}.priority")
+        if r.get("max_duration_s") is not None and r["max_duration_s"] < 1:
+            raise ConfigError(f"{where}.max_duration_s: must be 1 or more", field=f"{where}.max_duration_s")
+        if r.get("project") is not None and r["project"] not in projects:
+            raise ConfigError(f"{where}.project: no [leases.projects.{r['project']}]", field=f"{where}.project")
 
 
 PROJECT_KEYS = {"domains": list, "max_gpus": int, "max_gpu_hours_per_day": (int, float), "max_priority": int}

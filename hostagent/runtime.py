@@ -28,6 +28,7 @@ from hostagent.host.discovery import Inventory, discover, numa_cells
 from hostagent.host.interrupts import irq_bypass
 from hostagent.host.sysfs import Sysfs
 from hostagent.domain.placement import Exploration
+from hostagent.services.admission import priority_rules
 from hostagent.services.grant_path import gpu_capabilities
 from hostagent.services.fleet import publisher_for
 from hostagent.services.leases import LeaseManager, LeasePolicy, lease_view
@@ -119,14 +120,14 @@ def lease_policy(settings: Settings) -> LeasePolicy:
         default_duration_s=lz.default_duration_s, max_duration_s=lz.max_duration_s, queue_max=lz.queue_max,
         keep_on_domain_stop=lz.keep_on_domain_stop, detach_timeout_s=settings.libvirt.detach_timeout_s,
         detach_retries=settings.libvirt.detach_retries, guest_bus=settings.libvirt.guest_bus,
-        rom_bar_off=settings.host.rom_bar_off, driver_vfio=settings.host.driver_vfio,
-        guest_layout=settings.host.guest_layout,
+        rom_bar_off=settings.host.rom_bar_off, driver_vfio=settings.host.driver_vfio, guest_layout=settings.host.guest_layout,
         vm_quota=Quota(lz.max_gpus_per_vm, lz.max_gpu_hours_per_day_per_vm, lz.guest_max_priority),
         project_quotas=projects, queue_max_per_vm=lz.queue_max_per_vm, queue_max_wait_s=lz.queue_max_wait_s,
         pinned=frozenset(settings.host.pinned), preempt_min_priority=lz.preempt_min_priority,
         preempt_notice_s=settings.reclaim.notice_window_s, booking_horizon_s=lz.booking_horizon_s,
         cap_at_scaling_limit=settings.placement.cap_at_scaling_limit, booking_lead_s=lz.booking_lead_s,
         fairness=Fairness(lz.fairness_max_passes, lz.fairness_max_delay_s, enabled=lz.queue_order == "advantage"),
+        priority_rules=priority_rules(lz.priority_rules),
     )
 
 

@@ -8,7 +8,7 @@ request (`quota_cap_for`), the operator's priority policy (`apply_priority_polic
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hostagent.domain.admission import Ledger, TenantUse, gpu_hours, quota_cap
@@ -104,10 +104,17 @@ def cap_length(m: LeaseCore, lease: Lease, gpus: int, duration_s: float) -> tupl
 
 
 def apply_priority_policy(m: LeaseCore, domain_uuid: str, domain_name: str, request: LeaseRequest, *,
-                          trusted: bool) -> tuple[LeaseRequest, str | None]:
-    """A guest's request at most at the highest priority its classes allow (`leases.guest_max_priority` for
-    every VM, raised by a project's `max_priority`); the reason says so when it was capped. An operator's request
-    (`trusted`) keeps its priority."""
+                          trusted: bool, stated: bool = True) -> tuple[LeaseRequest, str | None]:
+    """A request that states no priority (`stated` false) gets the operator's: the first of
+    `leases.priority_rules` it matches (task type, project, VM, length), else 0. A guest's request at most at the
+    highest priority its classes allow (`leases.guest_max_priority` for every VM, raised by a project's
+    `max_priority`); the reason says so when it was capped. An operator's request (`trusted`) keeps its priority."""
+    if not stated:
+        rule = priority_rule(m, domain_uuid, domain_name, request)
+        if rule is not None:
+            return (dataclasses.replace(request, priority=rule[1]),
+                    f"priority {rule[1]} from the operator's rule {rule[0]!r} (the request stated none)")
+        return request, None
     if trusted:
         return request, None
     caps = [q.max_priority for _, q, _ in _classes(m, domain_uuid, domain_name) if q.max_priority is not None]
@@ -116,6 +123,31 @@ def apply_priority_policy(m: LeaseCore, domain_uuid: str, domain_name: str, requ
     top = max(caps)
     return (dataclasses.replace(request, priority=top),
             f"priority {request.priority} capped to {top}, the highest this VM's policy allows")
+
+
+def priority_rules(rules: Mapping[str, Mapping[str, Any]]) -> tuple[Any, ...]:
+    """leases.priority_rules (config) as the LeasePolicy's tuples, in file order."""
+    return tuple((name, int(r["priority"]), r.get("task_type"), r.get("project"),
+                  tuple(str(d) for d in r.get("domains", ())), r.get("max_duration_s")) for name, r in rules.items())
+
+
+def priority_rule(m: LeaseCore, domain_uuid: str, domain_name: str, request: LeaseRequest
+                  ) -> tuple[str, int] | None:
+    """The first of the operator's priority rules the request matches: (rule name, priority), or None."""
+    length = request.duration_s or m.policy.default_duration_s
+    for name, priority, task_type, project, domains, max_duration_s in m.policy.priority_rules:
+        if task_type is not None and request.task_type != task_type:
+            continue
+        if domains and domain_uuid not in domains and domain_name not in domains:
+            continue
+        if project is not None and request.project != project and not any(
+                p == project and (domain_uuid in members or domain_name in members)
+                for p, _, members in m.policy.project_quotas):
+            continue
+        if max_duration_s is not None and length > max_duration_s:
+            continue
+        return name, priority
+    return None
 
 
 def check_queue_share(m: LeaseCore, domain_uuid: str, domain_name: str) -> None:

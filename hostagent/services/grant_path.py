@@ -132,7 +132,7 @@ def is_free(m: LeaseCore, gpu_id: str) -> bool:
 
 
 async def request_lease(m: LeaseCore, domain_uuid: str, request: LeaseRequest, *, actor: str,
-                        trusted: bool = False) -> Lease:
+                        trusted: bool = False, stated: bool = True) -> Lease:
     """POST /v1/leases: grant (ACTIVE), queue (QUEUED) or refuse (Conflict). `trusted`: an operator asks (the
     priority policy does not cap it).
 
@@ -143,7 +143,7 @@ async def request_lease(m: LeaseCore, domain_uuid: str, request: LeaseRequest, *
         raise InvalidInput(f"duration_s exceeds the maximum of {m.policy.max_duration_s}", field="duration_s")
     await read_vm_numa(m, dom.uuid)
     request, terms = in_tenant_terms(m, request)
-    request, capped = apply_priority_policy(m, dom.uuid, dom.name, request, trusted=trusted)
+    request, capped = apply_priority_policy(m, dom.uuid, dom.name, request, trusted=trusted, stated=stated)
     notes = tuple(n for n in (terms, capped) if n)
     key = (dom.uuid, request.idempotency_key) if request.idempotency_key else None
     if key is None:
@@ -163,7 +163,7 @@ async def request_lease(m: LeaseCore, domain_uuid: str, request: LeaseRequest, *
             task = asyncio.current_task()
             if pending.cancelled() and not (task is not None and task.cancelling()):
                 # the first request was cancelled before it decided: this one decides instead
-                return await request_lease(m, domain_uuid, request, actor=actor, trusted=trusted)
+                return await request_lease(m, domain_uuid, request, actor=actor, trusted=trusted, stated=stated)
             raise
     try:
         lease = await _decide_and_grant(m, dom.uuid, dom.name, request, actor, notes)

@@ -58,6 +58,9 @@ class LeasePolicy:
     preempt_notice_s: float = 60.0  # a preempted lease's notice window (reclaim.notice_window_s)
     cap_at_scaling_limit: bool = False  # cut a request to where its task type's records stop gaining
     fairness: Fairness = Fairness()  # how far comparative advantage may reorder the queue (domain.assignment)
+    # (name, priority, task_type, project, domains, max_duration_s): a request that states no priority gets the
+    # first matching rule's (config leases.priority_rules)
+    priority_rules: tuple[tuple[str, int, str | None, str | None, tuple[str, ...], int | None], ...] = ()
     booking_horizon_s: float = 30 * 86400.0  # how far ahead a booking may start
     booking_lead_s: float = 30.0  # a booking binds at least this long before its start (more if grants are slower)
 

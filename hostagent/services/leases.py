@@ -297,10 +297,12 @@ class LeaseManager:
 
     # -- the grant path (grant_path.py) --------------------------------------------------------------------------
     @_agent_side
-    async def request(self, domain_uuid: str, request: LeaseRequest, *, actor: str, trusted: bool = False) -> Lease:
+    async def request(self, domain_uuid: str, request: LeaseRequest, *, actor: str, trusted: bool = False,
+                      stated: bool = True) -> Lease:
         """Handle POST /v1/leases: grant (ACTIVE), queue (QUEUED) or refuse (Conflict). Idempotent by key, also
-        for concurrent duplicates. `trusted`: an operator asks, so the guests' priority policy does not cap it."""
-        return await grant_path.request_lease(self, domain_uuid, request, actor=actor, trusted=trusted)
+        for concurrent duplicates. `trusted`: an operator asks, so the guests' priority policy does not cap it;
+        `stated`: the request carried a priority (else the operator's priority rules give it one)."""
+        return await grant_path.request_lease(self, domain_uuid, request, actor=actor, trusted=trusted, stated=stated)
 
     # -- the release path (release_path.py) ----------------------------------------------------------------------
     @_agent_side

@@ -302,7 +302,8 @@ async def create_lease(request: web.Request) -> web.Response:
         raise InvalidInput("an operator must name the VM with 'domain' (name or UUID)", field="domain")
     req = parse_lease_request(body, now=rt.clock(), max_duration_s=rt.settings.leases.max_duration_s)
     assert domain_uuid is not None
-    lease = await rt.manager.request(domain_uuid, req, actor=who.subject, trusted=who.is_operator)
+    lease = await rt.manager.request(domain_uuid, req, actor=who.subject, trusted=who.is_operator,
+                                     stated=body.get("priority") is not None)
     status = 202 if lease.state is LeaseState.QUEUED else 201
     if lease.state is LeaseState.FAILED:
         return web.json_response(

@@ -1314,6 +1314,10 @@ TABLE: dict[str, Effect | Proven] = {
     "leases.fairness_max_delay_s": Proven(
         "tests/adapters/test_queue_advantage.py::test_the_operator_bounds_it_or_turns_it_off",
         "a request first passed over this long ago is served in turn"),
+    "leases.priority_rules": Proven(
+        "tests/adapters/test_priority_rules.py::test_a_request_that_states_no_priority_gets_the_first_rule_it_matches",
+        "a request stating no priority gets the first matching rule's (a 600 s request 5, a notebook -5, a research "
+        "VM 3), named in its reasons"),
     "leases.booking_horizon_s": Proven(
         "tests/adapters/test_bookings.py::test_bad_bookings_get_a_clear_400_and_change_nothing",
         "a booking starting further ahead than this is refused 400 (a day here: two days ahead is too far)"),
