@@ -37,6 +37,7 @@ def test_a_lease_granted_now_never_holds_a_gpu_into_its_booking() -> None:
     assert clear_until(GPUS, holds, now=2500, until=4000) == GPUS
     assert next_start(holds, "g0", 0) == 1000 and next_start(holds, "g3", 0) == INF
     assert next_start(holds, "g0", 0, ignore=["b"]) == INF  # a renewal of the booking's own lease
+    assert next_start(holds, "g0", 1999) == 1000 and next_start(holds, "g0", 2000) == INF  # over at its end
 
 
 def test_the_earliest_window_starts_where_enough_gpus_free() -> None:
@@ -50,6 +51,8 @@ def test_the_earliest_window_starts_where_enough_gpus_free() -> None:
     assert w is not None and w.start == 500 and set(w.gpus) >= {"g0", "g1"}
     assert earliest_window(GPUS, holds, 4, 10, not_before=0, horizon=10_000) is None  # g2 never frees
     assert earliest_window(GPUS, holds, 2, 200, not_before=0, horizon=400) is None  # past the horizon
+    w = earliest_window(GPUS, holds, 2, 200, not_before=0, horizon=500)  # a window may start at the horizon
+    assert w is not None and w.start == 500
     assert earliest_window(GPUS, holds, 5, 1, 0, 10) is None and earliest_window(GPUS, holds, 0, 1, 0, 10) is None
 
 
@@ -102,3 +105,19 @@ def test_offers_and_displacements_always_fit(raw: list[tuple[str, int, int, int,
         kept = [h for h in holds if h.lease_id not in d.victims]
         assert len(free_over(GPUS, kept, not_before, not_before + duration)) >= count
         assert all(h.booking and h.priority < priority for h in holds if h.lease_id in d.victims)
+
+
+def test_pruning_keeps_only_the_victims_needed_together() -> None:
+    # greedy takes a, b, c (lowest priority first); a and c together free two GPUs, b is not needed after all
+    holds = [booking("g0", 0, 10, "a", priority=0), booking("g0", 0, 10, "c", priority=2),
+             booking("g1", 0, 10, "b", priority=1), booking("g2", 0, 10, "c", priority=2)]
+    d = displace(["g0", "g1", "g2"], holds, 2, 0, 10, priority=5)
+    assert d is not None and sorted(d.victims) == ["a", "c"] and set(d.gpus) == {"g0", "g2"}
+
+
+def test_one_gpu_and_every_gpu_have_windows_too() -> None:
+    holds = [running("g0", 50, "r")]
+    w = earliest_window(GPUS, holds, 1, 10, not_before=0, horizon=100)
+    assert w is not None and w.start == 0 and "g0" not in w.gpus
+    w = earliest_window(GPUS, holds, len(GPUS), 10, not_before=0, horizon=100)
+    assert w is not None and w.start == 50 and set(w.gpus) == set(GPUS)
