@@ -78,6 +78,9 @@ class SimGpus:
         self.guest = guest
         self.devices: list[GpuInfo] = []
         lease = guest.lease or {}
+        tracked = guest.monitor.leases.get(lease.get("id", "")) if lease else None
+        if tracked is not None:  # the monitor's copy: it learns of a top-up's new devices
+            lease = tracked.lease
         for i, dev in enumerate(lease.get("devices") or ()):
             info = guest.gpu_info.get(dev["gpu_id"], {})
             addr = (dev.get("guest_addresses") or [f"0000:00:{1 + i:02x}.0"])[0]
