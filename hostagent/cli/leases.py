@@ -42,8 +42,21 @@ def cmd_release(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_move(args: argparse.Namespace) -> int:
+    """Make-before-break move of a lease's GPU, through the API."""
+    body: dict[str, Any] = {"to": args.to, "deadline_s": args.deadline}
+    if args.from_gpu:
+        body["from"] = args.from_gpu
+    _, lease = api(args, "POST", f"/v1/leases/{args.lease_id}/move", body, ok=(202,))
+    mv = lease.get("move") or {}
+    emit(args, lease, lambda b: print(f"lease {b['id']}: {mv.get('to')} attached beside {mv.get('from')}; the guest "
+                                      f"has until {fmt_time(mv.get('deadline'))} to move its work (it confirms, or "
+                                      f"{mv.get('from')} is detached then)"))
+    return EXIT_OK
+
+
 def register(sub: Any) -> None:
-    """Add `leases` and `release`."""
+    """Add `leases`, `release` and `lease move`."""
     p = sub.add_parser("leases", help="list leases (through the agent's API)")
     add_client_options(p)
     p.add_argument("--state", help="comma-separated states, e.g. ACTIVE,QUEUED (BOOKED: the bookings ahead)")
@@ -54,3 +67,15 @@ def register(sub: Any) -> None:
     add_client_options(p)
     p.add_argument("lease_id")
     p.set_defaults(func=cmd_release)
+
+    p = sub.add_parser("lease", help="act on one lease (through the agent's API)")
+    lsub = p.add_subparsers(dest="lease_command", metavar="ACTION", required=True)
+    q = lsub.add_parser("move", help="make-before-break: attach another GPU beside one of the lease's, tell the guest, "
+                                     "then detach the old one (on its confirmation or at the deadline)")
+    add_client_options(q)
+    q.add_argument("lease_id")
+    q.add_argument("--to", required=True, metavar="GPU", help="the GPU that takes the old one's place")
+    q.add_argument("--from", dest="from_gpu", metavar="GPU", help="the lease's GPU that leaves (when it has several)")
+    q.add_argument("--deadline", type=int, default=300, metavar="SECONDS",
+                   help="how long the guest has to move its work (default 300)")
+    q.set_defaults(func=cmd_move)

@@ -19,7 +19,7 @@ REGISTER: tuple[Callable[[Any], None], ...] = (
     serve.register,  # serve, demo
     doctor.register,  # doctor
     gpus.register,  # gpus
-    leases.register,  # leases, release
+    leases.register,  # leases, release, lease move
     gpus.register_actions,  # gpu clear
     tokens.register,  # token issue
     vfio.register,  # vfio bind|release

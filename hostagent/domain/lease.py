@@ -305,6 +305,7 @@ class Lease:
     preempted_by: str | None = None  # the queued lease of higher priority this one's reclaim notice is for
     booked_gpus: tuple[str, ...] = ()  # a booking's GPUs in the calendar (BOOKED; what it binds at its start)
     adding: tuple[str, ...] = ()  # GPUs a top-up is adding to this ACTIVE lease (in devices, not yet attached)
+    move: tuple[tuple[str, Any], ...] = ()  # a make-before-break move under way: from, to, phase, deadline (items)
 
     def transition(self, target: LeaseState, **changes: Any) -> Lease:
         """A copy in the target state; raises InvalidTransition if the table forbids it."""
@@ -358,6 +359,7 @@ class Lease:
             "preempted_by": self.preempted_by,
             "booked_gpus": list(self.booked_gpus),
             "adding": list(self.adding),
+            "move": dict(self.move),
         }
 
     @classmethod
@@ -392,6 +394,7 @@ class Lease:
             preempted_by=d.get("preempted_by"),
             booked_gpus=tuple(d.get("booked_gpus", ())),
             adding=tuple(d.get("adding", ())),
+            move=tuple(sorted((d.get("move") or {}).items())),
         )
 
 

@@ -34,6 +34,7 @@ class GuestConfig:
     work_rate: str | None = None  # a file path, or unix:/path for a datagram socket, where the job reports throughput
     on_warning: str | None = None  # shell command run on an idle strike-one warning
     on_reclaim: str | None = None  # shell command run before a cooperative release (e.g. checkpoint)
+    on_move: str | None = None  # shell command run when the host attached a new GPU to move to (then confirmed)
     hook_timeout_s: float = 300.0
     stop_gpu_users: bool = False  # on reclaim, SIGTERM (then SIGKILL) the processes using the leased GPUs
     stop_grace_s: float = 10.0

@@ -43,6 +43,7 @@ class Tracked:
     ended: str | None = None  # final state once over
     end_note: str | None = None
     reported_drops: int = 0
+    moved_for: Any = None  # (from, to) of the last move notice handled
     last_reply: dict[str, Any] | None = None
     hook_tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
@@ -225,6 +226,8 @@ class Monitor:
             return
         reclaim = reply.get("reclaim") or {}
         codes = {w.get("code"): w for w in reply.get("warnings") or ()}
+        if "move" in codes and t.moved_for != (codes["move"].get("from"), codes["move"].get("to")):
+            await self.move(t, codes["move"])
         if "reclaim_notice" in codes or reclaim.get("notice") == "reclaim":
             if not t.reclaiming:
                 why = "preempted" if reclaim.get("preempted_by") else str((codes.get("reclaim_notice") or {}).get(
@@ -253,6 +256,38 @@ class Monitor:
                 await stop_processes(self.gpu_users(t), self.cfg.stop_grace_s)
         if self.auto_renew and state == "ACTIVE":
             await self._maybe_renew(t)
+
+    async def move(self, t: Tracked, notice: Mapping[str, Any]) -> None:
+        """The host attached a GPU to move to: see it, run `on_move` (the job moves its work), confirm, so the host
+        detaches the old GPU now (without a confirmation it does at the deadline). A failing hook confirms nothing."""
+        t.moved_for = (notice.get("from"), notice.get("to"))
+        log.warning("lease %s: the host moves it from %s to %s (attached now); deadline %s", t.id, notice.get("from"),
+                    notice.get("to"), notice.get("deadline"))
+        try:
+            body = await self.client.get_lease(t.id)
+            t.lease["devices"] = body.get("devices") or []
+        except (ApiError, HostUnreachable) as exc:
+            log.warning("lease %s: its devices could not be read: %s", t.id, exc.message)
+        self.refresh_devices(reopen=True)
+        deadline = notice.get("deadline")
+        if self.cfg.on_move:
+            env = {**self._hook_env(t, "move", deadline), "HOSTAGENT_MOVE_FROM": str(notice.get("from")),
+                   "HOSTAGENT_MOVE_TO": str(notice.get("to"))}
+            left = (deadline - self.clock()) if deadline is not None else self.cfg.hook_timeout_s
+            rc = await run_hook(self.cfg.on_move, env, min(self.cfg.hook_timeout_s, max(1.0, left - 2.0)), "move")
+            if rc != 0:
+                log.error("lease %s: the move hook failed (%s); not confirming: the host detaches %s at the deadline",
+                          t.id, rc, notice.get("from"))
+                return
+        try:
+            _, body = await self.client.request("POST", f"/v1/leases/{t.id}/move/done")
+        except (ApiError, HostUnreachable) as exc:
+            log.warning("lease %s: confirming the move failed: %s", t.id, exc.message)
+            return
+        if isinstance(body, dict) and body.get("devices") is not None:  # the old GPU has gone (or is going)
+            t.lease["devices"] = body["devices"]
+            self.refresh_devices(reopen=False)
+        log.info("lease %s: moved to %s; the host detaches %s", t.id, notice.get("to"), notice.get("from"))
 
     async def _topped_up(self, t: Tracked) -> None:
         """The host added GPUs to a partial lease: read its devices again and sample the new ones too."""

@@ -26,7 +26,7 @@ from hostagent.domain.inventory import Gpu, GpuState
 from hostagent.domain.admission import DAY_S, LEDGER_MAX, Ledger
 from hostagent.domain.numa import VmNuma
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Step
-from hostagent.services import admission, bookings, grant_path, lease_queue, quarantine, release_path, top_up
+from hostagent.services import admission, bookings, grant_path, lease_queue, moves, quarantine, release_path, top_up
 from hostagent.services.admission import queue_deadline
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import (
@@ -330,8 +330,18 @@ class LeaseManager:
         await release_path.retry_pending(self, actor)
 
     async def expire_due(self) -> None:
-        """End leases past their TTL and queued requests past not_after."""
+        """End leases past their TTL and queued requests past not_after; break the moves past their deadline."""
         await release_path.expire_due(self)
+        await moves.due(self)
+
+    async def move(self, lease_id: str, to_gpu: str, from_gpu: str | None = None, *,
+                   deadline_s: int = moves.DEFAULT_DEADLINE_S, actor: str) -> Lease:
+        """Make-before-break: attach `to_gpu` beside `from_gpu` and tell the guest (services.moves)."""
+        return await moves.start(self, lease_id, to_gpu, from_gpu, deadline_s=deadline_s, actor=actor)
+
+    async def move_done(self, lease_id: str, *, actor: str, domain_uuid: str | None = None) -> Lease:
+        """The guest moved its work: detach and give back the old device now."""
+        return await moves.finish(self, lease_id, actor=actor, why="the guest confirmed", domain_uuid=domain_uuid)
 
     async def on_domain_event(self, kind: str, domain_uuid: str, detail: str | None = None, *, actor: str = "libvirt",
                               reason: str | None = None) -> None:
@@ -423,8 +433,8 @@ def lease_view(lease: Lease, manager: LeaseManager | None = None) -> dict[str, A
                     "notice": lease.notice, "notice_deadline": lease.notice_deadline,
                     "preempted_by": lease.preempted_by},
     }
-    if lease.state is S.ACTIVE and lease.request.gpus > len(lease.devices) - len(lease.adding):
-        body["partial"] = {"asked": lease.request.gpus, "granted": len(lease.devices) - len(lease.adding),
+    if lease.state is S.ACTIVE and lease.request.gpus > lease.granted_gpus:
+        body["partial"] = {"asked": lease.request.gpus, "granted": lease.granted_gpus,
                            "top_up": lease.request.top_up, "adding": list(lease.adding),
                            "rest_expected_at": (top_up.rest_expected_at(manager, lease, manager.clock())
                                                 if manager is not None else None)}
@@ -444,6 +454,11 @@ def lease_view(lease: Lease, manager: LeaseManager | None = None) -> dict[str, A
     elif lease.notice == "reclaim":
         body["warnings"].append({"code": "reclaim_notice", "reason": "idle", "message": "GPU is being reclaimed for "
                                  "idleness; release it now", "deadline": lease.notice_deadline})
+    moving = moves.warning(lease)
+    if moving is not None:
+        body["warnings"].append(moving)
+    if lease.move:
+        body["move"] = dict(lease.move)
     if lease.state is S.DETACH_PENDING:
         body["warnings"].append({"code": "detach_pending", "message": "the guest has not acknowledged the detach; "
                                  "the GPU stays on vfio-pci until it does or the VM stops"})

@@ -14,7 +14,7 @@ from hostagent.domain.lease import Lease, LeaseDevice, LeaseState
 from hostagent.domain.pci import PciAddress
 from hostagent.services.lease_types import VFIO_DRIVER as VFIO
 from hostagent.services.lease_types import render_hostdevs
-from hostagent.services import top_up
+from hostagent.services import moves, top_up
 from hostagent.services.leases import LeaseManager
 
 log = logging.getLogger("hostagent.reconcile")
@@ -189,6 +189,16 @@ class Reconciler:
                 for note in await top_up.settle_after_crash(self.m, lease, attached, self.actor):
                     await self._note(lease.id, "ACTIVE lease stopped in a top-up", note, lease_id=lease.id)
                 lease = self.m.leases.get(lease.id, lease)
+        if dict(lease.move).get("phase") == "making":  # stopped making a move: go on (attached) or undo (not)
+            attached = await self._attached(lease)
+            for note in await moves.settle_after_crash(self.m, lease, attached, self.actor):
+                await self._note(lease.id, "ACTIVE lease stopped making a move", note, lease_id=lease.id)
+            lease = self.m.leases.get(lease.id, lease)
+        if dict(lease.move).get("phase") == "breaking":  # stopped breaking a move: the old device goes on going
+            lease = await moves.finish(self.m, lease.id, actor=self.actor, why="resumed after a restart")
+            await self._note(lease.id, "ACTIVE lease stopped breaking a move",
+                             "finished the move" if not lease.move else "the guest still holds the old device: "
+                             "the move keeps waiting for it", lease_id=lease.id)
         # Re-bind devices that lost vfio-pci (host reboot), then re-attach what is missing.
         for dev in lease.devices:
             drivers = await self._drivers(dev)

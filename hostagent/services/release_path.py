@@ -10,6 +10,7 @@ DEVICE_REMOVED events finishing pending detaches (`on_domain_event`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable
 from typing import Any
@@ -258,7 +259,7 @@ async def on_domain_event(m: LeaseCore, kind: str, domain_uuid: str, detail: str
         # ends and its GPU goes back to the host (the rest of its functions detached first), rather than staying
         # ACTIVE without its device and the GPU stranded on vfio-pci.
         for lease in [x for x in m.leases.values() if x.domain_uuid == domain_uuid and x.state is S.ACTIVE
-                      and detail is not None and detail in _aliases(x)]:
+                      and detail is not None and detail in _aliases(x) and detail not in _moving_away(x)]:
             reason = f"the guest let go of {detail} without a detach asked for (DEVICE_REMOVED)"
             log.warning("lease %s: %s; ending the lease", lease.id, reason, extra={"lease_id": lease.id})
             await safe(m.release(lease.id, actor="libvirt", reason=reason))
@@ -269,6 +270,15 @@ async def on_domain_event(m: LeaseCore, kind: str, domain_uuid: str, detail: str
         return
     for lease in [x for x in m.leases.values() if x.domain_uuid == domain_uuid]:
         await safe(m.release(lease.id, actor=actor, reason=reason or f"domain {kind}"))
+
+
+def _moving_away(lease: Lease) -> set[str]:
+    """The aliases of the device a make-before-break move takes away (services.moves): its DEVICE_REMOVED is the
+    move's own, or the guest letting go of it early, never a reason to end the lease."""
+    mv = dict(lease.move)
+    if mv.get("phase") not in ("waiting", "breaking"):
+        return set()
+    return _aliases(dataclasses.replace(lease, devices=tuple(d for d in lease.devices if d.gpu_id == mv.get("from"))))
 
 
 def _aliases(lease: Lease) -> set[str]:

@@ -39,7 +39,7 @@ S = LeaseState
 
 def wants_more(lease: Lease) -> int:
     """How many GPUs an ACTIVE partial lease still waits for (0: none, or it declined top-ups)."""
-    if lease.state is not S.ACTIVE or not lease.request.top_up or lease.adding or lease.notice:
+    if lease.state is not S.ACTIVE or not lease.request.top_up or lease.adding or lease.notice or lease.move:
         return 0
     return max(0, lease.request.gpus - len(lease.devices))
 

@@ -470,10 +470,38 @@ async def heartbeat(request: web.Request) -> web.Response:
     view = lease_view(current, rt.manager)
     return web.json_response({"accepted": accepted, "state": current.state.value, "warnings": view["warnings"],
                               "reclaim": view["reclaim"], "expires_at": current.expires_at,
-                              "granted_gpus": len(current.devices) - len(current.adding)})
+                              "granted_gpus": current.granted_gpus})
 
 
 # ---- events, topology, openapi ---------------------------------------------------------------------------------
+
+
+async def move_lease(request: web.Request) -> web.Response:
+    """Operator: make-before-break move of a lease's GPU to another (202 once the new one is attached beside it)."""
+    who = ident(request)
+    if not who.is_operator:
+        raise Forbidden("moving a lease is the operator's", field="lease_id")
+    rt = request.app[RUNTIME]
+    body = await read_json(request)
+    if not isinstance(body, dict) or set(body) - {"to", "from", "deadline_s"} or not isinstance(body.get("to"), str):
+        bad = sorted(set(body) - {"to", "from", "deadline_s"})[0] if isinstance(body, dict) and set(body) - {
+            "to", "from", "deadline_s"} else "to"
+        raise InvalidInput("body: {\"to\": GPU id, \"from\": GPU id (when the lease has several), \"deadline_s\": "
+                           "seconds the guest has to move its work}", field=bad)
+    src = body.get("from")
+    if src is not None and not isinstance(src, str):
+        raise InvalidInput("from must be a GPU id", field="from")
+    lease = await rt.manager.move(request.match_info["lease_id"], body["to"][:128], src,
+                                  deadline_s=body.get("deadline_s", 300), actor=who.subject)
+    return web.json_response(lease_view(lease, rt.manager), status=202)
+
+
+async def move_done(request: web.Request) -> web.Response:
+    """The guest moved its work to the new GPU: the old one is detached and given back now."""
+    who = ident(request)
+    rt = request.app[RUNTIME]
+    lease = await rt.manager.move_done(request.match_info["lease_id"], actor=who.subject, domain_uuid=who.scope)
+    return web.json_response(lease_view(lease, rt.manager))
 
 
 async def reclaim_control(request: web.Request) -> web.Response:
@@ -575,6 +603,8 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_post("/v1/leases/{lease_id}/heartbeat", heartbeat)
     app.router.add_post("/v1/leases/{lease_id}/renew", renew_lease)
     app.router.add_post("/v1/leases/{lease_id}/reclaim", reclaim_control)
+    app.router.add_post("/v1/leases/{lease_id}/move", move_lease)
+    app.router.add_post("/v1/leases/{lease_id}/move/done", move_done)
     app.router.add_get("/v1/reaper", reaper_status)
     app.router.add_get("/v1/events", list_events)
     app.router.add_get("/v1/fleet", fleet_status)

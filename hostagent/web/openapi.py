@@ -334,6 +334,30 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                 "properties": {"paused": {"type": "boolean"}}}}}},
             "responses": {"200": _ok("the lease", "Lease"), "409": _err("lease has ended"),
                           "415": _err("wrong content type"), **_STD}}},
+        "/v1/leases/{lease_id}/move": {"post": {
+            "summary": "operator: make-before-break move of one of the lease's GPUs to another", "operationId":
+            "moveLease", "security": _SECURED, "parameters": [_LEASE_ID],
+            "description": "The target is bound and attached beside the old GPU (202), the guest is told (a `move` "
+                           "warning in its lease and heartbeat replies), and the old GPU is detached and given back "
+                           "when the guest confirms (POST .../move/done) or at the deadline. A failure before the "
+                           "guest is told leaves it with the GPU it had (409).",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "additionalProperties": False, "required": ["to"],
+                "properties": {"to": {"type": "string", "maxLength": 128},
+                               "from": {"type": "string", "maxLength": 128,
+                                        "description": "required when the lease holds several GPUs"},
+                               "deadline_s": {"type": "integer", "minimum": 1, "maximum": 3600, "default": 300}}}}}},
+            "responses": {"202": _ok("the lease, its new GPU attached beside the old one", "Lease"),
+                          "409": _err("the lease is not ACTIVE or already changing, the target is busy, booked, "
+                                      "unfit or cannot be passed through, or the move failed (the guest keeps its "
+                                      "GPU)"),
+                          "415": _err("wrong content type"), **_STD}}},
+        "/v1/leases/{lease_id}/move/done": {"post": {
+            "summary": "the guest moved its work: detach and give back the old GPU now", "operationId": "moveDone",
+            "security": _SECURED, "parameters": [_LEASE_ID],
+            "responses": {"200": _ok("the lease (its move over, or still waiting for the guest to let go of the "
+                                     "old GPU)", "Lease"),
+                          "409": _err("no move waiting to finish"), **_STD}}},
         "/v1/reaper": {"get": {
             "summary": "operator: strike state and next check of every lease", "operationId": "reaperStatus",
             "security": _SECURED,

@@ -45,8 +45,9 @@ ROOT = Path(__file__).parents[2]
 EXAMPLES = 125  # per operation and identity, spread over the three kinds of case
 SEEDED_IDS = {"getGpu": "gpu_id", "clearQuarantine": "gpu_id", "probeGpu": "gpu_id", "getLease": "lease_id",
               "releaseLease": "lease_id", "heartbeat": "lease_id", "renewLease": "lease_id",
-              "reclaimControl": "lease_id"}
-OPERATOR_ONLY = {"clearQuarantine", "probeGpu", "reclaimControl", "reaperStatus", "listEvents", "getFleet"}
+              "reclaimControl": "lease_id", "moveLease": "lease_id", "moveDone": "lease_id"}
+OPERATOR_ONLY = {"clearQuarantine", "probeGpu", "reclaimControl", "reaperStatus", "listEvents", "getFleet",
+                 "moveLease"}
 # from_url leaves out the operation that serves the document itself; test_openapi_document_itself covers it
 NOT_FUZZED = {("GET", "/v1/openapi.json")}
 STATS: dict[str, dict[str, collections.Counter[str]]] = {}
@@ -106,6 +107,28 @@ class Seeds:
         if operation in ("heartbeat", "renewLease", "reclaimControl") and status == 409:
             self.live = None
 
+    def free_gpu(self, pick: int) -> str:
+        """A free GPU (room made first when there is none)."""
+        for _ in range(2):
+            gpus = requests.get(f"{self.url}/v1/gpus", headers=self.op, timeout=10).json()["gpus"]
+            free = [g["id"] for g in gpus if g["state"] == "free"]
+            if free:
+                return str(free[pick % len(free)])
+            self.make_room()
+        return self.gpus[0]
+
+    def settle_move(self, lease: dict[str, Any]) -> None:
+        """Finish a move a seeded case left waiting on the live lease (a second move would be a 409)."""
+        requests.post(f"{self.url}/v1/leases/{lease['id']}/move/done", headers=self.op, timeout=30)
+        current = requests.get(f"{self.url}/v1/leases/{lease['id']}", headers=self.op, timeout=30).json()
+        if current.get("devices"):
+            lease["devices"] = current["devices"]
+
+    def start_move(self, lease: dict[str, Any]) -> None:
+        """Move the live lease to a free GPU (the guest's confirmation is the case)."""
+        requests.post(f"{self.url}/v1/leases/{lease['id']}/move", headers=self.op, timeout=30,
+                      json={"to": self.free_gpu(0)})
+
     def gpu(self, operation: str, pick: int) -> str:
         """A GPU id; clearQuarantine gets the sick GPU, quarantined just before (probing it quarantines it)."""
         if operation == "clearQuarantine":
@@ -133,6 +156,13 @@ class Seeds:
             if operation == "heartbeat" and isinstance(case.body, dict) and not ids_only:
                 for sample in case.body.get("samples") or []:
                     sample.update(gpu=lease["devices"][0]["gpu_id"], ts=time.time() - 1)
+            if operation in ("moveLease", "moveDone") and not ids_only:
+                self.settle_move(lease)
+                if operation == "moveDone":  # a move waiting for the guest's word, so that a 200 is validated
+                    self.start_move(lease)
+                elif isinstance(case.body, dict):  # a free GPU to move to (else every answer is a 409)
+                    case.body.pop("from", None)
+                    case.body["to"] = self.free_gpu(pick)
         elif operation == "createLease" and isinstance(case.body, dict) and not ids_only:
             case.body["domain"] = self.vm
             if pick % 2 == 0:  # one seeded request in two finds GPUs free, so that grants (201) are validated too

@@ -53,6 +53,8 @@ API: dict[tuple[str, str], tuple[Any, dict[str, int]]] = {
     ("POST", "/v1/leases/{lease_id}/heartbeat"): ("samples", OWNER_OR_OPERATOR),
     ("POST", "/v1/leases/{lease_id}/renew"): ({"duration_s": 600}, OWNER_OR_OPERATOR),
     ("POST", "/v1/leases/{lease_id}/reclaim"): ({"paused": True}, OPERATOR),
+    ("POST", "/v1/leases/{lease_id}/move"): ({"to": "gpu-nope"}, {**OPERATOR, "operator": 404}),  # no such GPU
+    ("POST", "/v1/leases/{lease_id}/move/done"): ({}, {**OWNER_OR_OPERATOR, "own": 409, "operator": 409}),
     ("GET", "/v1/reaper"): (None, OPERATOR),
     ("GET", "/v1/events"): (None, OPERATOR),
     ("GET", "/v1/fleet"): (None, OPERATOR),

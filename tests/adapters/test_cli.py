@@ -129,6 +129,21 @@ async def test_leases_and_release_through_the_api(tmp_path: Path, aiohttp_client
     assert code == 3 and "cannot reach" in capsys.readouterr().err
 
 
+async def test_lease_move_through_the_api(tmp_path: Path, aiohttp_client: Any,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    lease = await (await rig.client.post("/v1/leases", json={"gpus": 1}, headers=rig.auth("vm-a"))).json()
+    gpus = (await (await rig.client.get("/v1/gpus", headers=rig.auth("operator"))).json())["gpus"]
+    target = next(g["id"] for g in gpus if g["state"] == "free")
+    api = ("--url", str(rig.client.make_url("")).rstrip("/"), "--token", rig.operator)
+    code = await asyncio.to_thread(main, ["lease", "move", lease["id"], "--to", target, "--deadline", "120", *api])
+    out = capsys.readouterr().out
+    assert code == 0 and f"{target} attached beside {lease['devices'][0]['gpu_id']}" in out, out
+    assert dict(rig.runtime.manager.leases[lease["id"]].move)["phase"] == "waiting"
+    code = await asyncio.to_thread(main, ["lease", "move", lease["id"], "--to", target, *api])
+    assert code == 1 and "409" in capsys.readouterr().err  # a move is under way already
+
+
 def test_token_issue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rig = make_rig(tmp_path)
     rig.runtime.journal.close()
@@ -151,6 +166,7 @@ HELP: dict[str, Any] = {
     "gpus": ("--config", "--json", "--sysfs-root"),
     "leases": ("--url", "--token", "--token-file", "--timeout", "--state", "--since"),
     "release": ("--url", "--token", "--timeout"),
+    "lease": {"move": ("--url", "--token", "--to", "--from", "--deadline")},
     "gpu": {"clear": ("--url", "--token")},
     "token": {"issue": ("--domain", "--operator", "--state-dir")},
     "vfio": {"bind": ("--sysfs-root", "--dry-run", "--force"), "release": ("--sysfs-root", "--dry-run", "--driver")},

@@ -547,3 +547,30 @@ async def test_the_monitor_learns_of_a_top_up_from_its_heartbeat_reply(live: Liv
         assert len(t.gpu_ids) == 4 and set(t.gpu_ids) >= {d["gpu_id"] for d in lease["devices"]}
         await mon.release(t, "test")
         await mon.close()
+
+
+async def test_the_monitor_moves_the_work_and_confirms_a_move(live: LiveAgent, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeNvml(attached_gpus(live.rig)).install(monkeypatch)
+    hook_out = tmp_path / "move.txt"
+    cfg = load_config(str(config(tmp_path, live, on_move=f"env | grep ^HOSTAGENT_ > {hook_out}")))
+    async with HostClient(live.url, cfg.token(), retries=0) as client, \
+            HostClient(live.url, live.rig.operator, retries=0) as operator:
+        _, lease = await client.create_lease({"gpus": 1})
+        old = lease["devices"][0]["gpu_id"]
+        gpus = (await operator.request("GET", "/v1/gpus"))[1]["gpus"]
+        new = next(g["id"] for g in gpus if g["state"] == "free")
+        mon = Monitor(client, cfg, lambda: Sampler.open(sys_root=cfg.sys_root))
+        t = mon.track(lease)
+        status, _ = await operator.request("POST", f"/v1/leases/{lease['id']}/move", {"to": new})
+        assert status == 202
+        reply = await mon.heartbeat(t)  # the notice comes with the reply: the hook runs, the guest confirms
+        assert reply is not None and any(w["code"] == "move" for w in reply["warnings"])
+        env = dict(line.split("=", 1) for line in hook_out.read_text().splitlines())
+        assert env["HOSTAGENT_MOVE_FROM"] == old and env["HOSTAGENT_MOVE_TO"] == new
+        assert env["HOSTAGENT_NOTICE"] == "move" and env["HOSTAGENT_LEASE_ID"] == lease["id"]
+        after = live.runtime.manager.leases[lease["id"]]
+        assert after.gpu_ids == (new,) and not after.move
+        assert t.gpu_ids == [new]  # the monitor samples the new GPU only
+        await mon.release(t, "test")
+        await mon.close()

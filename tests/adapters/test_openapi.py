@@ -54,6 +54,7 @@ OPERATIONS = {
     "getLease": ("GET", "/v1/leases/{lease_id}"), "releaseLease": ("DELETE", "/v1/leases/{lease_id}"),
     "heartbeat": ("POST", "/v1/leases/{lease_id}/heartbeat"), "renewLease": ("POST", "/v1/leases/{lease_id}/renew"),
     "reclaimControl": ("POST", "/v1/leases/{lease_id}/reclaim"), "listEvents": ("GET", "/v1/events"),
+    "moveLease": ("POST", "/v1/leases/{lease_id}/move"), "moveDone": ("POST", "/v1/leases/{lease_id}/move/done"),
     "reaperStatus": ("GET", "/v1/reaper"), "getTopology": ("GET", "/v1/topology"), "probeStatus": ("GET", "/v1/probes"),
     "getFleet": ("GET", "/v1/fleet"),
 }

@@ -160,3 +160,56 @@ async def test_a_crash_mid_top_up_is_finished_or_undone_by_reconcile(tmp_path: P
         assert any("undid the top-up" in r for r in repairs), repairs
     finally:
         await rig.runtime.stop()
+
+
+async def test_a_crash_after_the_attach_keeps_the_topped_up_device(tmp_path: Path) -> None:
+    from hostagent.domain.lease import LeaseRequest
+
+    rig = make_rig(tmp_path)
+    rig.runtime.use_store = False
+    await rig.runtime.start()
+    m = rig.runtime.manager
+    hold = await m.request(rig.uuids["vm-b"], LeaseRequest(gpus=6), actor="test")
+    lease = await m.request(rig.uuids["vm-a"], LeaseRequest(gpus=3, accept_partial=True), actor="test")
+    await m.release(hold.id, actor="test")
+    deadline = time.monotonic() + 30
+    while len(m.leases[lease.id].devices) < 3 or m.leases[lease.id].adding:
+        assert time.monotonic() < deadline, "the top-up did not happen"
+        await m.drain_queue()
+        await asyncio.sleep(0.01)
+    topped = m.leases[lease.id]
+    added = next(d.gpu_id for d in topped.devices if d.gpu_id not in lease.gpu_ids)
+    await rig.runtime.stop()
+    # as if the agent died after the attach, before the step that clears `adding`
+    journal = Journal(rig.settings.state_dir / "journal.sqlite3")
+    try:
+        current = journal.get(lease.id)
+        assert current is not None
+        journal.record(current.with_changes(adding=(added,), granted_gpus=2), from_state=S.ACTIVE, actor="test")
+    finally:
+        journal.close()
+    rig.runtime = build_runtime(rig.settings, hypervisor=rig.hv)
+    rig.runtime.use_store = False
+    await rig.runtime.start()
+    try:
+        after = rig.runtime.manager.leases[lease.id]
+        assert after.adding == () and added in after.gpu_ids and after.granted_gpus == 3
+        assert all(rig.sysfs_driver(f) == "vfio-pci" for d in after.devices for f in d.functions)
+        repairs = [e.detail or "" for e in rig.runtime.journal.events(lease_id=lease.id, kinds=["repair"])]
+        assert any(f"finished the top-up with {added}" in r for r in repairs), repairs
+    finally:
+        await rig.runtime.stop()
+
+
+async def test_a_failed_attach_gives_the_device_back(tmp_path: Path, aiohttp_client: Any) -> None:
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    big, part = await partial(rig)
+    rig.hv.fail_attach_after = 0  # the next attach fails (and undoes what it attached)
+    await release(rig, "vm-b", big["id"])
+    await settle(rig)
+    now = await get(rig, part["id"])
+    assert now["state"] == "ACTIVE" and len(now["devices"]) == 2 and now["partial"]["adding"] == []
+    for d in big["devices"]:  # given back, nothing stranded on vfio-pci
+        assert all(rig.sysfs_driver(f) == "nvidia" for f in d["functions"])
+    events = [e.detail or "" for e in rig.runtime.journal.events(lease_id=part["id"])]
+    assert any("top-up of" in e and "failed" in e for e in events), events
