@@ -37,7 +37,6 @@ STEP_S = 60.0  # the virtual clock's step: a guest samples once per step at most
 # within about an hour of going idle.
 HISTORY_RECLAIM = {"enabled": True, "check_interval_s": 1800.0, "grace_s": 900.0, "min_lease_age_s": 900.0,
                    "notice_window_s": 300.0}
-MARKER = "demo-history.json"
 
 
 @dataclass

@@ -19,9 +19,8 @@ measured) until its end. Then:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
-import statistics
 import uuid
 from collections.abc import Sequence
 
@@ -154,8 +153,6 @@ async def book(m: LeaseCore, domain_uuid: str, domain_name: str, request: LeaseR
 
 
 def _moved(request: LeaseRequest, start: float) -> LeaseRequest:
-    import dataclasses
-
     return dataclasses.replace(request, start_at=start)
 
 
@@ -209,14 +206,3 @@ def conversion(m: LeaseCore, lease: Lease, free: Sequence[Gpu]) -> tuple[list[Gp
         return chosen, need, (f"the booking's start: {need - len(own)} booked GPU(s) not free, replaced by others "
                               "that fit")
     return chosen, len(chosen), f"the booking's start: only {len(chosen)} of {need} GPU(s) free"
-
-
-def remaining_s(lease: Lease, now: float) -> int:
-    """The seconds of its window a converted booking still has."""
-    return max(1, int(math.ceil(booking_end(lease) - now)))
-
-
-def median_lead(m: LeaseCore) -> float | None:
-    """The median recent grant time (for the operator's view), None before the first grant."""
-    recent = list(m.grant_seconds)
-    return statistics.median(recent) if recent else None
