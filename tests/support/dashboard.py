@@ -127,7 +127,15 @@ def start_demo(state_dir: Path, *extra: str, timeout: float = 60.0, living: bool
     creds = state_dir / "demo-credentials.json"
     if not creds.exists():  # a fleet demo (--hosts N): the first host's, in its own directory
         creds = state_dir / "demo-host-1" / "demo-credentials.json"
-    demo = Demo(proc, m.group(1), state_dir, json.loads(creds.read_text()), lines)
+    try:
+        demo = Demo(proc, m.group(1), state_dir, json.loads(creds.read_text()), lines)
+    except BaseException:  # never leave the demo (and a fleet's children) running behind a failed start
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
     threading.Thread(target=lambda: [demo.log.append(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     return demo
 
