@@ -118,7 +118,8 @@ async def test_three_hosts_on_mariadb_show_each_others_gpus_idle_candidates_and_
     def settled(body: dict[str, Any]) -> bool:
         h = hosts_of(body)
         return (set(h) == {"host-a", "host-b", "host-c"} and h["host-a"]["states"].get("leased") == 2
-                and h["host-b"]["states"].get("warned") == 1 and body["totals"]["idle"] == 1)
+                and h["host-b"]["states"].get("warned") == 1 and body["totals"]["idle"] == 1
+                and h["host-a"].get("util_reporting") == 2)  # a snapshot taken after host a's heartbeat
 
     seen: dict[str, Any] = {}
 
