@@ -64,10 +64,11 @@ def sysfs_driver(sys_root: Path, address: str) -> str | None:
 def rig_settings(tmp: Path, tree: FakeHost, hv_path: Path, operator: str, **sections: dict[str, Any]) -> Settings:
     """Settings for an agent over a fake tree and a simulated hypervisor file."""
     raw: dict[str, Any] = {
-        # gc_freeze off: a full collection at each test agent's start costs ~0.1 s (test_runtime_heap.py covers it)
+        # step_timeout_s 5: a fake-kernel step (a probe) took over 2 s once on a loaded 2-CPU CI machine and failed an
+        # 8-GPU grant; the tests of hung steps set their own. gc_freeze off: a full collection at each test agent's start costs ~0.1 s (test_runtime_heap.py covers it)
         "agent": {"state_dir": str(tmp / "state"), "port": 0, "host_id": "test-host", "log_format": "text",
                   "gc_freeze": False},
-        "host": {"sysfs_root": str(tree.sys_root), "kernel": "fake", "step_timeout_s": 2.0},
+        "host": {"sysfs_root": str(tree.sys_root), "kernel": "fake", "step_timeout_s": 5.0},
         "libvirt": {"uri": f"sim://{hv_path}", "detach_timeout_s": 0.5},
         "reclaim": {"enabled": False},
         "auth": {"operator_token_sha256": hash_token(operator)},
@@ -153,7 +154,7 @@ def rig_config(tmp: Path, tree: FakeHost, hv_path: Path, operator: str) -> dict[
     sets them, less the host id (the hostname, as by default)."""
     return {
         "agent": {"state_dir": str(tmp / "state"), "port": 0, "log_format": "text", "gc_freeze": False},
-        "host": {"sysfs_root": str(tree.sys_root), "kernel": "fake", "step_timeout_s": 2.0},
+        "host": {"sysfs_root": str(tree.sys_root), "kernel": "fake", "step_timeout_s": 5.0},
         "libvirt": {"uri": f"sim://{hv_path}", "detach_timeout_s": 0.5},
         "reclaim": {"enabled": False},
         "auth": {"operator_token_sha256": hash_token(operator)},
