@@ -118,10 +118,25 @@ class LeaseRepo(EventRepo):
             self._replace_devices(conn, row["id"], p["devices"])
 
     def _replace_devices(self, conn: Connection, lease_id: str, devices: list[dict[str, Any]]) -> None:
+        """Make the lease's device rows ``devices``, touching only the rows that differ. A blanket DELETE of the
+        lease's rows followed by the INSERT took InnoDB gap locks (a DELETE that matches nothing locks the gap it
+        would be in), and two hosts mirroring new leases at once then deadlocked on each other's insert intention
+        (``bench fleet`` saw it); rows named by their whole primary key lock only themselves."""
         d = t.lease_devices.c
-        conn.execute(delete(t.lease_devices).where(d.host_id == self.host_id, d.lease_id == lease_id))
-        if devices:
-            conn.execute(insert(t.lease_devices), devices)
+        mine = (d.host_id == self.host_id, d.lease_id == lease_id)
+        have = {r.gpu_id: (r.functions, r.iommu_group)
+                for r in conn.execute(select(d.gpu_id, d.functions, d.iommu_group).where(*mine))}
+        want = {r["gpu_id"] for r in devices}
+        gone = sorted(g for g in have if g not in want)
+        if gone:
+            conn.execute(delete(t.lease_devices).where(*mine, d.gpu_id.in_(gone)))
+        for r in devices:
+            if r["gpu_id"] in have and have[r["gpu_id"]] != (r["functions"], r["iommu_group"]):
+                conn.execute(update(t.lease_devices).where(*mine, d.gpu_id == r["gpu_id"])
+                             .values(functions=r["functions"], iommu_group=r["iommu_group"]))
+        new = [r for r in devices if r["gpu_id"] not in have]
+        if new:
+            conn.execute(insert(t.lease_devices), new)
 
     def update_lease(self, lease_id: str, changes: Mapping[str, Any]) -> None:
         """Change some columns of a lease (state, ended_at, outcome, devices...); NotFound for an unknown lease."""

@@ -375,3 +375,36 @@ def test_repeats_inside_one_batch_are_written_once(store: UsageStore) -> None:
     assert store.add_samples(rows + rows[:3], now=now) >= 5
     usage = store.lease_usage_summary("l-dup")
     assert usage["total"]["n"] == 5
+
+
+def test_a_hosts_device_rows_never_wait_on_another_hosts_open_transaction(store: UsageStore, backend_url: str,  # noqa: F811
+                                                                           tmp_path: Path) -> None:
+    """Two hosts of one fleet mirror new leases at once. The devices of a new lease used to be written as a DELETE of
+    the lease's rows (matching none) then an INSERT: on InnoDB that DELETE locks the gap up to the next key, which
+    may be a row another host has just inserted and not yet committed, so one host's write waited on another's
+    transaction (and two such pairs deadlocked: `bench fleet` saw error 1213). Rows are now named by their key."""
+    if not backend_url.startswith("mysql"):
+        pytest.skip("InnoDB's gap locks: SQLite has one writer at a time")
+    from sqlalchemy import text
+
+    first = UsageStore(backend_url, store.host_id + "-a", spool_path=tmp_path / "a.sqlite3")  # sorts before `second`
+    second = UsageStore(backend_url, store.host_id + "-b", spool_path=tmp_path / "b.sqlite3")
+    try:
+        for s, lid in ((first, "L9"), (second, "L1")):
+            setup_lease(s, lid, gpus=("gpu-0",))
+        row = {"functions": ["0000:03:00.0"], "iommu_group": 3}
+        with second.engine.connect() as held, first.engine.connect() as c:
+            second._replace_devices(held, "L1", [dict(row, lease_id="L1", gpu_id="gpu-5",
+                                                                 host_id=second.host_id)])
+            # the first host's new rows sort just before the row `held` has not committed
+            c.execute(text("SET SESSION innodb_lock_wait_timeout = 2"))
+            c.commit()
+            first._replace_devices(c, "L9", [dict(row, lease_id="L9", gpu_id="gpu-1",
+                                                              host_id=first.host_id)])
+            c.commit()
+            held.rollback()
+        assert [d["gpu_id"] for d in first.get_lease("L9")["devices"]] == ["gpu-1"]
+        assert [d["gpu_id"] for d in second.get_lease("L1")["devices"]] == ["gpu-0"]  # rolled back
+    finally:
+        first.close()
+        second.close()
