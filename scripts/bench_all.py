@@ -49,8 +49,10 @@ BENCHES = (
     Bench("place", "Placement", "bench_place.py", ("--decisions", "500"), 900),
     Bench("dashboard", "Dashboard", "bench_dashboard.py", ("--small",), 900),
     Bench("tenants", "Tenants", "bench_tenants.py", ("--quick",), 600),
+    Bench("fleet", "Fleet store", "bench_fleet.py", ("--quick",), 2700),
 )
-SECTION_ORDER = ("Load", "Agent overhead per lease", "Restart to ready", "Ingest", "Placement", "Dashboard", "Tenants")
+SECTION_ORDER = ("Load", "Agent overhead per lease", "Restart to ready", "Ingest", "Fleet store", "Placement",
+                 "Dashboard", "Tenants")
 
 
 def describe(script: Path) -> str:
@@ -115,12 +117,13 @@ def header(quick: bool, load_before: str) -> str:
         " load (above). Where a script prints CPU seconds as well as wall time, the CPU figure is the one a busy"
         " machine does not inflate.",
         "",
-        "Regenerate the whole page (about 18 minutes; needs MariaDB on 127.0.0.1:3306 for the ingest section):",
+        "Regenerate the whole page (about 30 minutes; needs MariaDB on 127.0.0.1:3306 for the ingest and fleet"
+        " sections):",
         "",
         "    hostagent bench all --write docs/benchmarks.md        # or: python scripts/bench_all.py --write ...",
         "    hostagent bench all --write docs/benchmarks.md --only load,restart   # some sections only",
         "",
-        "One benchmark alone: `hostagent bench load|overhead|restart|ingest|rollup|place|dashboard|tenants"
+        "One benchmark alone: `hostagent bench load|overhead|restart|ingest|rollup|place|dashboard|tenants|fleet"
         " [script args]`"
         " (`--quick` for a smoke run where a script has it). Benchmarks are not tests: they print figures and"
         " verdicts, and stop by themselves; all traffic stays on loopback (127.0.0.0/8).",

@@ -1,4 +1,4 @@
-"""`hostagent bench {all,load,overhead,restart,ingest,rollup,place,dashboard,tenants}`: run the benchmark scripts.
+"""`hostagent bench {all,load,overhead,restart,ingest,rollup,place,dashboard,tenants,fleet}`: run the benchmarks.
 
 The scripts live in the source tree's `scripts/` (benchmarks ship with the repository, not the package); every
 argument after the benchmark's name goes to the script unchanged (`hostagent bench load --quick`,
@@ -24,6 +24,7 @@ BENCHMARKS = {
     "place": ("bench_place.py", "placement decision latency with a trained model"),
     "dashboard": ("bench_dashboard.py", "dashboard page timings"),
     "tenants": ("bench_tenants.py", "a well-behaved tenant's latency and errors while another abuses the agent"),
+    "fleet": ("bench_fleet.py", "200 hosts x 8 GPUs, each its own store, writing to one MariaDB vs raw executemany"),
 }
 
 

@@ -203,3 +203,41 @@ def test_overhead_bench_runs_end_to_end_with_its_client_in_another_process() -> 
     # the real libvirtd's CONFIG attach, timed in the same run (the suite installs libvirtd: never "not measured")
     assert "attach (4 hostdevs, persistent config)" in out and "not measured" not in out, out[-3000:]
     assert "verdict:" in out and out.count(" -> ") >= 18
+
+
+def test_fleet_bench_hosts_sample_every_gpu_once_per_instant_and_mirror_through_the_agents_code(
+        tmp_path: Path) -> None:
+    """The fleet bench's simulated host (no database): every GPU held by a lease at every instant and sampled once
+    per instant, leases ending (some reclaimed) and starting again by legal transitions, and the agent's own journal
+    mirror (Runtime's methods, borrowed) writing each lease's document, its events and the reclaims."""
+    from types import SimpleNamespace
+
+    mod = load_script("bench_fleet")
+    plan = mod.Plan(url="mysql+pymysql://nobody@127.0.0.1/none", hosts=1, gpus=8, lease_s=3.0)
+    h = mod.SimHost(0, plan, tmp_path)
+    queued: list[tuple[str, dict[str, Any]]] = []
+    h.ingestor = SimpleNamespace(submit=lambda samples, lease_id, tenant: queued.extend(
+        (lease_id, s) for s in samples) or len(samples))
+    t0 = 1_800_000_000.0
+    for k in range(60):
+        h.churn(t0 + k)
+        assert len(h.manager.holder) == 8  # every GPU leased again at once
+        h.heartbeat([t0 + k])
+    assert h.sent == len(queued) == 8 * 60
+    assert len({(s["gpu_id"], s["ts"]) for _, s in queued}) == 8 * 60 and all(s["source"] == "guest" for _, s in queued)
+    assert h.leases_started > 8 and h.journal.reclaim_events % 3 == 0
+
+    mirrored: list[tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]] = []
+    usage = SimpleNamespace(spool=SimpleNamespace(dead=0),
+                            mirror=lambda docs, rows, reclaims, set_aside: mirrored.append((docs, rows, reclaims)),
+                            write_samples=lambda samples, set_aside: len(samples))
+    shim = mod.agent_shim_class()(SimpleNamespace(store=usage), h.journal, h.host_id)
+    assert shim._write_samples([]) == 0  # the agent's writer: the mirror first, until the journal is drained
+    assert h.journal.backlog() == (0, None)
+    rows = [r for _, rs, _ in mirrored for r in rs]
+    assert len(rows) == h.journal.events and [r["seq"] for r in rows] == sorted(r["seq"] for r in rows)
+    docs = {d["id"]: d for ds, _, _ in mirrored for d in ds}
+    assert len(docs) == h.leases_started  # every lease's document went with its events
+    assert sum(len(rc) for _, _, rc in mirrored) == h.journal.reclaim_events
+    assert all(r["lease_id"] in docs for r in rows)
+    assert all(d["state"] != "RELEASED" for d in h.journal.docs(docs).values())  # ended and mirrored: forgotten
