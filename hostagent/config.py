@@ -119,6 +119,7 @@ class LeaseSettings:
     fairness_max_delay_s: float = 3600.0  # ... or once first passed over this long ago
     booking_horizon_s: float = 30 * 86400.0  # how far ahead a booking (start_at) may start
     booking_lead_s: float = 30.0  # a booking binds at least this long before its start (longer if grants are slower)
+    consolidate: bool = False  # perform (not only propose) the moves that free a block for a request on scattered GPUs
     journal_retention_days: int = 90  # ended leases (and their events) kept in the journal; 0: forever
 
 

@@ -127,7 +127,7 @@ def lease_policy(settings: Settings) -> LeasePolicy:
         preempt_notice_s=settings.reclaim.notice_window_s, booking_horizon_s=lz.booking_horizon_s,
         cap_at_scaling_limit=settings.placement.cap_at_scaling_limit, booking_lead_s=lz.booking_lead_s,
         fairness=Fairness(lz.fairness_max_passes, lz.fairness_max_delay_s, enabled=lz.queue_order == "advantage"),
-        priority_rules=priority_rules(lz.priority_rules),
+        priority_rules=priority_rules(lz.priority_rules), consolidate=lz.consolidate,
     )
 
 

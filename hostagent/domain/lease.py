@@ -128,6 +128,7 @@ class LeaseRequest:
     target_work_rate: float | None = None  # instead of gpus: the fewest GPUs the model predicts do this much work/s
     start_at: float | None = None  # a booking: the GPUs from this time (unix seconds) for duration_s
     top_up: bool = True  # a partial grant is topped up as GPUs free (false: keep what was granted)
+    movable: bool = False  # the guest can move its work to another GPU on a move notice (consolidation may move it)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (read in one C call: a listing of a thousand leases makes a thousand of these)."""
@@ -193,7 +194,7 @@ def parse_lease_request(body: Any, *, now: float, max_duration_s: int) -> LeaseR
         kw["duration_s"] = _num(body, "duration_s", integer=True, lo=1, hi=max_duration_s)
     if "priority" in body:
         kw["priority"] = _num(body, "priority", integer=True, lo=-1000, hi=1000)
-    for flag in ("accept_partial", "accept_deferred", "top_up"):
+    for flag in ("accept_partial", "accept_deferred", "top_up", "movable"):
         if flag in body:
             kw[flag] = _flag(body, flag)
     if "start_at" in body and body["start_at"] is not None:

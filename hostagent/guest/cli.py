@@ -135,8 +135,9 @@ def parse_start(text: str) -> float:
     return when.timestamp()
 
 
-def request_body(args: argparse.Namespace) -> dict[str, Any]:
-    """POST /v1/leases body from the flags (only what was given; the host fills defaults)."""
+def request_body(args: argparse.Namespace, cfg: GuestConfig | None = None) -> dict[str, Any]:
+    """POST /v1/leases body from the flags (only what was given; the host fills defaults). With an `on_move` hook
+    the request says `movable`: the work can follow a move notice, so the host may move it to free a block."""
     body: dict[str, Any] = {}
     for flag, key in REQUEST_FIELDS.items():
         value = getattr(args, flag, None)
@@ -146,6 +147,8 @@ def request_body(args: argparse.Namespace) -> dict[str, Any]:
         body["accept_partial"] = True
     if getattr(args, "no_top_up", False):
         body["top_up"] = False
+    if cfg is not None and cfg.on_move:
+        body["movable"] = True
     body["accept_deferred"] = not args.no_queue
     # A key per invocation makes the POST safe to retry after a lost reply: the host answers with the same lease.
     body.setdefault("idempotency_key", f"guest-{uuid.uuid4().hex}")
@@ -300,7 +303,7 @@ def emit(args: argparse.Namespace, data: Any, text: str, out: TextIO) -> None:
 
 async def cmd_lease(args: argparse.Namespace, cfg: GuestConfig, client: HostClient, out: TextIO) -> int:
     """`lease`: request, wait, print the lease and the GPUs the guest sees."""
-    lease = await acquire(client, request_body(args), wait_timeout=args.wait_timeout, out=sys.stderr)
+    lease = await acquire(client, request_body(args, cfg), wait_timeout=args.wait_timeout, out=sys.stderr)
     visible = await wait_visible(lease, cfg, args.settle)
     gpus = await asyncio.to_thread(guest_gpus, lease, cfg)
     text = describe_lease(lease) + "\n" + describe_gpus(gpus)
@@ -393,7 +396,7 @@ async def cmd_run(args: argparse.Namespace, cfg: GuestConfig, client: HostClient
     pid_file: Path | None = None
     monitor: Monitor | None = None
     try:
-        acquire_task = asyncio.create_task(acquire(client, request_body(args), wait_timeout=args.wait_timeout,
+        acquire_task = asyncio.create_task(acquire(client, request_body(args, cfg), wait_timeout=args.wait_timeout,
                                                    out=sys.stderr))
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({acquire_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -512,7 +515,7 @@ async def cmd_reserve(args: argparse.Namespace, cfg: GuestConfig, client: HostCl
     """`reserve`: book GPUs for [--start, --start + --duration); print the booking, or the earliest window offered."""
     if args.duration is None:
         raise GuestError("a booking states its length: --duration SECONDS")
-    body = request_body(args)
+    body = request_body(args, cfg)
     body["start_at"] = args.start
     body["accept_deferred"] = bool(args.or_later)
     try:

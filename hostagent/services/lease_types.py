@@ -63,6 +63,7 @@ class LeasePolicy:
     priority_rules: tuple[tuple[str, int, str | None, str | None, tuple[str, ...], int | None], ...] = ()
     booking_horizon_s: float = 30 * 86400.0  # how far ahead a booking may start
     booking_lead_s: float = 30.0  # a booking binds at least this long before its start (more if grants are slower)
+    consolidate: bool = False  # perform the moves that free a block for a request waiting on scattered GPUs
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +151,7 @@ class LeaseCore(Protocol):
     typical_run_s: Callable[[str], float | None]  # task type -> its median run time in the model's records
     queue_passes: dict[str, tuple[int, float]]  # queued lease -> (times passed over, since when)
     queue_notes: dict[str, str]  # queued lease -> why it waits (passed over, waiting for a better GPU)
+    consolidation: dict[str, dict[str, Any]]  # queued lease -> the moves that would free a block (consolidate.py)
     grant_seconds: deque[float]  # how long the latest grants took to bind and attach (a booking's lead time)
 
     def get(self, lease_id: str, *, domain_uuid: str | None = None) -> Lease: ...

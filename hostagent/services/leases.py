@@ -26,7 +26,17 @@ from hostagent.domain.inventory import Gpu, GpuState
 from hostagent.domain.admission import DAY_S, LEDGER_MAX, Ledger
 from hostagent.domain.numa import VmNuma
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Step
-from hostagent.services import admission, bookings, grant_path, lease_queue, moves, quarantine, release_path, top_up
+from hostagent.services import (
+    admission,
+    bookings,
+    consolidate,
+    grant_path,
+    lease_queue,
+    moves,
+    quarantine,
+    release_path,
+    top_up,
+)
 from hostagent.services.admission import queue_deadline
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import (
@@ -114,6 +124,7 @@ class LeaseManager:
         self.typical_run_s: Callable[[str], float | None] = lambda task_type: None  # the runtime sets the placer's
         self.queue_passes: dict[str, tuple[int, float]] = {}
         self.queue_notes: dict[str, str] = {}
+        self.consolidation: dict[str, dict[str, Any]] = {}  # queued lease -> the moves that would free a block for it
         self.grant_seconds: collections.deque[float] = collections.deque(maxlen=20)
         self.ledger = Ledger()
         self.step_count = 0
@@ -376,8 +387,11 @@ class LeaseManager:
 
     @_agent_side
     async def drain_queue(self) -> list[Lease]:
-        """Grant queued requests, in priority-then-age order, while devices allow."""
-        return await lease_queue.drain(self)
+        """Grant queued requests, in priority-then-age order, while devices allow; then, for a head that waits only
+        because the free GPUs are scattered, propose (or perform) the moves that free a block (consolidate.py)."""
+        granted = await lease_queue.drain(self)
+        await consolidate.consider(self)
+        return granted
 
     async def run_queue(self) -> None:
         """Background task: drain the queue whenever devices may have freed."""
@@ -468,7 +482,8 @@ def lease_view(lease: Lease, manager: LeaseManager | None = None) -> dict[str, A
                                      "an operator must look: release the lease again, or stop the VM"})
     if manager is not None and lease.state is S.QUEUED:
         body["queue"] = {"position": manager.queue_position(lease), "eta": manager.eta(lease),
-                         "deadline": queue_deadline(manager.policy, lease), "note": manager.queue_notes.get(lease.id)}
+                         "deadline": queue_deadline(manager.policy, lease), "note": manager.queue_notes.get(lease.id),
+                         "consolidation": manager.consolidation.get(lease.id)}
     return body
 
 

@@ -137,6 +137,16 @@ class Placer:
 
         Filters and scores run once, over every GPU of the host; the topology placer (when wired) or the greedy
         choice picks the set from them; exploration may then swap a single GPU for a near-best one."""
+        return self._place(request, candidates, count, domain_uuid, remember=True)
+
+    def would_place(self, request: LeaseRequest, candidates: Sequence[Gpu], count: int,
+                    domain_uuid: str) -> Placement:
+        """The same decision asked hypothetically (consolidation's "would it fit if these were free"): not recorded
+        among the decisions the dashboard explains, no exploration."""
+        return self._place(request, candidates, count, domain_uuid, remember=False)
+
+    def _place(self, request: LeaseRequest, candidates: Sequence[Gpu], count: int, domain_uuid: str, *,
+               remember: bool) -> Placement:
         topo = self.topology_place
         free = {g.id for g in candidates}
         quarantined = self._quarantined()
@@ -165,9 +175,12 @@ class Placer:
                     candidates=tuple({"gpu_id": g, "score": round(s, 6)} for g, s in scored.ranked()),
                     dropped=dropped, distance=None if spread is None else round(float(spread), 3), rule=scored.rule)
         except Conflict as exc:
-            self._remember({"chosen": [], "rule": RULE_NONE, "candidates": [], "dropped": list(dropped),
-                            "reasons": [exc.message], "distance": None}, request)
+            if remember:
+                self._remember({"chosen": [], "rule": RULE_NONE, "candidates": [], "dropped": list(dropped),
+                                "reasons": [exc.message], "distance": None}, request)
             raise
+        if not remember:
+            return placement
         alt = explore(preq, scored, placement.gpu_ids[0], self.exploration, self.rng) if count == 1 else None
         if alt is not None:
             placement = Placement(gpu_ids=(alt[0],), reasons=(scored.reason, alt[1]), candidates=placement.candidates,

@@ -107,7 +107,8 @@ class DashboardData(DashboardSource):
             "live_leases": sum(1 for x in live if x.state.holds_devices),
             "queued": [{"id": x.id, "domain": x.domain_name, "gpus": x.request.gpus, "priority": x.request.priority,
                         "since": x.queued_at or x.created_at, "position": m.queue_position(x), "eta": m.eta(x),
-                        "deadline": queue_deadline(m.policy, x), "note": m.queue_notes.get(x.id)}
+                        "deadline": queue_deadline(m.policy, x), "note": m.queue_notes.get(x.id),
+                        "consolidation": m.consolidation.get(x.id)}
                        for x in m.queue()],
             "strikes": strikes, "hosts": fleet["hosts"] if fleet else [], "fleet": fleet, "store": self.store_status(),
             "ready": bool(self.rt.started and self.rt.hypervisor_ok), "notes": notes.items,

@@ -92,6 +92,11 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                                       "hot-attached to the same VM (the heartbeat reply's granted_gpus rises); "
                                       "false keeps what was granted"},
             "accept_deferred": {"type": "boolean"},
+            "movable": {"type": "boolean", "default": False,
+                        "description": "the guest can move its work to another GPU when told (the guest agent "
+                                       "sends it when it has an on_move hook): the agent may then move this "
+                                       "lease make-before-break to free a whole block for a waiting request "
+                                       "(leases.consolidate)"},
             "not_after": {"type": "number", "minimum": 0, "maximum": 1e11, "nullable": True,
                           "description": "unix seconds, in the future (checked against the agent's clock)"},
             "start_at": {"type": "number", "minimum": 0, "maximum": 1e11, "nullable": True,
@@ -155,7 +160,13 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                                                         "note": {**_NULLABLE_STR, "description":
                                                                  "why it waits beyond its turn: passed over by "
                                                                  "requests that gain more from the free GPUs, or "
-                                                                 "waiting for a better GPU"}}},
+                                                                 "waiting for a better GPU"},
+                                                        "consolidation": {"type": "object", "nullable": True,
+                                                                          "description": "it waits only because "
+                                                                          "the free GPUs are scattered: the fewest "
+                                                                          "moves that would free a block for it "
+                                                                          "(block, frees, moves, message, "
+                                                                          "performed)"}}},
             "usage": {"type": "object"},
             "placement": {"type": "object"},
             "partial": {"type": "object", "description": "an ACTIVE lease granted fewer GPUs than it asked",

@@ -242,3 +242,20 @@ def test_a_partial_lease_is_topped_up_unless_the_guest_says_no_top_up() -> None:
     assert body["accept_partial"] is True and "top_up" not in body  # the host's default: topped up
     body = request_body(build_parser().parse_args(["lease", "--gpus", "4", "--accept-partial", "--no-top-up"]))
     assert body["top_up"] is False
+
+
+def test_a_guest_with_a_move_hook_says_its_lease_can_move() -> None:
+    """`movable: true` lets the host move the lease to free a block for a waiting request (leases.consolidate):
+    only a guest that can follow a move notice (an `on_move` hook) says it; the host's parser keeps it."""
+    from hostagent.domain.lease import parse_lease_request
+    from hostagent.guest.cli import build_parser, request_body
+    from hostagent.guest.config import GuestConfig
+
+    args = build_parser().parse_args(["lease", "--gpus", "1"])
+    assert "movable" not in request_body(args, GuestConfig())
+    body = request_body(args, GuestConfig(on_move="/usr/local/bin/checkpoint-and-move"))
+    assert body["movable"] is True
+    kw = {"now": 1e9, "max_duration_s": 86400}
+    assert parse_lease_request(body, **kw).movable is True and parse_lease_request({"gpus": 1}, **kw).movable is False
+    with pytest.raises(Exception, match="movable"):
+        parse_lease_request({"gpus": 1, "movable": "yes"}, **kw)

@@ -1,0 +1,162 @@
+"""Consolidation (issue #22): a multi-GPU request that waits only because the free GPUs are scattered gets the
+fewest make-before-break moves that free a whole block, proposed on the queued lease, and performed with
+`leases.consolidate = true`, only for leases whose guest said it can move. dgx8 (two NUMA nodes of four GPUs) over
+the fake kernel and the simulated hypervisor, through the API."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hostagent.domain.lease import LeaseState
+from tests.support.agent import AgentRig, make_rig, operator_login, start_rig
+
+S = LeaseState
+
+
+async def call(rig: AgentRig, who: str, method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:
+    r = await rig.client.request(method, path, json=body, headers=rig.auth(who))
+    return r.status, await r.json()
+
+
+def nodes(rig: AgentRig) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for g in sorted(rig.runtime.manager.gpus.values(), key=lambda g: str(g.address)):
+        out.setdefault(g.numa_node, []).append(g.id)
+    return out
+
+
+async def scatter(rig: AgentRig, free: dict[int, int] | None = None) -> dict[str, str]:
+    """Eight one-GPU leases, then the first `free[node]` (2) of each node released: each node keeps leases on its
+    last GPUs. Returns each kept lease's id by its GPU."""
+    by_gpu: dict[str, dict[str, Any]] = {}
+    for i in range(8):
+        status, lease = await call(rig, "vm-a" if i % 2 else "vm-b", "POST", "/v1/leases",
+                                   {"gpus": 1, "task_type": "training", "movable": True})
+        assert status == 201, lease
+        by_gpu[lease["devices"][0]["gpu_id"]] = lease
+    assert len(by_gpu) == 8
+    kept = {}
+    for node, ids in nodes(rig).items():
+        n = (free or {}).get(node, 2)
+        for gid in ids[:n]:
+            lease = by_gpu[gid]
+            status, _ = await call(rig, "operator", "DELETE", f"/v1/leases/{lease['id']}")
+            assert status in (200, 202), _
+        for gid in ids[n:]:
+            kept[gid] = by_gpu[gid]["id"]
+    return kept
+
+
+async def test_a_request_waiting_on_scattered_gpus_is_proposed_the_fewest_moves(tmp_path: Path,
+                                                                                aiohttp_client: Any) -> None:
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    m = rig.runtime.manager
+    # node 0's two leases can move, node 1's cannot
+    kept = await scatter_by_node(rig, {0: True, 1: False})
+    status, head = await call(rig, "vm-c", "POST", "/v1/leases",
+                              {"gpus": 4, "numa_policy": "required", "accept_deferred": True})
+    assert status == 202 and head["state"] == "QUEUED", head
+    await m.drain_queue()
+    body = (await call(rig, "vm-c", "GET", f"/v1/leases/{head['id']}"))[1]
+    plan = body["queue"]["consolidation"]
+    node0, node1 = nodes(rig)[0], nodes(rig)[1]
+    # two moves free node 0: its two movable leases go to node 1's two free GPUs
+    assert sorted(mv["from"] for mv in plan["moves"]) == node0[2:]
+    assert sorted(mv["to"] for mv in plan["moves"]) == node1[:2]
+    assert {mv["lease_id"] for mv in plan["moves"]} == {kept[g] for g in node0[2:]}
+    assert plan["performed"] is False and "2 move(s) would free" in plan["message"] and "node0" in plan["block"]
+    # proposed only (leases.consolidate is off): nobody moved, and the journal says so once
+    assert all(not m.leases[kept[g]].move for g in node0[2:])
+    await m.drain_queue()
+    events = [e for e in rig.runtime.journal.events(lease_id=head["id"]) if e.kind == "consolidate"]
+    assert len(events) == 1 and "proposed (leases.consolidate is off)" in (events[0].detail or "")
+    assert m.leases[head["id"]].state is S.QUEUED
+    await operator_login(rig)  # the overview's queue says it too
+    page = await (await rig.client.get("/")).text()
+    assert "2 move(s) would free" in page and "proposed (leases.consolidate is off" in page
+
+
+async def test_the_block_that_needs_the_fewest_moves_is_chosen(tmp_path: Path, aiohttp_client: Any) -> None:
+    """Node 1 has one free GPU and three movable leases, node 0 three free and one: one move (node 0's lease to
+    node 1's free GPU) frees node 0, where freeing node 1 would take three."""
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    m = rig.runtime.manager
+    kept = await scatter_by_node(rig, {0: True, 1: True}, free={0: 3, 1: 1})
+    status, head = await call(rig, "vm-c", "POST", "/v1/leases",
+                              {"gpus": 4, "numa_policy": "required", "accept_deferred": True})
+    assert status == 202, head
+    await m.drain_queue()
+    plan = (await call(rig, "vm-c", "GET", f"/v1/leases/{head['id']}"))[1]["queue"]["consolidation"]
+    node0, node1 = nodes(rig)[0], nodes(rig)[1]
+    assert plan["moves"] == [{"lease_id": kept[node0[3]], "from": node0[3], "to": node1[0]}], plan
+    assert plan["frees"] == [node0[3]] and "1 move(s)" in plan["message"]
+
+
+async def test_only_leases_that_said_they_can_move_are_moved(tmp_path: Path, aiohttp_client: Any) -> None:
+    rig = await start_rig(make_rig(tmp_path, leases={"consolidate": True}), aiohttp_client)
+    m = rig.runtime.manager
+    await scatter_by_node(rig, {0: False, 1: False})
+    status, head = await call(rig, "vm-c", "POST", "/v1/leases",
+                              {"gpus": 4, "numa_policy": "required", "accept_deferred": True})
+    assert status == 202, head
+    await m.drain_queue()
+    body = (await call(rig, "vm-c", "GET", f"/v1/leases/{head['id']}"))[1]
+    assert body["queue"]["consolidation"] is None
+    assert not any(x.move for x in m.leases.values())
+    assert not [e for e in rig.runtime.journal.events(lease_id=head["id"]) if e.kind == "consolidate"]
+
+
+async def test_with_consolidate_on_the_moves_run_and_the_request_gets_the_freed_block(tmp_path: Path,
+                                                                                     aiohttp_client: Any) -> None:
+    rig = await start_rig(make_rig(tmp_path, leases={"consolidate": True}), aiohttp_client)
+    m = rig.runtime.manager
+    kept = await scatter_by_node(rig, {0: False, 1: True})
+    status, head = await call(rig, "vm-c", "POST", "/v1/leases",
+                              {"gpus": 4, "numa_policy": "required", "accept_deferred": True})
+    assert status == 202, head
+    await m.drain_queue()
+    node0, node1 = nodes(rig)[0], nodes(rig)[1]
+    movers = [kept[g] for g in node1[2:]]
+    await until(lambda: all(dict(m.leases[lid].move).get("phase") == "waiting" for lid in movers))
+    for lid in movers:  # made before anything breaks: each mover has its old GPU and one on node 0
+        mv = m.leases[lid].move
+        assert dict(mv)["phase"] == "waiting" and dict(mv)["to"] in node0[:2], mv
+    assert m.leases[head["id"]].state is S.QUEUED  # its block is not free until the guests let go
+    events = [e for e in rig.runtime.journal.events(lease_id=head["id"]) if e.kind == "consolidate"]
+    assert len(events) == 1 and "performing it" in (events[0].detail or "")
+    await m.drain_queue()  # moves under way: not planned again
+    assert len([e for e in rig.runtime.journal.events(lease_id=head["id"]) if e.kind == "consolidate"]) == 1
+    for lid in movers:  # each guest confirms: its old GPU goes back to the host
+        owner = next(vm for vm, u in rig.uuids.items() if u == m.leases[lid].domain_uuid)
+        status, done = await call(rig, owner, "POST", f"/v1/leases/{lid}/move/done")
+        assert status == 200, done
+    await m.drain_queue()
+    await until(lambda: m.leases[head["id"]].state is S.ACTIVE)
+    granted = m.leases[head["id"]]
+    assert sorted(granted.gpu_ids) == node1, granted.gpu_ids
+    assert all(set(m.leases[lid].gpu_ids) <= set(node0) for lid in movers)
+
+
+async def until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Wait for the agent's own queue task (woken by each change) to get there."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def scatter_by_node(rig: AgentRig, movable: dict[int, bool], free: dict[int, int] | None = None) -> dict[str, str]:
+    """`scatter`, then each kept lease's movable flag set per node (the API took `movable: true` from every guest;
+    where a lease lands is the placement's choice, so the flag of those on a node is set here afterwards)."""
+    kept = await scatter(rig, free)
+    m = rig.runtime.manager
+    for gid, lid in kept.items():
+        lease = m.leases[lid]
+        want = movable.get(m.gpus[gid].numa_node, False)
+        m.leases[lid] = dataclasses.replace(lease, request=dataclasses.replace(lease.request, movable=want))
+    return kept
