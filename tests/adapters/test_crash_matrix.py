@@ -60,6 +60,9 @@ LIBVIRTD_GRANT_POINTS = ["after-attaching", "after-attach-call", "after-active"]
 LIBVIRTD_RELEASE_POINTS = ["after-detaching", "after-detach-confirmed", "give-back:unbind-vfio"]
 # A partial lease topped up when GPUs free (services.top_up): each of its journaled steps.
 TOP_UP_POINTS = ["top-up:journaled", "top-up:bound", "top-up:attached"]
+# A make-before-break move (services.moves): each journaled step of the make (the guest confirms the move in between)
+# and of the break.
+MOVE_POINTS = ["move:making", "move:bound", "move:attached", "move:breaking", "move:detached"]
 RECLAIM_REASON = "reclaimed: idle"  # the end_reason the reaper's release gives the lease
 ACK_DELAY_S = 0.2  # the guest acknowledges a detach this long after it is asked (the agent waits up to 2 s)
 
@@ -87,7 +90,7 @@ class Row:
     """One crash: where it is, in which world, and what the lease must end as after the restart."""
 
     point: str
-    phase: str  # grant | release | reclaim
+    phase: str  # grant | release | reclaim | top-up | move
     scenario: str = "dgx8"
     gpus: int = 2
     refuse_detach: bool = False  # the guest never lets go of a detached device
@@ -134,6 +137,16 @@ def _run_point(ap: AgentProcess, row: Row) -> str:
             lease_id = body["id"]
             with contextlib.suppress(OSError):
                 ap.call("DELETE", f"/v1/leases/{hold['id']}", token=ap.vm_token)
+        elif row.phase == "move":  # a one-GPU lease moved to a free GPU, the guest confirming at once
+            status, body = _lease(ap, 1)
+            assert status == 201 and body["state"] == "ACTIVE", body
+            lease_id = body["id"]
+            _, gpus = ap.call("GET", "/v1/gpus", token=ap.operator)
+            to = next(g["id"] for g in gpus["gpus"] if g["state"] == "free")
+            with contextlib.suppress(OSError):
+                status, moving = ap.call("POST", f"/v1/leases/{lease_id}/move", {"to": to}, token=ap.operator)
+                assert status == 202, moving
+                ap.call("POST", f"/v1/leases/{lease_id}/move/done", token=ap.vm_token)
         else:
             status, body = _lease(ap, row.gpus)
             assert status == 201 and body["state"] == "ACTIVE", body
@@ -158,6 +171,8 @@ def _run_point(ap: AgentProcess, row: Row) -> str:
             _check_reclaim_survives_restart(ap, lease_id)
         if row.phase == "top-up":  # the restarted agent settles the top-up, then tops it up again: let it finish
             _wait_topped_up(ap, lease_id)
+        if row.phase == "move":
+            _wait_moved(ap, lease_id)
         verdict = check_invariants(ap, since_seq=snap.last_seq)
         lease = verdict.leases.get(lease_id) if lease_id else next(iter(verdict.leases.values()), None)
         state = lease["state"] if lease else "none"
@@ -212,6 +227,22 @@ def _wait_topped_up(ap: AgentProcess, lease_id: str | None) -> None:
     raise AssertionError(f"the top-up did not finish after the restart: {body}")
 
 
+def _wait_moved(ap: AgentProcess, lease_id: str | None) -> None:
+    """The moved lease ends ACTIVE with one GPU and no move under way: a make the restart found attached is
+    confirmed by the guest again (it waits for it), an undone one left the old GPU, a break resumed finishes."""
+    deadline = time.monotonic() + 30
+    body: Any = None
+    while time.monotonic() < deadline:
+        _, body = ap.call("GET", f"/v1/leases/{lease_id}", token=ap.operator)
+        phase = (body.get("move") or {}).get("phase")
+        if body["state"] == "ACTIVE" and phase is None and len(body["devices"]) == 1:
+            return
+        if phase == "waiting":
+            ap.call("POST", f"/v1/leases/{lease_id}/move/done", token=ap.vm_token)
+        time.sleep(0.1)
+    raise AssertionError(f"the move did not settle after the restart: {body}")
+
+
 def _check_reclaim_survives_restart(ap: AgentProcess, lease_id: str | None) -> None:
     """Wait for the reclaim to finish; strike one was not forgotten (one strike-one event) nor acted on early."""
     assert lease_id
@@ -259,6 +290,12 @@ def test_crash_while_the_guest_holds_a_detached_device(tmp_path: Path, point: st
 @pytest.mark.parametrize("point", TOP_UP_POINTS)
 def test_crash_during_top_up(tmp_path: Path, point: str) -> None:
     _run_point(make_agent_process(tmp_path), Row(point, "top-up"))
+
+
+@pytest.mark.parametrize("point", MOVE_POINTS)
+def test_crash_during_a_move(tmp_path: Path, point: str) -> None:
+    state = _run_point(make_agent_process(tmp_path, detach_ack_delay_s=ACK_DELAY_S), Row(point, "move"))
+    assert state == "ACTIVE"
 
 
 @pytest.mark.parametrize("point", RECLAIM_POINTS + MID_RECLAIM_POINTS)

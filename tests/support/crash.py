@@ -376,6 +376,9 @@ def repairs_needed(snap: KillSnapshot) -> dict[str, str]:
         if (x.get("partial") or {}).get("adding"):  # the API's view of a lease stopped mid top-up
             need[x["id"]] = "ACTIVE, stopped in a top-up"
             continue
+        if (x.get("move") or {}).get("phase") in ("making", "breaking"):  # stopped mid-move: finished or undone
+            need[x["id"]] = f"ACTIVE, stopped {x['move']['phase']} a move"
+            continue
         dom = w.domains.get(x["domain"]["uuid"])
         funcs = [f for d in x["devices"] for f in d["functions"]]
         if dom is None or (dom[1] != "running" and not snap.keep_on_domain_stop):
