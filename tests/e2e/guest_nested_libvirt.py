@@ -1,6 +1,6 @@
 """Runs INSIDE the QEMU test guest: libvirtd + an inner QEMU domain, and a real live attach of vfio-pci devices.
 
-Four phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt.py to judge:
+Six phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt.py to judge:
 
   adapter     the two-function e1000e group behind the guest's root port: `hostagent vfio bind`, then
               LibvirtHypervisor.attach_hostdevs (LIVE, each function on its own inner root port) into a running
@@ -17,6 +17,9 @@ Four phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt
               group), function 1 is refused ("Only PCI device addresses with function=0 are supported"), and the
               undo detach of function 0 is never confirmed (no OS; libvirt also refuses to hot-unplug a
               multifunction address). Records how the agent leaves the group: it must not reach e1000e.
+  move        a make-before-break move of a lease from the one-function e1000e to the node-0 one: both on vfio-pci
+              and attached live after the make; the break's detach is never acknowledged (no OS), so the old one
+              stays on vfio-pci in the domain until the domain is destroyed, then both go back to e1000e.
   numa        the guest has two NUMA nodes and one e1000e behind an expander bridge on each; the agent's lease
               service with the production placement (Placer + TopologyPlacer, numa_policy=required) grants a
               request from an inner domain pinned to node 1 (numatune nodeset=1, vCPU on CPU 1) the node-1 device
@@ -233,6 +236,61 @@ async def lease_phase(conn: Any, hv: LibvirtHypervisor, address: str, name: str,
     return rec
 
 
+async def move_phase(conn: Any, hv: LibvirtHypervisor, first: str, second: str) -> dict[str, Any]:
+    """Make-before-break over the real host and libvirt: a lease of `first` (a one-function e1000e group) moved
+    to `second`: the make binds `second`'s group and attaches it live beside `first`; the guest's confirmation
+    starts the break, whose detach the OS-less guest never acknowledges, so `first` must stay on vfio-pci in the
+    domain (the move keeps `breaking`); destroying the domain ends the lease and gives both back."""
+    inv = await asyncio.to_thread(discover, Sysfs("/sys"), vendors=())
+    gpus = []
+    for address in (first, second):
+        group = inv.group_of(address)
+        assert group is not None, f"{address} has no IOMMU group"
+        gpus.append(Gpu(id=gpu_id_for(group.functions[0].address), primary=group.functions[0],
+                        functions=group.functions, group=group))
+    fns = {g.id: [str(f.address) for f in g.functions] for g in gpus}
+    every = [a for g in gpus for a in fns[g.id]]
+    manager = LeaseManager(gpus=gpus, host=SysfsHost(Sysfs("/sys")), hypervisor=hv,  # type: ignore[arg-type]
+                           journal=Journal(Path("/tmp/move.db")),
+                           policy=LeasePolicy(guest_bus=GUEST_BUS, detach_timeout_s=DETACH_TIMEOUT_S))
+    transitions: list[tuple[str, str | None]] = []
+    manager.listeners.append(lambda lease, detail: transitions.append(
+        (lease.state.value if lease is not None else "-", detail)))
+
+    def on_event(ev: DomainEvent) -> None:
+        asyncio.ensure_future(manager.on_domain_event(ev.kind.value, ev.uuid, ev.detail))
+
+    unsubscribe = hv.subscribe(on_event)
+    rec: dict[str, Any] = {"functions": fns, "drivers_before": drivers(every)}
+    try:
+        dom, rec["domain_start_s"] = await asyncio.to_thread(inner_domain, conn, "inner-move")
+        uuid = dom.UUIDString()
+        lease = await manager.request(uuid, LeaseRequest(gpus=1), actor="e2e")
+        rec["granted"] = [lease.state.value, list(lease.gpu_ids)]
+        old = lease.gpu_ids[0] if lease.gpu_ids else None
+        new = next(g.id for g in gpus if g.id != old)
+        rec["old"], rec["new"] = old, new
+        t0 = time.monotonic()
+        moving = await manager.move(lease.id, new, actor="e2e", deadline_s=600)
+        rec["make_s"] = round(time.monotonic() - t0, 2)
+        rec["made"] = {"move": dict(moving.move), "devices": list(moving.gpu_ids), "drivers": drivers(every),
+                       "live_sources": [str(h.source) for h in await hv.attached_hostdevs(uuid)]}
+        t0 = time.monotonic()
+        breaking = await manager.move_done(lease.id, actor="e2e")
+        rec["break_s"] = round(time.monotonic() - t0, 2)
+        await asyncio.sleep(2)  # nothing may give the old device back while QEMU still holds it
+        rec["breaking"] = {"move": dict(breaking.move), "devices": list(breaking.gpu_ids), "drivers": drivers(every),
+                           "live_sources": [str(h.source) for h in await hv.attached_hostdevs(uuid)]}
+        await asyncio.to_thread(dom.destroy)
+        rec["finished"] = await wait_for(lambda: lease.id not in manager.leases, 60)
+        rec["drivers_final"] = drivers(every)
+        rec["gpu_states_final"] = {g.id: manager.gpu_state(g.id).value for g in gpus}
+        rec["transitions"] = transitions
+    finally:
+        unsubscribe()
+    return rec
+
+
 def pinned_domain_xml(name: str, node: int, cpu: int, mode: str) -> str:
     """The tiny inner domain with its memory on `node` (numatune `mode`) and its vCPU on `cpu`."""
     from lxml import etree
@@ -328,6 +386,7 @@ async def run(single: str, pair: list[str], out: Path, by_node: list[str]) -> di
             ("lease_pair", lambda: lease_phase(conn, hv, pair[0], "lease_pair")),
             ("lease_undo", lambda: lease_phase(conn, hv, pair[0], "lease_undo", layout="multifunction")),
             ("numa", lambda: numa_phase(conn, hv, by_node)),
+            ("move", lambda: move_phase(conn, hv, single, by_node[0])),
         ]
         for name, phase in phases:
             t0 = time.monotonic()

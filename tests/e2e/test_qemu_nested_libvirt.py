@@ -52,7 +52,7 @@ def nested() -> dict[str, Any]:
     facts["_explain"] = result.explain() + "".join(
         f"\n--- {name} (tail) ---\n{data.decode(errors='replace')[-1500:]}" for name, data in result.files.items()
         if name.endswith(".log"))
-    timings = {k: facts.get(k, {}).get("phase_s") for k in ("adapter", "lease", "lease_pair", "lease_undo", "numa")}
+    timings = {k: facts.get(k, {}).get("phase_s") for k in ("adapter", "lease", "lease_pair", "lease_undo", "numa", "move")}
     print(f"qemu nested guest: wall {result.wall_s:.1f} s, libvirtd ready {facts['libvirtd'].get('ready_s')} s, "
           f"phases {timings}, adapter attach {facts.get('adapter', {}).get('attach_s')} s, "
           f"detach {facts.get('adapter', {}).get('detach_s')} s, "
@@ -171,3 +171,27 @@ def test_a_pinned_domain_gets_a_device_on_its_own_node_under_numa_policy_require
     assert "refused" in third and "Conflict" in third["refused"], third
     assert rec["drivers_leased"] == {node0: "vfio-pci", node1: "vfio-pci"}
     assert rec["finished"] and rec["drivers_final"] == {node0: "e1000e", node1: "e1000e"}, rec
+
+
+def test_a_move_makes_before_it_breaks_on_real_vfio_and_libvirt(nested: dict[str, Any]) -> None:
+    """Make-before-break over the real host and libvirt (#22): after the make both devices are on vfio-pci and in
+    the live domain; the break's detach of the old one is never acknowledged (no OS), so it stays on vfio-pci in
+    the domain (the move keeps `breaking`, the lease keeps both); destroying the domain gives both back."""
+    rec = _phase(nested, "move")
+    single, node0 = qemu.NIC_ADDR, qemu.NUMA_ADDRS[0]
+    assert rec["drivers_before"] == {single: "e1000e", node0: "e1000e"}, rec
+    assert rec["granted"][0] == "ACTIVE", rec["transitions"]
+    old, new = rec["old"], rec["new"]
+    made = rec["made"]
+    assert made["move"]["phase"] == "waiting" and made["move"]["from"] == old and made["move"]["to"] == new, made
+    assert sorted(made["devices"]) == sorted([old, new])
+    assert made["drivers"] == {single: "vfio-pci", node0: "vfio-pci"}
+    assert sorted(made["live_sources"]) == sorted([single, node0]), made  # made before anything is broken
+    breaking = rec["breaking"]
+    assert breaking["move"]["phase"] == "breaking" and sorted(breaking["devices"]) == sorted([old, new]), breaking
+    assert breaking["drivers"] == {single: "vfio-pci", node0: "vfio-pci"}, breaking  # QEMU still holds the old
+    old_fn = rec["functions"][old][0]
+    assert old_fn in breaking["live_sources"], breaking
+    assert rec["finished"], f"the lease did not end after destroy: {rec['transitions']}"
+    assert rec["drivers_final"] == {single: "e1000e", node0: "e1000e"}, rec
+    assert set(rec["gpu_states_final"].values()) == {"free"}, rec
