@@ -70,6 +70,7 @@ from hostagent.domain.errors import Overloaded, TooManyRequests  # noqa: E402
 from hostagent.domain.inventory import GpuState  # noqa: E402
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseRequest, LeaseState, new_lease  # noqa: E402
 from hostagent.store.journal import JournalEvent  # noqa: E402
+from hostagent.store.sample_repo import ROLL_AFTER_S  # noqa: E402
 
 S = LeaseState
 TASKS = ("training", "inference", "notebook", "batch")
@@ -1291,7 +1292,10 @@ def report(res: dict[str, Any]) -> list[str]:
             f"  Threads_running: mean {statistics.mean(pc['threads_running'] or [0]):.1f}, max "
             f"{max(pc['threads_running'] or [0])}"]
     out += trouble_lines(pc["trouble"], "  ")
-    lag_ok = max(5.0, 2 * (p["roll_after_s"] or 0))  # a what-if roller that waits longer lags by design
+    # the roller waits up to 1.5 x ROLL_AFTER_S for writes to gather (the store's own, or a what-if's), then a
+    # flush interval and a step's time (2 s allowed) may pass before the check sees them folded
+    roll = p["roll_after_s"] if p["roll_after_s"] is not None else ROLL_AFTER_S
+    lag_ok = max(5.0, 1.5 * roll + p["flush_s"] + 2.0)
     keeps = (pc["sent"] >= 0.99 * pc["target"] and pc["refused"] == 0 and pc["drain_s"] < 5
              and pc["delay"]["p99"] < 2000 * p["flush_s"] + 1000 and (pc["lag"]["host_max_s"] or 0) <= lag_ok)
     out.append(f"  keeps up: {'YES' if keeps else 'NO'} (all samples accepted, p99 sample -> commit under "
@@ -1404,7 +1408,9 @@ def projection(res: dict[str, Any]) -> list[str]:
     u = res.get("unit_costs") or {}
     n = 10_000
     rate = n * gpus
-    out = [f"  paced, as the agent runs now (a flush of {gpus} samples and a rollup step per host per second): "
+    roll = p["roll_after_s"] if p["roll_after_s"] is not None else ROLL_AFTER_S
+    out = [f"  paced, as the agent runs now (a flush of {gpus} samples per host per second, a rollup step about "
+           f"every {roll:g} s): "
            f"{per_host * 1000:.2f} ms of server CPU per host per second, {stm:.1f} statements and {commits:.1f} "
            f"commits per host per second, 3 connections per host (writer, roller, reader)"]
     if u:
@@ -1422,9 +1428,11 @@ def projection(res: dict[str, Any]) -> list[str]:
     out.append(f"    as measured here: ~{per_host * n:.0f} server cores, {stm * n:,.0f} statements/s, "
                f"{commits * n:,.0f} commits/s, {3 * n:,} connections")
     if u:
-        now = (u["insert_8_and_commit_us"] + u["rollup_step_8"] * 8) / 1e6  # server s per host per second
-        out.append(f"    as the agent runs when it keeps up (an 8-row flush and an 8-row rollup step per host per "
-                   f"second, from the unit costs): ~{now * n:.0f} server cores")
+        rows = gpus * roll  # a step's rows: its fixed cost (the 8-row step's) plus each row past 8 at the 1000-row rate
+        step = u["rollup_step_8"] * 8 + max(0.0, rows - 8) * u["rollup_step_1000"]
+        now = (u["insert_8_and_commit_us"] + step / roll) / 1e6  # server s per host per second
+        out.append(f"    as the agent runs when it keeps up (an {gpus}-row flush per second and a {rows:g}-row rollup "
+                   f"step every {roll:g} s per host, from the unit costs): ~{now * n:.0f} server cores")
     if u:
         batched = (u["insert_batch_1000"] + u["rollup_step_1000"]) * rate / 1e6
         out.append(f"    with 1000-sample batches (flush every {1000 // gpus} s) and a rollup step per batch: "

@@ -1329,7 +1329,8 @@ TABLE: dict[str, Effect | Proven] = {
         "tests/adapters/test_preemption.py::test_preempt_min_priority_from_config",
         "a queued request of at least this priority reclaims a lower one's GPU", pending=True),
     "leases.consolidate": Proven(
-        "tests/adapters/test_consolidate.py::test_with_consolidate_on_the_moves_run_and_the_request_gets_the_freed_block",
+        "tests/adapters/test_consolidate.py::"
+        "test_with_consolidate_on_the_moves_run_and_the_request_gets_the_freed_block",
         "the moves that free a block for a request waiting on scattered GPUs are performed (off: only proposed, "
         "test_a_request_waiting_on_scattered_gpus_is_proposed_the_fewest_moves)"),
     "leases.max_gpus_per_vm": Effect(

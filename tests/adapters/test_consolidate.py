@@ -150,7 +150,8 @@ async def until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def scatter_by_node(rig: AgentRig, movable: dict[int, bool], free: dict[int, int] | None = None) -> dict[str, str]:
+async def scatter_by_node(rig: AgentRig, movable: dict[int, bool],
+                          free: dict[int, int] | None = None) -> dict[str, str]:
     """`scatter`, then each kept lease's movable flag set per node (the API took `movable: true` from every guest;
     where a lease lands is the placement's choice, so the flag of those on a node is set here afterwards)."""
     kept = await scatter(rig, free)

@@ -52,7 +52,8 @@ def nested() -> dict[str, Any]:
     facts["_explain"] = result.explain() + "".join(
         f"\n--- {name} (tail) ---\n{data.decode(errors='replace')[-1500:]}" for name, data in result.files.items()
         if name.endswith(".log"))
-    timings = {k: facts.get(k, {}).get("phase_s") for k in ("adapter", "lease", "lease_pair", "lease_undo", "numa", "move")}
+    timings = {k: facts.get(k, {}).get("phase_s")
+               for k in ("adapter", "lease", "lease_pair", "lease_undo", "numa", "move")}
     print(f"qemu nested guest: wall {result.wall_s:.1f} s, libvirtd ready {facts['libvirtd'].get('ready_s')} s, "
           f"phases {timings}, adapter attach {facts.get('adapter', {}).get('attach_s')} s, "
           f"detach {facts.get('adapter', {}).get('detach_s')} s, "
