@@ -28,8 +28,9 @@ log = logging.getLogger(LOGGER)
 ROLL_EVERY_WRITES = 8  # the roller folds at least this many sample writes at once...
 # ...or what it has after this long. A reader of this host's rollups never sees the lag (it settles them first:
 # `settle_rollups` wakes the roller); other hosts of a fleet reading them lag by up to this much. 5 s, not 0.5:
-# an agent flushing once a second then folds ~5 writes a step, not one, which halved the rollers' client CPU and
-# cut the flush latency p50 from 203 to 32 ms for 200 hosts on one server (`hostagent bench fleet`, docs/benchmarks.md).
+# an agent flushing once a second then folds ~5 writes a step, not one: for 200 hosts on one server the rollers'
+# client CPU went from 0.90 to 0.38 cores and the flush latency p50 from 203 to 12 ms (`hostagent bench fleet`,
+# docs/benchmarks.md, with the varying wait below).
 ROLL_AFTER_S = 5.0
 SAMPLE_COLUMNS = ("host_id", "gpu_id", "ts_ms", "lease_id", "source", "util_pct", "mem_used_bytes", "work_rate",
                   "vfio_irq_rate")
