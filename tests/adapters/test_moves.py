@@ -5,7 +5,9 @@ reconcile. dgx8 over the fake kernel and the simulated hypervisor, on a controll
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 from hostagent.domain.lease import LeaseRequest, LeaseState
 from hostagent.host.fakekernel import FakeKernel
 from hostagent.runtime import build_runtime
+from hostagent.services import moves
 from hostagent.store.journal import Journal
 from tests.support.agent import AgentRig, Clock, make_rig, start_rig
 
@@ -61,6 +64,9 @@ async def test_a_move_makes_the_new_gpu_tells_the_guest_then_breaks_the_old(tmp_
     gpus = {g["id"]: g for g in (await call(rig, "operator", "GET", "/v1/gpus"))[1]["gpus"]}
     assert gpus[old]["state"] == "free" and gpus[new]["state"] == "leased"
     events = [e.detail or "" for e in rig.runtime.journal.events(lease_id=lease["id"])]
+    steps = [e for e in rig.runtime.journal.events(lease_id=lease["id"]) if (e.detail or "").startswith("move:")]
+    assert {(e.kind, e.from_state, e.to_state) for e in steps} == {("update", "ACTIVE", "ACTIVE")}, steps
+    assert steps[0].actor != steps[-1].actor  # made by the operator, broken by the guest
     assert [e for e in events if e.startswith("move:")][:3] == [
         f"move: {old} -> {new}, making", *[e for e in events if "attached beside" in e][:1],
         *[e for e in events if e.startswith("move: breaking")][:1]]
@@ -104,7 +110,9 @@ async def test_bad_moves_get_a_clear_4xx_and_change_nothing(tmp_path: Path, aioh
         assert status == code, (body, err)
         assert field is None or err["error"]["field"] == field, (body, err)
     status, err = await call(rig, "vm-a", "POST", f"/v1/leases/{lease['id']}/move/done")
-    assert status == 409  # no move waiting
+    assert status == 409 and err["error"]["field"] == "id" and "has no move waiting" in err["error"]["message"], err
+    status, err = await call(rig, "vm-b", "POST", f"/v1/leases/{lease['id']}/move/done")
+    assert status == 404, err  # another VM's lease does not exist for it
     assert rig.runtime.manager.leases[lease["id"]] == before
     assert rig.sysfs_driver(str(rig.runtime.manager.gpus[new].functions[0].address)) == "nvidia"
 
@@ -122,7 +130,7 @@ async def test_a_failed_make_leaves_the_guest_with_its_gpu(tmp_path: Path, aioht
     assert await attached(rig, "vm-a") == set(lease["devices"][0]["functions"])
 
 
-@pytest.mark.parametrize("phase", ["making-not-attached", "making-attached", "breaking"])
+@pytest.mark.parametrize("phase", ["making-not-attached", "making-attached", "breaking", "making-no-target"])
 async def test_a_crash_at_each_step_is_settled_by_reconcile(tmp_path: Path, phase: str) -> None:
     rig = make_rig(tmp_path)
     rig.runtime.use_store = False
@@ -131,7 +139,10 @@ async def test_a_crash_at_each_step_is_settled_by_reconcile(tmp_path: Path, phas
     lease = await m.request(rig.uuids["vm-a"], LeaseRequest(gpus=1), actor="test")
     old = lease.devices[0]
     target = next(g for g in m.gpus.values() if g.id != old.gpu_id)
-    if phase == "making-not-attached":
+    if phase == "making-no-target":  # journaled the move, died before the target joined the lease's devices
+        await rig.runtime.stop()
+        state = lease.with_changes(move=(("from", old.gpu_id), ("phase", "making"), ("to", target.id)))
+    elif phase == "making-not-attached":
         await rig.runtime.stop()
         new = dataclasses.replace(old, gpu_id=target.id, functions=tuple(str(f.address) for f in target.functions),
                                   original_drivers=tuple("nvidia" for _ in target.functions), guest_addresses=())
@@ -154,12 +165,19 @@ async def test_a_crash_at_each_step_is_settled_by_reconcile(tmp_path: Path, phas
     try:
         after = rig.runtime.manager.leases[lease.id]
         repairs = [e.detail or "" for e in rig.runtime.journal.events(lease_id=lease.id, kinds=["repair"])]
-        if phase == "making-not-attached":  # undone: the guest keeps its GPU, the target went back
+        since = [e for e in rig.runtime.journal.events(lease_id=lease.id) if e.kind == "update"][-1]
+        assert since.actor == "reconcile", since  # the restart's own steps, named as such
+        if phase == "making-no-target":
+            assert after.gpu_ids == (old.gpu_id,) and not after.move
+            assert since.detail == "reconcile: a move with no target device", since
+        elif phase == "making-not-attached":  # undone: the guest keeps its GPU, the target went back
             assert after.gpu_ids == (old.gpu_id,) and not after.move
             assert all(rig.sysfs_driver(str(f.address)) == "nvidia" for f in target.functions)
             assert any("undid the move" in r for r in repairs), repairs
-        elif phase == "making-attached":  # made: waits for the guest again
+            assert "the agent stopped before it was attached" in (since.detail or ""), since
+        elif phase == "making-attached":  # made: waits for the guest again, a whole deadline from now
             assert set(after.gpu_ids) == {old.gpu_id, target.id} and dict(after.move)["phase"] == "waiting"
+            assert dict(after.move)["deadline"] >= time.time() + moves.DEFAULT_DEADLINE_S - 60, after.move
             assert any("had attached: waiting for the guest" in r for r in repairs), repairs
         else:  # the break resumes: the old GPU goes back, the lease keeps the new one
             assert after.gpu_ids == (target.id,) and not after.move
@@ -168,3 +186,68 @@ async def test_a_crash_at_each_step_is_settled_by_reconcile(tmp_path: Path, phas
         assert all(rig.sysfs_driver(f) == "vfio-pci" for d in after.devices for f in d.functions)
     finally:
         await rig.runtime.stop()
+
+
+async def test_a_failed_attach_gives_the_target_back_free_for_anyone(tmp_path: Path, aiohttp_client: Any) -> None:
+    """The target was bound, its attach failed (and undid itself): it goes back to its host driver, is free again (no
+    claim left on it: another VM leases it) and is not quarantined; the journal says the guest keeps its device."""
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    lease, old, new = await one_gpu(rig)
+    rig.hv.fail_attach_after = 0
+    status, err = await call(rig, "operator", "POST", f"/v1/leases/{lease['id']}/move", {"to": new})
+    assert status == 409 and f"the guest keeps {old}" in err["error"]["message"], err
+    m = rig.runtime.manager
+    assert all(rig.sysfs_driver(str(f.address)) == "nvidia" for f in m.gpus[new].functions)
+    gpus = {g["id"]: g for g in (await call(rig, "operator", "GET", "/v1/gpus"))[1]["gpus"]}
+    assert gpus[new]["state"] == "free" and new not in m.quarantined and new not in m.claims
+    events = [e.detail or "" for e in rig.runtime.journal.events(lease_id=lease["id"])]
+    assert any(f"move to {new} failed" in e and e.endswith("the guest keeps its device") for e in events), events
+    rig.hv.fail_attach_after = None
+    status, other = await call(rig, "operator", "POST", f"/v1/leases/{lease['id']}/move", {"to": new})
+    assert status == 202, other  # the same target, free again
+
+
+async def test_a_target_that_cannot_go_back_to_its_driver_is_quarantined(tmp_path: Path, aiohttp_client: Any) -> None:
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    lease, old, new = await one_gpu(rig)
+    m = rig.runtime.manager
+    FakeKernel(rig.tree.sys_root).set_fault("no_rebind", str(m.gpus[new].functions[0].address))
+    rig.hv.fail_attach_after = 0
+    status, err = await call(rig, "operator", "POST", f"/v1/leases/{lease['id']}/move", {"to": new})
+    assert status == 409, err
+    assert "a failed move could not return it to the host" in m.quarantined.get(new, ""), m.quarantined
+    after = (await call(rig, "operator", "GET", f"/v1/leases/{lease['id']}"))[1]
+    assert [d["gpu_id"] for d in after["devices"]] == [old] and "move" not in after
+    events = [e.detail or "" for e in rig.runtime.journal.events(lease_id=lease["id"])]
+    assert any("give-back failed" in e and "(quarantined)" in e for e in events), events
+
+
+async def test_a_break_the_guest_holds_up_is_retried_until_it_lets_go(tmp_path: Path, aiohttp_client: Any) -> None:
+    """The guest confirms the move but does not let go of the old device: the move stays `breaking` with both GPUs,
+    the old one on vfio-pci in the domain; each expiry tick tries the break again, and once the guest lets go it
+    finishes: the old GPU back on its host driver, the lease on the new one."""
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    lease, old, new = await one_gpu(rig)
+    m = rig.runtime.manager
+    old_fns = set(lease["devices"][0]["functions"])
+    status, body = await call(rig, "operator", "POST", f"/v1/leases/{lease['id']}/move", {"to": new})
+    assert status == 202, body
+    rig.hv.set_refuse_detach("vm-a")
+    status, done = await call(rig, "vm-a", "POST", f"/v1/leases/{lease['id']}/move/done")
+    assert status == 200 and done["move"]["phase"] == "breaking", done
+    await m.expire_due()  # retried: still held
+    held = m.leases[lease["id"]]
+    assert dict(held.move)["phase"] == "breaking" and set(held.gpu_ids) == {old, new}
+    assert all(rig.sysfs_driver(f) == "vfio-pci" for f in old_fns) and old_fns <= await attached(rig, "vm-a")
+    assert rig.hv.acknowledge_detaches("vm-a") == 1  # the guest lets go at last
+    for _ in range(100):
+        await m.expire_due()
+        if not m.leases[lease["id"]].move:
+            break
+        await asyncio.sleep(0.05)
+    after = m.leases[lease["id"]]
+    assert after.gpu_ids == (new,) and not after.move, after
+    assert all(rig.sysfs_driver(f) == "nvidia" for f in old_fns)
+    assert any(f"moved from {old} to {new} (retry" in r for r in after.reasons), after.reasons  # by the retry
+    events = [e.detail or "" for e in rig.runtime.journal.events(lease_id=lease["id"])]
+    assert len([e for e in events if e.startswith("move: breaking")]) == 1, events  # journaled once, retried after
