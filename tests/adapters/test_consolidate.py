@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from hostagent.domain.lease import LeaseState
 from tests.support.agent import AgentRig, make_rig, operator_login, start_rig
 
@@ -69,6 +71,8 @@ async def test_a_request_waiting_on_scattered_gpus_is_proposed_the_fewest_moves(
     assert sorted(mv["to"] for mv in plan["moves"]) == node1[:2]
     assert {mv["lease_id"] for mv in plan["moves"]} == {kept[g] for g in node0[2:]}
     assert plan["performed"] is False and "2 move(s) would free" in plan["message"] and "node0" in plan["block"]
+    for mv in plan["moves"]:  # the message names every move
+        assert f"{mv['lease_id']} {mv['from']} -> {mv['to']}" in plan["message"], plan
     # proposed only (leases.consolidate is off): nobody moved, and the journal says so once
     assert all(not m.leases[kept[g]].move for g in node0[2:])
     await m.drain_queue()
@@ -78,6 +82,15 @@ async def test_a_request_waiting_on_scattered_gpus_is_proposed_the_fewest_moves(
     await operator_login(rig)  # the overview's queue says it too
     page = await (await rig.client.get("/")).text()
     assert "2 move(s) would free" in page and "proposed (leases.consolidate is off" in page
+    # the proposal follows the host: one of node 0's leases ends, and one move is enough now
+    gone = plan["moves"][0]
+    status, _ = await call(rig, "operator", "DELETE", f"/v1/leases/{gone['lease_id']}")
+    assert status in (200, 202), _
+    await m.drain_queue()
+    plan = (await call(rig, "vm-c", "GET", f"/v1/leases/{head['id']}"))[1]["queue"]["consolidation"]
+    left = {kept[g] for g in node0[2:]} - {gone["lease_id"]}
+    assert [mv["lease_id"] for mv in plan["moves"]] == sorted(left) and "1 move(s)" in plan["message"], plan
+    assert len([e for e in rig.runtime.journal.events(lease_id=head["id"]) if e.kind == "consolidate"]) == 2
 
 
 async def test_the_block_that_needs_the_fewest_moves_is_chosen(tmp_path: Path, aiohttp_client: Any) -> None:
@@ -94,6 +107,27 @@ async def test_the_block_that_needs_the_fewest_moves_is_chosen(tmp_path: Path, a
     node0, node1 = nodes(rig)[0], nodes(rig)[1]
     assert plan["moves"] == [{"lease_id": kept[node0[3]], "from": node0[3], "to": node1[0]}], plan
     assert plan["frees"] == [node0[3]] and "1 move(s)" in plan["message"]
+
+
+@pytest.mark.parametrize("order", ["priority", "age"])
+async def test_of_leases_that_could_move_the_lowest_priority_then_the_youngest_moves(
+        tmp_path: Path, aiohttp_client: Any, order: str) -> None:
+    """A request for 3 on node 0 (two free, two movable leases) needs one move: the lease of lower priority moves,
+    among equal priorities the one granted last."""
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    m = rig.runtime.manager
+    node0 = nodes(rig)[0]
+    kept = await scatter_by_node(rig, {0: True, 1: False})
+    older, younger = sorted((kept[g] for g in node0[2:]), key=lambda lid: m.leases[lid].granted_at or 0)
+    if order == "priority":  # the younger lease has the higher priority: priority decides before age
+        m.leases[younger] = dataclasses.replace(m.leases[younger], request=dataclasses.replace(
+            m.leases[younger].request, priority=5))
+    status, head = await call(rig, "vm-c", "POST", "/v1/leases",
+                              {"gpus": 3, "numa_policy": "required", "accept_deferred": True})
+    assert status == 202, head
+    await m.drain_queue()
+    plan = (await call(rig, "vm-c", "GET", f"/v1/leases/{head['id']}"))[1]["queue"]["consolidation"]
+    assert [mv["lease_id"] for mv in plan["moves"]] == [older if order == "priority" else younger], plan
 
 
 async def test_only_leases_that_said_they_can_move_are_moved(tmp_path: Path, aiohttp_client: Any) -> None:
@@ -128,8 +162,9 @@ async def test_with_consolidate_on_the_moves_run_and_the_request_gets_the_freed_
     assert m.leases[head["id"]].state is S.QUEUED  # its block is not free until the guests let go
     events = [e for e in rig.runtime.journal.events(lease_id=head["id"]) if e.kind == "consolidate"]
     assert len(events) == 1 and "performing it" in (events[0].detail or "")
-    await m.drain_queue()  # moves under way: not planned again
+    await m.drain_queue()  # moves under way: not planned again, and the plan stays shown as performed
     assert len([e for e in rig.runtime.journal.events(lease_id=head["id"]) if e.kind == "consolidate"]) == 1
+    assert m.consolidation[head["id"]]["performed"] is True
     for lid in movers:  # each guest confirms: its old GPU goes back to the host
         owner = next(vm for vm, u in rig.uuids.items() if u == m.leases[lid].domain_uuid)
         status, done = await call(rig, owner, "POST", f"/v1/leases/{lid}/move/done")
@@ -161,3 +196,37 @@ async def scatter_by_node(rig: AgentRig, movable: dict[int, bool],
         want = movable.get(m.gpus[gid].numa_node, False)
         m.leases[lid] = dataclasses.replace(lease, request=dataclasses.replace(lease.request, movable=want))
     return kept
+
+
+def test_each_move_gets_a_destination_of_its_own_where_one_fits() -> None:
+    """The matching behind a plan: occupants in preference order, each given a distinct destination it fits; an
+    occupant whose only fitting destination is taken moves another one's elsewhere (an augmenting path)."""
+    from types import SimpleNamespace
+
+    from hostagent.services.consolidate import _match
+
+    a, b, c = ("g-a", "L-a"), ("g-b", "L-b"), ("g-c", "L-c")
+    d1, d2 = SimpleNamespace(id="d1"), SimpleNamespace(id="d2")
+    fits = {("g-a", "d1"): True, ("g-a", "d2"): True, ("g-b", "d1"): True, ("g-b", "d2"): False,
+            ("g-c", "d1"): False, ("g-c", "d2"): False}
+    got = _match([a, b], [d1, d2], fits, 2)  # a took d1 first; b fits only d1: a moves on to d2
+    assert got is not None and sorted((o, d) for o, _, d in got) == [("g-a", "d2"), ("g-b", "d1")]
+    assert _match([c, a], [d1, d2], fits, 2) is None  # c fits nowhere: two moves cannot be had
+    assert [o for o, _, _ in _match([c, a, b], [d1, d2], fits, 1) or []] == ["g-a"]  # the first that fits
+    fits[("g-a", "d1")] = False  # an unfitting destination is passed over, not the end of the search
+    assert [(o, d) for o, _, d in _match([a], [d1, d2], fits, 1) or []] == [("g-a", "d2")]
+
+
+def test_without_a_topology_the_blocks_are_the_numa_nodes_smallest_first() -> None:
+    from types import SimpleNamespace
+
+    from hostagent.services.consolidate import _blocks
+
+    gpus = {f"g{i}": SimpleNamespace(id=f"g{i}", numa_node=0 if i < 3 else 1) for i in range(5)}
+    m = SimpleNamespace(place=lambda *a: None, gpus=gpus)
+    assert _blocks(m) == [("NUMA node 1", frozenset({"g3", "g4"})), ("NUMA node 0", frozenset({"g0", "g1", "g2"}))]
+    topo = SimpleNamespace(blocks=lambda: (SimpleNamespace(kind="host", id="host", gpu_ids=("g0", "g1", "g2")),
+                                           SimpleNamespace(kind="switch", id="s1", gpu_ids=("g0", "g1"))))
+    for place in (SimpleNamespace(topology=topo), SimpleNamespace(topology_place=SimpleNamespace(topology=topo))):
+        m = SimpleNamespace(place=place, gpus=gpus)  # a topology placer, or the Placer that wraps one
+        assert _blocks(m) == [("switch s1", frozenset({"g0", "g1"})), ("host host", frozenset({"g0", "g1", "g2"}))]
