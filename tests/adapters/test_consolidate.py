@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from hostagent.domain.lease import LeaseState
-from tests.support.agent import AgentRig, make_rig, operator_login, start_rig
+from hostagent.host.fakekernel import FakeKernel
+from hostagent.services import consolidate
+from tests.support.agent import AgentRig, Clock, make_rig, operator_login, start_rig
 
 S = LeaseState
 
@@ -77,8 +79,13 @@ async def test_a_request_waiting_on_scattered_gpus_is_proposed_the_fewest_moves(
     assert all(not m.leases[kept[g]].move for g in node0[2:])
     await m.drain_queue()
     events = [e for e in rig.runtime.journal.events(lease_id=head["id"]) if e.kind == "consolidate"]
-    assert len(events) == 1 and "proposed (leases.consolidate is off)" in (events[0].detail or "")
+    assert len(events) == 1 and events[0].detail == plan["message"] + "; proposed (leases.consolidate is off)"
+    assert events[0].gpu_id == ",".join(plan["frees"]) and plan["proposed_at"] > 0
     assert m.leases[head["id"]].state is S.QUEUED
+    # asked hypothetically: the placer's decisions (the dashboard's "why") hold only the real ones
+    decisions = len(m.place.last_decisions)
+    await consolidate.consider(m)
+    assert len(m.place.last_decisions) == decisions
     await operator_login(rig)  # the overview's queue says it too
     page = await (await rig.client.get("/")).text()
     assert "2 move(s) would free" in page and "proposed (leases.consolidate is off" in page
@@ -161,7 +168,7 @@ async def test_with_consolidate_on_the_moves_run_and_the_request_gets_the_freed_
         assert dict(mv)["phase"] == "waiting" and dict(mv)["to"] in node0[:2], mv
     assert m.leases[head["id"]].state is S.QUEUED  # its block is not free until the guests let go
     events = [e for e in rig.runtime.journal.events(lease_id=head["id"]) if e.kind == "consolidate"]
-    assert len(events) == 1 and "performing it" in (events[0].detail or "")
+    assert len(events) == 1 and (events[0].detail or "").endswith("; performing it"), events
     await m.drain_queue()  # moves under way: not planned again, and the plan stays shown as performed
     assert len([e for e in rig.runtime.journal.events(lease_id=head["id"]) if e.kind == "consolidate"]) == 1
     assert m.consolidation[head["id"]]["performed"] is True
@@ -230,3 +237,61 @@ def test_without_a_topology_the_blocks_are_the_numa_nodes_smallest_first() -> No
     for place in (SimpleNamespace(topology=topo), SimpleNamespace(topology_place=SimpleNamespace(topology=topo))):
         m = SimpleNamespace(place=place, gpus=gpus)  # a topology placer, or the Placer that wraps one
         assert _blocks(m) == [("switch s1", frozenset({"g0", "g1"})), ("host host", frozenset({"g0", "g1", "g2"}))]
+
+
+async def test_a_two_gpu_request_gets_one_move_and_one_short_of_gpus_gets_none(tmp_path: Path,
+                                                                             aiohttp_client: Any) -> None:
+    """Two GPUs wanted, one free on each node: one move frees a second on a node. Four wanted with three free in
+    all: it waits for a GPU, not for where they are, and no move is proposed. A booking far ahead changes neither."""
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    m = rig.runtime.manager
+    await scatter_by_node(rig, {0: True, 1: True}, free={0: 1, 1: 1})
+    status, booked = await call(rig, "vm-d", "POST", "/v1/leases", {
+        "gpus": 1, "start_at": m.clock() + 2 * 86400, "duration_s": 3600})
+    assert status == 201 and booked["state"] == "BOOKED", booked
+    status, head = await call(rig, "vm-c", "POST", "/v1/leases",
+                              {"gpus": 2, "numa_policy": "required", "accept_deferred": True, "duration_s": 3600})
+    assert status == 202, head
+    await m.drain_queue()
+    plan = (await call(rig, "vm-c", "GET", f"/v1/leases/{head['id']}"))[1]["queue"]["consolidation"]
+    assert plan is not None and len(plan["moves"]) == 1, plan
+    status, _ = await call(rig, "vm-c", "DELETE", f"/v1/leases/{head['id']}")
+    status, big = await call(rig, "vm-c", "POST", "/v1/leases",
+                             {"gpus": 4, "numa_policy": "required", "accept_deferred": True, "duration_s": 3600})
+    assert status == 202, big
+    await m.drain_queue()
+    assert (await call(rig, "vm-c", "GET", f"/v1/leases/{big['id']}"))[1]["queue"]["consolidation"] is None
+    assert not m.consolidation
+
+
+async def test_a_plan_whose_move_fails_is_not_tried_again_for_a_minute(tmp_path: Path, aiohttp_client: Any) -> None:
+    clock = Clock()
+    rig = await start_rig(make_rig(tmp_path, clock=clock, leases={"consolidate": True}), aiohttp_client)
+    m = rig.runtime.manager
+    await scatter_by_node(rig, {0: False, 1: True})
+    node0 = nodes(rig)[0]
+    kernel = FakeKernel(rig.tree.sys_root)
+    for gid in node0[:2]:  # the destinations cannot be bound
+        kernel.set_fault("fail_bind", str(m.gpus[gid].functions[0].address))
+    status, head = await call(rig, "vm-c", "POST", "/v1/leases",
+                              {"gpus": 4, "numa_policy": "required", "accept_deferred": True})
+    assert status == 202, head
+
+    def tries() -> int:
+        return sum(1 for x in m.leases.values() for e in rig.runtime.journal.events(lease_id=x.id)
+                   if "failed" in (e.detail or "") and (e.detail or "").startswith("move to "))
+
+    await until(lambda: "failed" in m.consolidation.get(head["id"], {}))
+    assert "to vfio-pci failed" in m.consolidation[head["id"]]["failed"]
+    first = tries()
+    assert first == 1
+    clock.advance(30)
+    await m.drain_queue()
+    assert tries() == first  # within the minute: proposed, not performed again
+    for gid in node0[:2]:
+        kernel.clear_fault("fail_bind", str(m.gpus[gid].functions[0].address))
+    clock.advance(31)
+    await m.drain_queue()
+    await until(lambda: all(dict(m.leases[mv["lease_id"]].move).get("phase") == "waiting"
+                            for mv in m.consolidation[head["id"]]["moves"]))
+    assert tries() == first
