@@ -56,9 +56,8 @@ class Move:
 
 @dataclass(frozen=True)
 class Plan:
-    """The fewest moves that let ``for_lease`` start: the block they free and the moves."""
+    """The fewest moves that let the head of the queue start: the block they free and the moves."""
 
-    for_lease: str
     block: str
     frees: tuple[str, ...]  # the GPUs the moves vacate
     moves: tuple[Move, ...]
@@ -155,7 +154,7 @@ def plan(m: LeaseCore, head: Lease, free: Collection[Gpu], count: int) -> Plan |
         vacated = [m.gpus[gid] for gid, _, _ in matched]
         if not _would_place(m, head, [*here, *vacated], count):
             continue
-        candidate = Plan(head.id, name, tuple(gid for gid, _, _ in matched),
+        candidate = Plan(name, tuple(gid for gid, _, _ in matched),
                          tuple(Move(lease.id, gid, dest) for gid, lease, dest in matched))
         rank = (k, len(ids))
         if best is None or rank < best[0]:

@@ -295,3 +295,31 @@ async def test_a_plan_whose_move_fails_is_not_tried_again_for_a_minute(tmp_path:
     await until(lambda: all(dict(m.leases[mv["lease_id"]].move).get("phase") == "waiting"
                             for mv in m.consolidation[head["id"]]["moves"]))
     assert tries() == first
+
+
+async def test_a_lease_is_never_moved_onto_a_gpu_booked_before_it_ends(tmp_path: Path, aiohttp_client: Any) -> None:
+    """Node 0 has three free GPUs and one lease: one move would free it, but the only free GPU outside it is booked in
+    an hour and the lease runs for eight: it cannot go there. Freeing node 1 instead (its free GPU is booked after
+    the short request ends) takes three moves onto node 0's free GPUs: that is the plan."""
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    m = rig.runtime.manager
+    node0, node1 = nodes(rig)[0], nodes(rig)[1]
+    by_gpu: dict[str, str] = {}
+    for i in range(8):
+        status, lease = await call(rig, "vm-a" if i % 2 else "vm-b", "POST", "/v1/leases",
+                                   {"gpus": 1, "movable": True})
+        assert status == 201, lease
+        by_gpu[lease["devices"][0]["gpu_id"]] = lease["id"]
+    assert (await call(rig, "operator", "DELETE", f"/v1/leases/{by_gpu[node1[0]]}"))[0] in (200, 202)
+    status, booking = await call(rig, "vm-d", "POST", "/v1/leases",
+                                 {"gpus": 1, "start_at": m.clock() + 3600, "duration_s": 3600})
+    assert status == 201 and booking["booking"]["gpus"] == [node1[0]], booking  # the only GPU free then
+    for gid in node0[:3]:
+        assert (await call(rig, "operator", "DELETE", f"/v1/leases/{by_gpu[gid]}"))[0] in (200, 202)
+    status, head = await call(rig, "vm-c", "POST", "/v1/leases",
+                              {"gpus": 4, "numa_policy": "required", "accept_deferred": True, "duration_s": 600})
+    assert status == 202, head
+    await m.drain_queue()
+    plan = (await call(rig, "vm-c", "GET", f"/v1/leases/{head['id']}"))[1]["queue"]["consolidation"]
+    assert plan is not None and "node1" in plan["block"], plan
+    assert sorted(mv["from"] for mv in plan["moves"]) == node1[1:] and node1[0] not in {mv["to"] for mv in plan["moves"]}
