@@ -49,6 +49,8 @@ async def test_a_move_makes_the_new_gpu_tells_the_guest_then_breaks_the_old(tmp_
     assert status == 202, body
     assert body["move"]["phase"] == "waiting" and {d["gpu_id"] for d in body["devices"]} == {old, new}
     new_fns = {f for d in body["devices"] if d["gpu_id"] == new for f in d["functions"]}
+    made = next(d for d in body["devices"] if d["gpu_id"] == new)  # where libvirt put it in the guest
+    assert len(made["guest_addresses"]) == len(made["functions"]) and all(made["guest_addresses"]), made
     assert await attached(rig, "vm-a") == old_fns | new_fns  # made before anything is broken
     assert all(rig.sysfs_driver(f) == "vfio-pci" for f in old_fns | new_fns)
     # the guest is told in its heartbeat reply, with both GPUs and the deadline
@@ -202,6 +204,7 @@ async def test_a_failed_attach_gives_the_target_back_free_for_anyone(tmp_path: P
     rig.hv.fail_attach_after = 0
     status, err = await call(rig, "operator", "POST", f"/v1/leases/{lease['id']}/move", {"to": new})
     assert status == 409 and f"the guest keeps {old}" in err["error"]["message"], err
+    assert err["error"]["field"] == "to", err
     m = rig.runtime.manager
     assert all(rig.sysfs_driver(str(f.address)) == "nvidia" for f in m.gpus[new].functions)
     gpus = {g["id"]: g for g in (await call(rig, "operator", "GET", "/v1/gpus"))[1]["gpus"]}
