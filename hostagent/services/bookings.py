@@ -81,6 +81,12 @@ def clear_for(m: LeaseCore, free: Sequence[Gpu], now: float, until: float) -> li
     return [g for g in free if next_start(cal, g.id, now) >= until]
 
 
+def clear_for_run(m: LeaseCore, free: Sequence[Gpu], request: LeaseRequest, now: float) -> list[Gpu]:
+    """Of `free`, those a request starting now may hold for its whole run (its `duration_s`, else the default
+    length) without reaching a booking of them: a lease that ends in time backfills the gap."""
+    return clear_for(m, free, now, now + (request.duration_s or m.policy.default_duration_s))
+
+
 def renewal_cap(m: LeaseCore, lease: Lease, wanted: float) -> tuple[float, str | None]:
     """A renewal's expiry: `wanted`, or cut at the start of the next booking of one of the lease's GPUs (with why)."""
     if not has_bookings(m):

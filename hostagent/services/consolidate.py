@@ -85,7 +85,7 @@ def _blocks(m: LeaseCore) -> list[tuple[str, frozenset[str]]]:
     return sorted(out, key=lambda b: (len(b[1]), b[0]))
 
 
-def _movable(m: LeaseCore, lease: Lease) -> bool:
+def _movable(lease: Lease) -> bool:
     return (lease.state is S.ACTIVE and lease.request.movable and len(lease.devices) == 1 and not lease.move
             and not lease.adding and lease.notice is None)
 
@@ -137,7 +137,7 @@ def plan(m: LeaseCore, head: Lease, free: Collection[Gpu], count: int) -> Plan |
         if k <= 0 or (best is not None and k > best[0][0]):
             continue
         occupants = sorted(((gid, holder[gid]) for gid in ids if gid in usable and gid in holder
-                            and holder[gid].id != head.id and _movable(m, holder[gid])),
+                            and holder[gid].id != head.id and _movable(holder[gid])),
                            key=lambda o: (o[1].request.priority, -(o[1].granted_at or o[1].created_at), o[0]))
         if len(occupants) < k:
             continue
@@ -185,8 +185,7 @@ def _waits_scattered(m: LeaseCore) -> tuple[Lease, list[Gpu], int] | None:
         return None
     now = m.clock()
     free = [g for g in feasible(m, head.request) if is_free(m, g.id)]
-    if bookings.has_bookings(m):
-        free = bookings.clear_for(m, free, now, now + (head.request.duration_s or m.policy.default_duration_s))
+    free = bookings.clear_for_run(m, free, head.request, now)
     if len(free) < count or _would_place(m, head, free, count):
         return None
     return head, free, count

@@ -204,7 +204,7 @@ async def _decide_and_grant(m: LeaseCore, domain_uuid: str, domain_name: str, re
             return await bookings.book(m, domain_uuid, domain_name, request, candidates, actor, notes)
         free = [g for g in candidates if is_free(m, g.id)]
         # never a GPU it would still hold when a booking of it starts (a lease that ends in time backfills the gap)
-        free = bookings.clear_for(m, free, now, now + (request.duration_s or m.policy.default_duration_s))
+        free = bookings.clear_for_run(m, free, request, now)
         queued = [x for x in m.leases.values() if x.state is S.QUEUED]
         waiting = [Waiting(x.id, x.request.priority, x.queued_at or x.created_at, x.request.gpus) for x in queued]
         # A queued request its own tenant's quota holds back (GPU-hours spent) waits without holding anyone up:

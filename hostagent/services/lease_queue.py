@@ -155,7 +155,7 @@ def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None
             continue
         free = usable.free(x.request)
         if calendar:  # never a GPU it would still hold when a booking of it starts
-            free = bookings.clear_for(m, free, now, now + (x.request.duration_s or m.policy.default_duration_s))
+            free = bookings.clear_for_run(m, free, x.request, now)
         need = min(x.request.gpus, allowed)
         if x is head or (ready and ready[0][0] is head and x.request.priority == head.request.priority):
             # the head can start: every request of its priority that can start too competes with it for the free
