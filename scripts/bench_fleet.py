@@ -47,8 +47,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -60,7 +58,7 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS.parent))
 sys.path.insert(0, str(SCRIPTS))
 
-from bench_ingest import COLUMNS, pymysql_conn  # noqa: E402  (the raw baseline's statement and connection)
+from bench_ingest import COLUMNS, database, pymysql_conn  # noqa: E402  (the raw baseline, the temporary database)
 
 from hostagent import __version__  # noqa: E402
 from hostagent.bench.agentproc import read_cpu_s  # noqa: E402
@@ -702,26 +700,6 @@ class Worker:
 
 
 # -- the coordinator -----------------------------------------------------------------------------------------------
-@contextmanager
-def database(url: str | None, port: int, keep: bool) -> Iterator[str]:
-    """The given URL, or a new database on 127.0.0.1:``port``, dropped afterwards unless ``keep``."""
-    if url:
-        yield url
-        return
-    name = f"bench_fleet_{uuid.uuid4().hex[:8]}"
-    admin = pymysql.connect(host="127.0.0.1", port=port, user="root", autocommit=True)
-    admin.cursor().execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
-    try:
-        yield f"mysql+pymysql://root@127.0.0.1:{port}/{name}"
-    finally:
-        if keep:
-            print(f"kept database {name}", file=sys.stderr)
-        else:
-            admin.ping()
-            admin.cursor().execute(f"DROP DATABASE `{name}`")
-        admin.close()
-
-
 class Server:
     """The MariaDB server seen from outside: its process's CPU, global status counters, max_connections."""
 
@@ -1492,7 +1470,7 @@ def main() -> int:
         args.flood_hosts, args.publish_s = "all,5", 5.0
     if args.hosts < 1 or args.procs < 1 or (args.flood_s and args.flood_s <= args.warmup_s):
         ap.error("need --hosts >= 1, --procs >= 1 and --flood-s > --warmup-s (or 0: no flood)")
-    with database(args.db, args.port, args.keep) as url, tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
+    with database(args.db, args.port, prefix="bench_fleet", keep=args.keep) as url, tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         plan = Plan(url=url, hosts=args.hosts, gpus=args.gpus, procs=min(args.procs, args.hosts),
                     paced_s=args.paced_s, flood_s=args.flood_s, warmup_s=args.warmup_s, repeat=args.repeat,
                     lease_s=args.lease_s, publish_s=args.publish_s, batch=args.batch, flush_s=args.flush_s,

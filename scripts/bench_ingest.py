@@ -39,18 +39,25 @@ COLUMNS = ("host_id", "gpu_id", "ts_ms", "lease_id", "source", "util_pct", "mem_
 
 
 @contextmanager
-def database(url: str | None, port: int = 3306) -> Iterator[str]:
-    """The given URL, or a temporary MariaDB database on 127.0.0.1:``port``, dropped afterwards."""
+def database(url: str | None, port: int = 3306, *, prefix: str = "bench_ingest",
+             keep: bool = False) -> Iterator[str]:
+    """The given URL, or a temporary MariaDB database on 127.0.0.1:``port``, dropped afterwards unless ``keep``
+    (its name then goes to stderr). The admin connection is pinged before the drop: a long run outlives its idle
+    timeout."""
     if url:
         yield url
         return
-    name = f"bench_ingest_{uuid.uuid4().hex[:8]}"
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
     admin = pymysql.connect(host="127.0.0.1", port=port, user="root", autocommit=True)
-    admin.cursor().execute(f"CREATE DATABASE `{name}`")
+    admin.cursor().execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
     try:
         yield f"mysql+pymysql://root@127.0.0.1:{port}/{name}"
     finally:
-        admin.cursor().execute(f"DROP DATABASE `{name}`")
+        if keep:
+            print(f"kept database {name}", file=sys.stderr)
+        else:
+            admin.ping()
+            admin.cursor().execute(f"DROP DATABASE `{name}`")
         admin.close()
 
 
