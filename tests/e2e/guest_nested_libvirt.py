@@ -165,32 +165,52 @@ async def adapter_phase(conn: Any, hv: LibvirtHypervisor, pair: list[str], event
     return rec
 
 
+def gpus_at(inv: Any, addresses: list[str]) -> list[Gpu]:
+    """Each address's whole IOMMU group as a Gpu (a NIC stands in for a GPU: the lease code only cares about the
+    group)."""
+    gpus = []
+    for address in addresses:
+        group = inv.group_of(address)
+        assert group is not None, f"{address} has no IOMMU group"
+        gpus.append(Gpu(id=gpu_id_for(group.functions[0].address), primary=group.functions[0],
+                        functions=group.functions, group=group))
+    return gpus
+
+
+def follow_events(manager: LeaseManager, hv: LibvirtHypervisor) -> Callable[[], None]:
+    """What the runtime does with libvirt events (hostagent.runtime.Runtime._on_domain_event); the unsubscribe."""
+    def on_event(ev: DomainEvent) -> None:
+        asyncio.ensure_future(manager.on_domain_event(ev.kind.value, ev.uuid, ev.detail))
+
+    return hv.subscribe(on_event)
+
+
+def transitions_of(manager: LeaseManager) -> list[tuple[str, str | None]]:
+    """Every journaled step of the manager's leases from now on: (state, detail)."""
+    transitions: list[tuple[str, str | None]] = []
+    manager.listeners.append(lambda lease, detail: transitions.append(
+        (lease.state.value if lease is not None else "-", detail)))
+    return transitions
+
+
 async def lease_phase(conn: Any, hv: LibvirtHypervisor, address: str, name: str,
                       layout: str = "auto") -> dict[str, Any]:
     """The agent's own lease flow over the real host and libvirt, including DETACH_PENDING; `layout`: the
     policy's guest_layout."""
     inv = await asyncio.to_thread(discover, Sysfs("/sys"), vendors=())
-    group = inv.group_of(address)
-    assert group is not None, f"{address} has no IOMMU group"
+    # A NIC pair stands in for a GPU and its audio function: the lease code only cares about the group.
+    [gpu] = gpus_at(inv, [address])
+    group = gpu.group
     pair = [str(a) for a in group.addresses]
     rec: dict[str, Any] = {"functions": pair, "drivers_before": drivers(pair), "layout": layout}
-    # A NIC pair stands in for a GPU and its audio function: the lease code only cares about the group.
-    gpu = Gpu(id=gpu_id_for(group.functions[0].address), primary=group.functions[0], functions=group.functions,
-              group=group)
     # The shipped layout: one guest slot per GPU (multifunction when it has several functions) on a root port.
     # (SysfsHost returns BindResult, duck-compatible with HostOpResult; runtime.py wires it the same way.)
     manager = LeaseManager(gpus=[gpu], host=SysfsHost(Sysfs("/sys")), hypervisor=hv,  # type: ignore[arg-type]
                            journal=Journal(Path(f"/tmp/{name}.db")),
                            policy=LeasePolicy(guest_bus=GUEST_BUS, detach_timeout_s=DETACH_TIMEOUT_S,
                                               guest_layout=layout))
-    transitions: list[tuple[str, str | None]] = []
-    manager.listeners.append(lambda lease, detail: transitions.append(
-        (lease.state.value if lease is not None else "-", detail)))
-    # What the runtime does with libvirt events (hostagent.runtime.Runtime._on_domain_event).
-    def on_event(ev: DomainEvent) -> None:
-        asyncio.ensure_future(manager.on_domain_event(ev.kind.value, ev.uuid, ev.detail))
-
-    unsubscribe = hv.subscribe(on_event)
+    transitions = transitions_of(manager)
+    unsubscribe = follow_events(manager, hv)
     try:
         dom, rec["domain_start_s"] = await asyncio.to_thread(inner_domain, conn, f"inner-{name}")
         uuid = dom.UUIDString()
@@ -242,25 +262,14 @@ async def move_phase(conn: Any, hv: LibvirtHypervisor, first: str, second: str) 
     starts the break, whose detach the OS-less guest never acknowledges, so `first` must stay on vfio-pci in the
     domain (the move keeps `breaking`); destroying the domain ends the lease and gives both back."""
     inv = await asyncio.to_thread(discover, Sysfs("/sys"), vendors=())
-    gpus = []
-    for address in (first, second):
-        group = inv.group_of(address)
-        assert group is not None, f"{address} has no IOMMU group"
-        gpus.append(Gpu(id=gpu_id_for(group.functions[0].address), primary=group.functions[0],
-                        functions=group.functions, group=group))
+    gpus = gpus_at(inv, [first, second])
     fns = {g.id: [str(f.address) for f in g.functions] for g in gpus}
     every = [a for g in gpus for a in fns[g.id]]
     manager = LeaseManager(gpus=gpus, host=SysfsHost(Sysfs("/sys")), hypervisor=hv,  # type: ignore[arg-type]
                            journal=Journal(Path("/tmp/move.db")),
                            policy=LeasePolicy(guest_bus=GUEST_BUS, detach_timeout_s=DETACH_TIMEOUT_S))
-    transitions: list[tuple[str, str | None]] = []
-    manager.listeners.append(lambda lease, detail: transitions.append(
-        (lease.state.value if lease is not None else "-", detail)))
-
-    def on_event(ev: DomainEvent) -> None:
-        asyncio.ensure_future(manager.on_domain_event(ev.kind.value, ev.uuid, ev.detail))
-
-    unsubscribe = hv.subscribe(on_event)
+    transitions = transitions_of(manager)
+    unsubscribe = follow_events(manager, hv)
     rec: dict[str, Any] = {"functions": fns, "drivers_before": drivers(every)}
     try:
         dom, rec["domain_start_s"] = await asyncio.to_thread(inner_domain, conn, "inner-move")
@@ -315,12 +324,7 @@ def start_pinned(conn: Any, name: str, node: int, cpu: int) -> tuple[Any, str, s
 async def numa_phase(conn: Any, hv: LibvirtHypervisor, by_node: list[str]) -> dict[str, Any]:
     """Leases from pinned inner domains, placed by the production placers under numa_policy=required."""
     inv = await asyncio.to_thread(discover, Sysfs("/sys"), vendors=())
-    gpus = []
-    for address in by_node:
-        group = inv.group_of(address)
-        assert group is not None, f"{address} has no IOMMU group"
-        gpus.append(Gpu(id=gpu_id_for(group.functions[0].address), primary=group.functions[0],
-                        functions=group.functions, group=group))
+    gpus = gpus_at(inv, by_node)
     rec: dict[str, Any] = {"gpu_nodes": {str(g.address): g.numa_node for g in gpus},
                            "cells": {str(k): sorted(v) for k, v in numa_cells(Sysfs("/sys")).items()},
                            "drivers_before": drivers(by_node)}
@@ -333,11 +337,7 @@ async def numa_phase(conn: Any, hv: LibvirtHypervisor, by_node: list[str]) -> di
     holder["m"] = manager
     manager.numa_cells = numa_cells(Sysfs("/sys"))
     placer.topology_place = make_topology_place(manager, load_topology(gpus), default_policy="required")
-
-    def on_event(ev: DomainEvent) -> None:
-        asyncio.ensure_future(manager.on_domain_event(ev.kind.value, ev.uuid, ev.detail))
-
-    unsubscribe = hv.subscribe(on_event)
+    unsubscribe = follow_events(manager, hv)
     doms = []
     try:
         for label, node in (("node1", 1), ("node0", 0), ("node1_again", 1)):
