@@ -28,8 +28,9 @@ def test_a_fleet_demo_runs_its_hosts_over_one_store_and_stops_them_all(tmp_path:
         children = []
         try:
             def three() -> bool:
+                # a host publishes as it starts, then again with its URL once its server listens: wait for both
                 status, body = d.api("GET", "/v1/fleet", d.operator)
-                return status == 200 and sorted(h["id"] for h in body["hosts"] if not h["stale"]) == [
+                return status == 200 and sorted(h["id"] for h in body["hosts"] if not h["stale"] and h["url"]) == [
                     "demo-host-1", "demo-host-2", "demo-host-3"]
             assert wait_until(three, timeout=90.0, interval=1.0), d.log[-20:]
             hosts = {h["id"]: h for h in d.api("GET", "/v1/fleet", d.operator)[1]["hosts"]}
