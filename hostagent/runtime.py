@@ -19,19 +19,17 @@ from aiohttp import web
 
 from hostagent.config import Settings
 from hostagent.domain.admission import TokenBucket
-from hostagent.domain.assignment import Fairness
 from hostagent.domain.errors import ConfigError, HostAgentError, InvalidInput, TooManyRequests
 from hostagent.domain.inventory import Gpu
-from hostagent.domain.lease import Lease, LeaseState, Quota
+from hostagent.domain.lease import Lease, LeaseState
 from hostagent.host.adapter import SysfsHost
-from hostagent.host.discovery import Inventory, discover, numa_cells
+from hostagent.host.discovery import Inventory, numa_cells
 from hostagent.host.interrupts import irq_bypass
-from hostagent.host.sysfs import Sysfs
 from hostagent.domain.placement import Exploration
-from hostagent.services.admission import priority_rules
 from hostagent.services.grant_path import gpu_capabilities
 from hostagent.services.fleet import publisher_for
-from hostagent.services.leases import LeaseManager, LeasePolicy, lease_view
+from hostagent.services.leases import LeaseManager, lease_view
+from hostagent.services.out_of_band import OutOfBandWatcher
 from hostagent.services.model_follow import RETRAIN, START, ModelFollower
 from hostagent.services.placement import Placer
 from hostagent.services.reaper import Reaper, host_signal_untrusted, reaper_settings
@@ -41,6 +39,8 @@ from hostagent.services.reconcile import (  # noqa: F401 (MISSED_WHILE_AWAY: re-
     Repair,
     reread_domains,
 )
+from hostagent.adapters import discover_host, open_hypervisor, open_kernel, open_uevents
+from hostagent.policy import lease_policy
 from hostagent.store.journal import Journal, read_boot_id
 from hostagent.web.auth import Identity, TokenBook
 
@@ -53,40 +53,6 @@ REREAD_RETRY_S = 5.0  # a domain whose state could not be re-read after a reconn
 DRIVERS_MAX_AGE_S = 5.0  # the views' function drivers are re-read at least this often (a change made outside the agent)
 REREAD_RETRY_MAX_S = 60.0  # ... doubling up to this, until it answers or a newer reconnect re-reads everything
 SAMPLE_BURST_S = 60.0  # a lease may send this many seconds of store.samples_per_lease_per_s at once
-
-
-def open_hypervisor(settings: Settings) -> Any:
-    """libvirt for a real URI; the simulated hypervisor for `sim:///path/state.json`."""
-    uri = settings.libvirt.uri
-    if uri.startswith("sim://"):
-        from hostagent.virt.sim import SimulatedHypervisor
-
-        path = uri[len("sim://"):] or None
-        # the simulator checks a live attach against the host's sysfs, as libvirt and QEMU do
-        root = settings.host.sysfs_root
-        return SimulatedHypervisor.load(Path(path), sysfs_root=root) if path else SimulatedHypervisor(sysfs_root=root)
-    from hostagent.virt.libvirt_adapter import LibvirtHypervisor
-
-    return LibvirtHypervisor(uri)
-
-
-def open_kernel(settings: Settings) -> Sysfs:
-    """The sysfs at `host.sysfs_root`, answered by the running kernel; `host.kernel = "fake"` composes the fake kernel
-    instead, for a tree that hostagent.host.fakesysfs built (the demo and the test rigs choose it; the real adapters
-    never import a fake, and nothing picks one from what a tree holds)."""
-    if settings.host.kernel == "fake":
-        from hostagent.host.fakekernel import FakeKernel
-
-        return FakeKernel(settings.host.sysfs_root)
-    return Sysfs(settings.host.sysfs_root)
-
-
-def discover_host(settings: Settings) -> Inventory:
-    """Read the host's PCI inventory (read-only)."""
-    sysfs = open_kernel(settings)
-    allow = frozenset(tuple(int(x, 16) for x in pair.split(":")) for pair in settings.host.group_allow_list)
-    return discover(sysfs, vendors=tuple(v.lower() for v in settings.host.gpu_vendors),
-                    pci_ids_path=settings.host.pci_ids_path, allow_list=allow)  # type: ignore[arg-type]
 
 
 def _schema_at_head(url: str) -> None:
@@ -105,30 +71,6 @@ def _schema_at_head(url: str) -> None:
         raise ConfigError(f"store.auto_upgrade is false and the usage store's schema is at {have or 'nothing (empty)'}"
                           f", this agent needs {want}: run `hostagent db upgrade` (or set store.auto_upgrade = true)",
                           field="store.auto_upgrade")
-
-
-def lease_policy(settings: Settings) -> LeasePolicy:
-    """LeasePolicy from settings."""
-    lz = settings.leases
-    projects = tuple(
-        (name, Quota(int(p.get("max_gpus", 0)), float(p.get("max_gpu_hours_per_day", 0)),
-                     int(p["max_priority"]) if p.get("max_priority") is not None else None),
-         tuple(str(d) for d in p.get("domains", ())))
-        for name, p in lz.projects.items()
-    )
-    return LeasePolicy(
-        default_duration_s=lz.default_duration_s, max_duration_s=lz.max_duration_s, queue_max=lz.queue_max,
-        keep_on_domain_stop=lz.keep_on_domain_stop, detach_timeout_s=settings.libvirt.detach_timeout_s,
-        detach_retries=settings.libvirt.detach_retries, guest_bus=settings.libvirt.guest_bus,
-        rom_bar_off=settings.host.rom_bar_off, driver_vfio=settings.host.driver_vfio, guest_layout=settings.host.guest_layout,
-        vm_quota=Quota(lz.max_gpus_per_vm, lz.max_gpu_hours_per_day_per_vm, lz.guest_max_priority),
-        project_quotas=projects, queue_max_per_vm=lz.queue_max_per_vm, queue_max_wait_s=lz.queue_max_wait_s,
-        pinned=frozenset(settings.host.pinned), preempt_min_priority=lz.preempt_min_priority,
-        preempt_notice_s=settings.reclaim.notice_window_s, booking_horizon_s=lz.booking_horizon_s,
-        cap_at_scaling_limit=settings.placement.cap_at_scaling_limit, booking_lead_s=lz.booking_lead_s,
-        fairness=Fairness(lz.fairness_max_passes, lz.fairness_max_delay_s, enabled=lz.queue_order == "advantage"),
-        priority_rules=priority_rules(lz.priority_rules), consolidate=lz.consolidate,
-    )
 
 
 @dataclass
@@ -158,6 +100,7 @@ class Runtime:
     placer: Any = None
     models: Any = None  # the ModelFollower: the placer follows the store's active model version
     fleet: Any = None  # the FleetPublisher: this host's live state to the shared store (services.fleet)
+    watcher: Any = None  # the OutOfBandWatcher: the kernel's uevents for changes the agent did not make
     reread_retry_s: float = REREAD_RETRY_S
     _reconnects: int = 0
     _mirror_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -197,6 +140,10 @@ class Runtime:
                                           for a, d in self.host.current_drivers(g).items()})
         self.drivers_read = (key, time.monotonic(), drivers)
 
+    def drivers_changed(self) -> None:
+        """The kernel said a function's driver changed (services.out_of_band): the views read sysfs again."""
+        self.drivers_read = None
+
     def gpu_view_for(self, gpu_id: str, identity: Identity | None) -> dict[str, Any]:
         """A GPU as a caller may see it: another VM's lease shows only its state, never its id or VM."""
         body = self.gpu_view(gpu_id)
@@ -221,6 +168,7 @@ class Runtime:
             "capabilities": gpu_capabilities(self.manager, g).to_dict(),
             "quarantine_reason": self.manager.quarantined.get(gpu_id),
             "attention": self.manager.attention.get(gpu_id),
+            "missing_functions": [f["address"] for f in body["functions"] if f["address"] in self.manager.missing],
             "lease": None if lease is None else {"id": lease.id, "domain": lease.domain_name, "state": lease.state.value},
         }
 
@@ -322,6 +270,8 @@ class Runtime:
             "reconciled": {"ok": self.started, "repairs": len(self.repairs)},
             "hypervisor": {"ok": self.hypervisor_ok},
         }
+        if self.watcher is not None:  # not required: without uevents the views still re-read sysfs
+            checks["uevents"] = {"ok": self.watcher.watching, "required": False, **self.watcher.status()}
         if self.store is not None:
             checks["store"] = self.store_health()
         return checks
@@ -371,6 +321,8 @@ class Runtime:
             log.error("hypervisor unreachable at start: %s", exc.message)
         self._unsubscribe = self.hypervisor.subscribe(self._on_domain_event)
         self.repairs = await Reconciler(self.manager).run()
+        if self.watcher is not None:
+            await self.watcher.start()
         await self._open_store()
         loop_tasks = [self.manager.run_queue(), self._periodic(5.0, self.manager.expire_due),
                       self._periodic(max(5.0, self.settings.libvirt.detach_timeout_s), self.manager.retry_pending)]
@@ -536,6 +488,8 @@ class Runtime:
             self._unsubscribe = None
         if self.reaper is not None:
             await self.reaper.stop()
+        if self.watcher is not None:
+            await self.watcher.stop()
         tasks, self.tasks = self.tasks, []  # a re-read task leaves the list as it ends: never while it is walked
         for t in tasks:
             t.cancel()
@@ -654,6 +608,9 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
     rt.reaper = Reaper(manager, reaper_settings(settings.reclaim, untrusted), samples_since=rt.samples_since,
                        read_interrupts=host.vfio_interrupts)
     rt.fleet = publisher_for(rt)
+    rt.watcher = OutOfBandWatcher(manager, open_uevents(settings), own=host.own,
+                                  rediscover=lambda: discover_host(settings).gpus,
+                                  on_change=rt.drivers_changed, clock=clock)
     return rt
 
 

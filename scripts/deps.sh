@@ -8,7 +8,7 @@ cd "$repo"
 
 sudo_() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-apt_pkgs=(pkg-config libvirt-dev gcc pci.ids kmod)
+apt_pkgs=(pkg-config libvirt-dev gcc pci.ids kmod libudev1)
 if [ "$mode" = test ]; then
   apt_pkgs+=(libvirt-daemon-system libvirt-daemon-driver-qemu qemu-system-x86 qemu-utils busybox-static cpio
              chromium mariadb-server mariadb-client systemd iproute2 xz-utils zstd)

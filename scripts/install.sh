@@ -50,7 +50,7 @@ need_root
 
 # -- 1. system packages --------------------------------------------------------------------------------------------
 if [ "$do_apt" = 1 ]; then
-  pkgs=(python3 python3-venv python3-dev gcc pkg-config libvirt-dev libvirt-daemon-system qemu-system-x86 pci.ids kmod)
+  pkgs=(python3 python3-venv python3-dev gcc pkg-config libvirt-dev libvirt-daemon-system qemu-system-x86 pci.ids kmod libudev1)
   missing=()
   for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

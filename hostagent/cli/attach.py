@@ -16,7 +16,7 @@ from hostagent.domain.errors import InvalidInput, NotFound
 def cmd_attach(args: argparse.Namespace) -> int:
     """Attach (or detach) a GPU's functions to a domain directly, outside the lease flow (operator tool)."""
     from hostagent.domain.hostdev import free_guest_slots, guest_slots_needed, hostdevs_for_layout
-    from hostagent.runtime import discover_host, open_hypervisor
+    from hostagent.adapters import discover_host, open_hypervisor
 
     settings = settings_for(args)
     inv = discover_host(settings)

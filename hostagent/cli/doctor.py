@@ -13,7 +13,7 @@ from hostagent.cli.common import EXIT_FAIL, EXIT_OK, add_common_options, emit, s
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Host preflight: one line per check."""
     from hostagent.host.doctor import run_checks
-    from hostagent.runtime import discover_host, open_kernel
+    from hostagent.adapters import discover_host, open_kernel
 
     settings = settings_for(args)
     inv = discover_host(settings)

@@ -23,7 +23,7 @@ def _gib(n: int | None) -> str:
 
 def cmd_gpus(args: argparse.Namespace) -> int:
     """List the GPUs of this host from sysfs."""
-    from hostagent.runtime import discover_host
+    from hostagent.adapters import discover_host
 
     inv = discover_host(settings_for(args))
     rows = [gpu_row(g) for g in inv.gpus]

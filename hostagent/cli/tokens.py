@@ -14,7 +14,7 @@ from hostagent.cli.common import EXIT_OK, EXIT_USAGE, add_common_options, die, e
 
 def cmd_token_issue(args: argparse.Namespace) -> int:
     """Issue a bearer token for one VM (bound to its domain UUID) or for an operator."""
-    from hostagent.runtime import open_hypervisor
+    from hostagent.adapters import open_hypervisor
     from hostagent.store.journal import Journal
     from hostagent.web.auth import hash_token, new_token
 

@@ -41,7 +41,7 @@ def human_topology(body: dict[str, Any]) -> None:
 def cmd_topology(args: argparse.Namespace) -> int:
     """The free-block picture from the agent (or from sysfs with --local)."""
     if args.local:
-        from hostagent.runtime import discover_host
+        from hostagent.adapters import discover_host
         from hostagent.services.topology import load_topology, topology_view
 
         settings = settings_for(args)

@@ -29,7 +29,7 @@ def _group_for_address(inv: Any, text: str) -> Any:
 def cmd_vfio(args: argparse.Namespace) -> int:
     """Bind or give back the whole IOMMU group of ADDR, with read-back."""
     from hostagent.host.binding import VfioBinder
-    from hostagent.runtime import discover_host, open_kernel
+    from hostagent.adapters import discover_host, open_kernel
 
     settings = settings_for(args)
     inv = discover_host(settings)

@@ -13,6 +13,7 @@ from hostagent.host import preflight
 from hostagent.host.binding import VFIO_PCI, BindResult, Step, VfioBinder
 from hostagent.host.interrupts import read_vfio_interrupts
 from hostagent.host.sysfs import Sysfs
+from hostagent.host.uevents import OwnChanges
 
 OnStep = Callable[[str, str], None]
 
@@ -29,7 +30,8 @@ class SysfsHost:
         self.allow_boot_vga = allow_boot_vga
         self.no_reset = no_reset
         self.inventory = inventory
-        self.binder = VfioBinder(sysfs, dev_root, step_timeout_s, journal=journal)
+        self.own = OwnChanges()  # the uevents the agent's own writes cause (services.out_of_band tells them apart)
+        self.binder = VfioBinder(sysfs, dev_root, step_timeout_s, journal=journal, own=self.own)
 
     def current_drivers(self, gpu: Gpu) -> dict[str, str | None]:
         """address -> driver bound now, for every function of the GPU's group."""

@@ -22,6 +22,7 @@ from hostagent.domain.hostops import HostOpResult, Step
 from hostagent.domain.inventory import IommuGroup
 from hostagent.domain.pci import PciAddress
 from hostagent.host.sysfs import Sysfs
+from hostagent.host.uevents import OwnChanges, uevent_of
 
 log = logging.getLogger("hostagent.host.binding")
 
@@ -56,8 +57,10 @@ class VfioBinder:
 
     def __init__(self, sysfs: Sysfs, dev_root: str | os.PathLike[str] = "/dev", step_timeout_s: float = 10.0,
                  journal: Callable[[Step], None] | None = None,
-                 load_module: Callable[[str], None] | None = None, vfio_node_wait_s: float = 2.0) -> None:
+                 load_module: Callable[[str], None] | None = None, vfio_node_wait_s: float = 2.0,
+                 own: OwnChanges | None = None) -> None:
         self.sysfs = sysfs
+        self.own = own  # the uevents this binder's writes make the kernel send, for the out-of-band watcher
         self.dev_root = Path(dev_root)
         self.step_timeout_s = step_timeout_s
         self.journal = journal
@@ -269,8 +272,15 @@ class VfioBinder:
                explain=lambda: "vfio-pci driver not registered after loading vfio_pci")
 
     def _write(self, run: _Run, step: str, address: str, rel: str, value: str) -> None:
-        """One sysfs write in a worker thread; a write that does not return in time raises StepTimeout."""
+        """One sysfs write in a worker thread; a write that does not return in time raises StepTimeout.
+
+        A write that makes the kernel send a uevent (an unbind, a bind, a probe) is announced to `own` first (the
+        uevent may arrive before the write returns) and withdrawn when it fails or a probe bound nothing."""
         box: dict[str, BaseException] = {}
+        action = uevent_of(rel) if self.own is not None else None
+        if action is not None:
+            assert self.own is not None
+            self.own.expect(address, action)
 
         def target() -> None:
             try:
@@ -287,6 +297,9 @@ class VfioBinder:
             run.hung = True
             raise StepTimeout(f"{step} of {address} did not return within {self.step_timeout_s:g} s",
                               address=address, step=step)
+        if action is not None and ("error" in box or (rel == "bus/pci/drivers_probe" and self.driver_of(address) is None)):
+            assert self.own is not None
+            self.own.cancel(address, action)
         if "error" in box:
             raise box["error"]
 

@@ -17,6 +17,10 @@ come back from a reset: ENOTTY, as pci_dev_wait gives up). While a hung unbind i
 `<sys>/.fault-hanging/<addr>` exists (see `FakeKernel.hanging`), so a test can wait until the hang has begun, or has
 ended, instead of guessing with sleeps.
 
+Every write to one device (its bind, unbind, probe, driver_override, remove...) holds that device's lock throughout,
+as the driver core's device_lock does: a second writer waits while an unbind is blocked inside the device (hung, or
+waiting for the vfio user), then finds what the first one left (an unbind by then is ENODEV).
+
 A device its user holds open blocks its unbind from vfio-pci, as in Linux: vfio_unregister_group_dev waits until the
 last open file is closed, and meanwhile the driver signals the user's request notifier ("Relaying device request to
 user", drivers/vfio/pci/vfio_pci_core.c), on which QEMU asks the guest to unplug the device. Here the user is the
@@ -24,6 +28,14 @@ simulated hypervisor: it marks the functions a running domain holds in `<sys>/.v
 requests this kernel leaves in `<sys>/.vfio-request/<addr>` (hostagent.virt.sim_rules keeps the same names). The
 unbind waits until the device is closed, at most VFIO_RELEASE_WAIT_S (the real kernel waits for ever), then fails
 with EBUSY; while it waits, `.fault-hanging/<addr>` says so.
+
+Uevents: every driver bind and unbind, and a device's removal and return, appends the kernel's uevent for it to
+`<sys>/.uevents` (a JSON line: action, the device's address, and for a bind its driver; an unbind names none, as
+the kernel's KOBJ_UNBIND is sent once the driver is gone), in the order the kernel emits them
+(`unbind` before `remove`, `add` before the `bind` of its probe); `FakeUevents` reads them as the agent's netlink
+source reads the real kernel's. `devices/ADDR/remove` (remove_store, drivers/pci/pci-sysfs.c) takes the device off
+the bus (unbound first; a device its vfio user holds blocks as an unbind does) and `bus/pci/rescan` brings every
+removed device back and probes its driver (drivers_autoprobe).
 """
 
 from __future__ import annotations
@@ -31,9 +43,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
+import shutil
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hostagent.domain.errors import HostError
@@ -58,6 +73,9 @@ VFIO_OPEN_DIR = ".vfio-open"  # <addr>: the holder (a domain's name) has the fun
 VFIO_REQUEST_DIR = ".vfio-request"  # <addr>: this kernel asked the holder to let go (vfio's request notifier)
 VFIO_RELEASE_WAIT_S = 30.0  # a blocked unbind of a held device gives up (EBUSY) after this long
 VFIO_RELEASE_POLL_S = 0.01
+UEVENT_LOG = ".uevents"  # the kernel's PCI uevents, a JSON line each (FakeUevents reads them)
+DEVICE_LOCK_DIR = ".device-lock"  # <addr>: the device's lock (the driver core's device_lock), as an flock
+REMOVED_DIR = ".removed"  # <addr>/: a device taken off the bus, kept for a rescan to bring back
 
 # modprobe name -> modules it brings in (hard dependencies first), as modules.dep says.
 MODULE_DEPS: dict[str, tuple[str, ...]] = {
@@ -185,6 +203,11 @@ class FakeKernel(Sysfs):
         drivers_dir = self._root_real / "bus/pci/drivers"
         arg = value.strip()
         with contextlib.ExitStack() as blocked:
+            device = (arg if (parent.parent == drivers_dir and attr in ("bind", "unbind"))
+                      or (parent == self._root_real / "bus/pci" and attr == "drivers_probe")
+                      else parent.name if (parent / NATIVE_DRIVER_FILE).exists() else None)
+            if device:  # device_lock(dev): a write waits while another is inside the same device (a blocked unbind)
+                blocked.enter_context(self._device_locked(device))
             if parent.parent == drivers_dir and attr == "unbind":
                 hang = self._fault("hang_unbind", arg)
                 if hang is not None:
@@ -196,10 +219,17 @@ class FakeKernel(Sysfs):
                 if holder is not None:
                     blocked.enter_context(self._blocked(arg, f"{parent.name}/unbind (held by {holder})"))
                     self._wait_released(arg, holder, target)
+            elif attr == "remove" and (parent / NATIVE_DRIVER_FILE).exists() and self._current(parent) == VFIO_PCI:
+                holder = self.holder(parent.name)  # the driver's remove waits for the vfio user as an unbind does
+                if holder is not None:
+                    blocked.enter_context(self._blocked(parent.name, f"remove (held by {holder})"))
+                    self._wait_released(parent.name, holder, target)
             with self._locked():
                 if parent == self._root_real / "bus/pci" and attr == "drivers_probe":
                     self._probe(arg)
-                elif parent == self._root_real / "bus/pci" and attr in ("rescan", "drivers_autoprobe"):
+                elif parent == self._root_real / "bus/pci" and attr == "rescan":
+                    self._rescan(value, target)
+                elif parent == self._root_real / "bus/pci" and attr == "drivers_autoprobe":
                     return
                 elif parent.parent == drivers_dir and attr in ("bind", "unbind", "new_id", "remove_id"):
                     getattr(self, f"_{attr}")(parent.name, arg, target)
@@ -207,6 +237,17 @@ class FakeKernel(Sysfs):
                     self._device_attr(parent, attr, value, target)
                 else:
                     super().write(rel, value)
+
+    @contextlib.contextmanager
+    def _device_locked(self, address: str) -> Iterator[None]:
+        locks = self._root_real / DEVICE_LOCK_DIR
+        locks.mkdir(exist_ok=True)
+        fd = os.open(locks / address, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -238,7 +279,9 @@ class FakeKernel(Sysfs):
             self._reset(dev, value, target)
         elif attr == "reset_method":
             self._reset_method(dev, value, target)
-        elif attr in ("remove", "rescan"):
+        elif attr == "remove":
+            self._remove(dev, value, target)
+        elif attr == "rescan":
             return
         else:
             raise self._err(errno.EACCES, f"{attr} of {dev.name} is read-only", target)
@@ -267,6 +310,52 @@ class FakeKernel(Sysfs):
         if unknown:
             raise self._err(errno.EINVAL, f"{dev.name} does not support reset method(s) {unknown}", target)
         (dev / "reset_method").write_text(" ".join(names) + "\n" if names else "\n")
+
+    def _remove(self, dev: Path, value: str, target: Path) -> None:
+        """`remove`: "1" unbinds the device (its uevent first), takes it off the bus and out of its IOMMU group,
+        and says so (`remove`); the device is kept under REMOVED_DIR for a rescan."""
+        if value.strip() != "1":
+            raise self._err(errno.EINVAL, f"remove of {dev.name} takes 1", target)
+        address = dev.name
+        self._detach(dev)
+        group = self._group(dev)
+        keep = self._root_real / REMOVED_DIR / address
+        keep.mkdir(parents=True, exist_ok=True)
+        (keep / "path").write_text(str(dev))
+        (keep / "group").write_text(group or "")
+        with contextlib.suppress(FileNotFoundError):
+            (self._root_real / "bus/pci/devices" / address).unlink()
+        if group is not None:
+            with contextlib.suppress(FileNotFoundError):
+                (self._root_real / "kernel/iommu_groups" / group / "devices" / address).unlink()
+        shutil.move(str(dev), str(keep / "device"))
+        self._uevent("remove", address, None)
+
+    def _rescan(self, value: str, target: Path) -> None:
+        """`bus/pci/rescan`: "1" brings back every removed device (`add`), then probes its driver."""
+        if value.strip() != "1":
+            raise self._err(errno.EINVAL, "rescan takes 1", target)
+        for keep in sorted((self._root_real / REMOVED_DIR).glob("*")):
+            address = keep.name
+            dev = Path((keep / "path").read_text())
+            shutil.move(str(keep / "device"), str(dev))
+            relative_symlink(self._root_real / "bus/pci/devices" / address, dev)
+            group = (keep / "group").read_text()
+            if group:
+                relative_symlink(self._root_real / "kernel/iommu_groups" / group / "devices" / address, dev)
+            shutil.rmtree(keep)
+            self._uevent("add", address, None)
+            self._probe(address)
+
+    def removed(self) -> list[str]:
+        """Addresses taken off the bus (`remove`) and not yet back (`rescan`)."""
+        return sorted(p.name for p in (self._root_real / REMOVED_DIR).glob("*"))
+
+    def _uevent(self, action: str, address: str, driver: str | None) -> None:
+        """Append the kernel's uevent (under the tree's lock, so in the order the changes happened)."""
+        with (self._root_real / UEVENT_LOG).open("a") as f:
+            f.write(json.dumps({"action": action, "address": address, "driver": driver, "at": time.monotonic()})
+                    + "\n")
 
     def _unbind(self, driver: str, address: str, target: Path) -> None:
         dev = self._dev(address, target)
@@ -371,6 +460,7 @@ class FakeKernel(Sysfs):
         module = DRIVER_MODULES.get(driver)
         if module and not (self._root_real / "module" / module).exists():
             make_module_dir(self._root_real, module)
+        self._uevent("bind", address, driver)
         return True
 
     def _detach(self, dev: Path) -> None:
@@ -388,3 +478,53 @@ class FakeKernel(Sysfs):
             if group is not None and not still:
                 with contextlib.suppress(FileNotFoundError):
                     (self.dev_root / "vfio" / group).unlink()
+        self._uevent("unbind", dev.name, None)  # KOBJ_UNBIND comes after dev->driver = NULL: no DRIVER
+
+
+class FakeUevents:
+    """The fake kernel's uevents as the agent's source (host.uevents.KernelUevents for the real kernel): a thread
+    follows `<sys>/.uevents` from its end at `start` and hands each new event to `deliver` (action, address,
+    driver, and the time.monotonic() the fake kernel sent it: one clock for every process of the machine), which
+    must be thread-safe (the runtime posts it into its event loop). It looks at the log's size every POLL_S and
+    reads only when it grew."""
+
+    POLL_S = 0.01
+
+    def __init__(self, sysfs_root: str | os.PathLike[str]) -> None:
+        self.path = Path(os.path.realpath(sysfs_root)) / UEVENT_LOG
+        self.description = f"the fake kernel's uevents ({self.path})"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, deliver: Callable[[str, str, str | None, float], None]) -> None:
+        """Follow the log from its current end."""
+        offset = self.path.stat().st_size if self.path.exists() else 0
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._follow, args=(deliver, offset), name="fake-uevents", daemon=True)
+        self._thread.start()
+
+    def _follow(self, deliver: Callable[[str, str, str | None, float], None], offset: int) -> None:
+        pending = b""
+        while not self._stop.wait(self.POLL_S):
+            try:
+                if os.stat(self.path).st_size <= offset:
+                    continue
+                with self.path.open("rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except FileNotFoundError:
+                continue
+            offset += len(chunk)
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                with contextlib.suppress(ValueError, KeyError):
+                    ev = json.loads(line)
+                    deliver(ev["action"], ev["address"], ev.get("driver"), float(ev["at"]))
+
+    def stop(self) -> None:
+        """Stop following (waits for the thread)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None

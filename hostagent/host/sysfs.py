@@ -1,7 +1,7 @@
 """sysfs behind a tiny interface with an injectable root, so tests build a tree under tmp_path.
 
 This is the real kernel's interface only: a fake tree's writes are answered by hostagent.host.fakekernel, which the
-composition (runtime.open_kernel, `host.kernel = "fake"`) or a test passes in where a Sysfs is expected."""
+composition (adapters.open_kernel, `host.kernel = "fake"`) or a test passes in where a Sysfs is expected."""
 
 from __future__ import annotations
 

@@ -130,6 +130,7 @@ class LeaseCore(Protocol):
     claims: dict[str, str]
     attention: dict[str, str]
     quarantined: dict[str, str]
+    missing: dict[str, float]  # PCI address -> when the kernel said it left the bus (services.out_of_band)
     listeners: list[Listener]
     _run: Callable[..., Awaitable[Any]]  # a blocking call in a worker thread
     ledger: Ledger  # ended leases of the last day (GPU-hours quotas)

@@ -134,6 +134,7 @@ class LeaseManager:
         self.listeners: list[Listener] = []
         self._wake_queue = asyncio.Event()
         self.quarantined: dict[str, str] = {}
+        self.missing: dict[str, float] = {}  # PCI address -> when it left the bus (services.out_of_band)
         self.step_timings = TimingLog()  # (kind, seconds) of host/hypervisor calls: metrics, overhead figures
         # Set while no lease operation is doing the agent's own work (placement, journal, HTTP around it); waits
         # on sysfs and the hypervisor do not count. Background jobs that share the interpreter (the store mirror)

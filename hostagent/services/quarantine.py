@@ -37,12 +37,17 @@ async def clear_quarantine(m: LeaseCore, gpu_id: str, *, actor: str) -> None:
     A GPU that no lease holds must not come back on vfio-pci (a hung or failed give-back leaves it there): the
     clear first gives its group back to the host drivers, and refuses, keeping the quarantine or the mark, while a
     domain has one of its functions attached, while the domains cannot be listed to tell, or when the give-back
-    fails. A GPU a live lease holds keeps its functions where they are (the lease gives them back when it ends).
+    fails, and while one of its functions is off the PCI bus (services.out_of_band: back with a rescan first). A
+    GPU a live lease holds keeps its functions where they are (the lease gives them back when it ends).
     """
     gpu = m.gpus.get(gpu_id)
     if gpu is None:
         raise NotFound(f"no GPU {gpu_id!r}", field="gpu_id")
     _still_to_clear(m, gpu_id)
+    gone = [str(f.address) for f in gpu.functions if str(f.address) in m.missing]
+    if gone:
+        raise Conflict(f"GPU {gpu_id} is not on the PCI bus ({', '.join(gone)} removed); rescan "
+                       "(echo 1 > /sys/bus/pci/rescan) or reboot before clearing it", field="gpu_id")
     if gpu_id not in m.claims:
         await give_back_unleased(m, gpu, actor)
         _still_to_clear(m, gpu_id)  # another clear may have finished while this one gave the GPU back

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from hostagent.domain.inventory import GpuState
 from hostagent.domain.lease import Lease, LeaseState
+from hostagent.domain.out_of_band import CHANGES
 from hostagent.host.memory import read_memory
 from hostagent.services.lease_types import detach_retries_left
 from hostagent.web.app import hide_server_version, ident
@@ -113,6 +114,18 @@ class _Gauges:
         yield GaugeMetricFamily("hostagent_leases_disputed", "leases whose guest reports busy while the host saw no "
                                 "vfio interrupts (reclaim.guest_busy_host_idle)",
                                 value=len(self.rt.reaper.disputed) if self.rt.reaper is not None else 0)
+        watcher = self.rt.watcher
+        if watcher is not None:
+            oob = CounterMetricFamily("hostagent_out_of_band_changes", "driver changes, removals and additions of GPU "
+                                      "functions the agent did not make, seen in the kernel's uevents, by change",
+                                      labels=["change"])
+            for change in CHANGES:
+                oob.add_metric([change], watcher.counts.get(change, 0))
+            yield oob
+            yield GaugeMetricFamily("hostagent_uevents_watching", "1 while the agent follows the kernel's PCI uevents",
+                                    value=1 if watcher.watching else 0)
+            yield GaugeMetricFamily("hostagent_gpu_functions_missing", "GPU functions the kernel took off the bus "
+                                    "(removed, or fallen off) and not back yet", value=len(self.rt.manager.missing))
         st = self.rt.store.status() if self.rt.store is not None else {"degraded": False, "spool_depth": 0}
         yield GaugeMetricFamily("hostagent_store_degraded", "1 while the usage store is unreachable (spooling)",
                                 value=1 if st["degraded"] else 0)

@@ -211,6 +211,9 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                                                                     "name": {"type": "string"}}}},
             "state": {"type": "string", "enum": ["free", "leased", "warned", "detach-pending", "quarantined",
                                                  "unavailable"]},
+            "missing_functions": {"type": "array", "items": {"type": "string"},
+                                  "description": "functions the kernel took off the PCI bus (removed through sysfs, "
+                                                 "or fallen off) and not back yet; the GPU is quarantined meanwhile"},
         },
     }
     sample = {

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from hostagent.domain.lease import Lease
     from hostagent.host.adapter import SysfsHost
     from hostagent.services.leases import LeaseManager
+    from hostagent.services.out_of_band import OutOfBandWatcher
     from hostagent.services.reaper import Reaper
     from hostagent.store.aio import AsyncUsageStore
     from hostagent.store.ingest import SampleIngestor
@@ -32,6 +33,7 @@ class AgentServices(Protocol):
     store: AsyncUsageStore | None  # None when the agent runs without a usage store
     ingestor: SampleIngestor | None
     reaper: Reaper | None
+    watcher: OutOfBandWatcher | None  # the kernel's uevents (None: not composed, e.g. a test's bare runtime)
     clock: Callable[[], float]
     started: bool  # reconciled and serving
     hypervisor_ok: bool  # the hypervisor connection answers

@@ -83,6 +83,8 @@ def install(app: web.Application, runtime: AgentServices, **kwargs: Any) -> Topo
     topology placer to the learned placer, which places every lease through it."""
     parts = build_parts(runtime, **kwargs)
     app[TOPOLOGY] = parts
+    if runtime.watcher is not None:
+        runtime.watcher.added_listeners.append(lambda added: follow_inventory(runtime, parts))
 
     async def probes_lifecycle(app: web.Application) -> AsyncIterator[None]:
         parts.probes.store = runtime.store  # opened by the runtime's own lifecycle, which runs first
@@ -101,6 +103,14 @@ def install(app: web.Application, runtime: AgentServices, **kwargs: Any) -> Topo
     app.router.add_get("/v1/probes", get_probes)
     app.router.add_post("/v1/gpus/{gpu_id}/probe", post_probe)
     return parts
+
+
+def follow_inventory(runtime: AgentServices, parts: TopologyParts) -> None:
+    """GPUs joined the inventory (a hot-add, services.out_of_band): the topology, and the placer that packs by it,
+    take them in."""
+    topology = load_topology(list(runtime.manager.gpus.values()), runtime.settings.host.nvlink_hints)
+    parts.topology = parts.placer.topology = topology
+    runtime.manager.nvlinked = topology.nvlinked
 
 
 def _states(runtime: AgentServices) -> dict[str, str]:

@@ -14,7 +14,7 @@ from hostagent.domain.errors import HostError
 from hostagent.host.fakekernel import FakeKernel
 from hostagent.host.fakesysfs import SCENARIOS, build_tree
 from hostagent.host.sysfs import Sysfs
-from hostagent.runtime import open_kernel
+from hostagent.adapters import open_kernel
 from tests.support.host import drivers, fake_host
 
 GPU = "0000:02:00.0"  # workstation's Turing card, function 0

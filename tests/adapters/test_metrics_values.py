@@ -65,6 +65,9 @@ COVERED = {
     "hostagent_model_version": "test_model_version_names_the_model_in_use",
     "hostagent_ready": "test_ready_follows_the_hypervisor_connection",
     "hostagent_memory_bytes": "test_memory_by_holder_and_python_blocks",
+    "hostagent_out_of_band_changes_total": "test_out_of_band_changes_and_missing_functions",
+    "hostagent_gpu_functions_missing": "test_out_of_band_changes_and_missing_functions",
+    "hostagent_uevents_watching": "test_out_of_band_changes_and_missing_functions",
     "hostagent_python_allocated_blocks": "test_memory_by_holder_and_python_blocks",
     **dict.fromkeys(("hostagent_gpu_state", "hostagent_gpu_holder", "hostagent_gpu_memory_total_bytes",
                      "hostagent_gpu_utilization_percent", "hostagent_gpu_memory_used_bytes",
@@ -653,3 +656,35 @@ async def test_memory_by_holder_and_python_blocks(tmp_path: Path, aiohttp_client
     assert parts1["malloc_in_use"] - s4.value("hostagent_memory_bytes", part="malloc_in_use") >= 60 * mib
     assert delta(s4, s1, "hostagent_python_allocated_blocks") >= 350_000
     assert len(chunks) == 1  # the last chunk lived until here
+
+
+# ---- changes made outside the agent (the kernel's uevents) -------------------------------------------------------
+
+
+async def test_out_of_band_changes_and_missing_functions(tmp_path: Path, aiohttp_client: Any) -> None:
+    from hostagent.host.fakekernel import FakeKernel
+
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    m = rig.runtime.manager
+    before = await op(rig)
+    assert before.value("hostagent_uevents_watching") == 1
+    assert before.value("hostagent_gpu_functions_missing") == 0
+    first, second = sorted(m.gpus)[:2]
+    outside = FakeKernel(rig.tree.sys_root)
+    outside.write(f"bus/pci/devices/{m.gpus[first].address}/remove", "1")
+    outside.write("bus/pci/drivers/nvidia/unbind", str(m.gpus[second].address))
+    await until(lambda: first in m.quarantined and second in m.attention, 5.0, "both findings")
+    mid = await op(rig)
+    assert delta(before, mid, "hostagent_out_of_band_changes_total", change="removed") == 1
+    assert delta(before, mid, "hostagent_out_of_band_changes_total", change="unbound") == 1
+    assert delta(before, mid, "hostagent_out_of_band_changes_total", change="vfio-bound") == 0
+    assert mid.value("hostagent_gpu_functions_missing") == 1
+    outside.write("bus/pci/rescan", "1")
+    await until(lambda: not m.missing and rig.runtime.watcher.counts["returned"] == 1, 5.0, "the return")
+    after = await op(rig)
+    assert delta(mid, after, "hostagent_out_of_band_changes_total", change="returned") == 1
+    assert after.value("hostagent_gpu_functions_missing") == 0
+    # once it stops following the uevents (as when the netlink socket cannot be opened), the gauge says so
+    await rig.runtime.watcher.stop()
+    assert (await op(rig)).value("hostagent_uevents_watching") == 0
+

@@ -1,6 +1,6 @@
 """Runs INSIDE the QEMU test guest: libvirtd + an inner QEMU domain, and a real live attach of vfio-pci devices.
 
-Six phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt.py to judge:
+Seven phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt.py to judge:
 
   adapter     the two-function e1000e group behind the guest's root port: `hostagent vfio bind`, then
               LibvirtHypervisor.attach_hostdevs (LIVE, each function on its own inner root port) into a running
@@ -20,6 +20,9 @@ Six phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt.
   move        a make-before-break move of a lease from the one-function e1000e to the node-0 one: both on vfio-pci
               and attached live after the make; the break's detach is never acknowledged (no OS), so the old one
               stays on vfio-pci in the domain until the domain is destroyed, then both go back to e1000e.
+  uevents     (tests/e2e/guest_uevents.py) the real kernel's uevents through pyudev: the agent's own lease makes
+              no finding; an unbind, a vfio-pci bind and a remove by hand are noticed; a rescan brings the device
+              back.
   numa        the guest has two NUMA nodes and one e1000e behind an expander bridge on each; the agent's lease
               service with the production placement (Placer + TopologyPlacer, numa_policy=required) grants a
               request from an inner domain pinned to node 1 (numatune nodeset=1, vCPU on CPU 1) the node-1 device
@@ -371,6 +374,8 @@ async def run(single: str, pair: list[str], out: Path, by_node: list[str]) -> di
     Blocking work (the CLI, virDomainCreateXML, destroy) goes to threads: libvirtd drops a client whose event
     loop does not answer its keepalive pings for ~25 s, and under TCG a CLI call or a domain start takes 10-15 s.
     """
+    from tests.e2e.guest_uevents import uevents_phase  # it builds on this module's helpers
+
     facts: dict[str, Any] = {"kernel": os.uname().release, "libvirtd": await asyncio.to_thread(wait_libvirtd)}
     if facts["libvirtd"]["ready_s"] is None:
         return facts
@@ -387,6 +392,7 @@ async def run(single: str, pair: list[str], out: Path, by_node: list[str]) -> di
             ("lease_undo", lambda: lease_phase(conn, hv, pair[0], "lease_undo", layout="multifunction")),
             ("numa", lambda: numa_phase(conn, hv, by_node)),
             ("move", lambda: move_phase(conn, hv, single, by_node[0])),
+            ("uevents", lambda: uevents_phase(conn, hv, single, by_node[0], by_node[1])),
         ]
         for name, phase in phases:
             t0 = time.monotonic()
