@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hostagent.host.fakekernel import FakeKernel
+from tests.adapters.test_dashboard_auth import login
 from tests.support.agent import AgentRig, make_rig, start_rig
 from tests.support.metrics import scrape
 from tests.support.waits import until
@@ -49,6 +50,9 @@ async def test_a_free_gpu_handed_to_vfio_by_hand_is_kept_out_of_placement_until_
                 "the attention mark")
     body = await gpu(rig, gid)
     assert body["state"] == "unavailable" and "outside the agent" in body["attention"]
+    await login(rig, rig.operator)  # the operator's overview says it too
+    overview = await (await rig.client.get("/ui/")).text()
+    assert "bound to vfio-pci outside the agent" in overview
     assert body["functions"][0]["driver"] == "vfio-pci"  # the view read sysfs again on the uevent
     kinds = {e.detail.split(":")[0] for e in events(rig, "out-of-band") if e.gpu_id == gid}
     assert "vfio-bound" in kinds
