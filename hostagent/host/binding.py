@@ -275,12 +275,11 @@ class VfioBinder:
         """One sysfs write in a worker thread; a write that does not return in time raises StepTimeout.
 
         A write that makes the kernel send a uevent (an unbind, a bind, a probe) is announced to `own` first (the
-        uevent may arrive before the write returns) and withdrawn when it fails or a probe bound nothing."""
+        uevent may arrive before the write returns), and `own` is told whether it sent one (not when it failed or a
+        probe bound nothing). A hung write says so when it returns, if ever; its expectation lapses meanwhile."""
         box: dict[str, BaseException] = {}
         action = uevent_of(rel) if self.own is not None else None
-        if action is not None:
-            assert self.own is not None
-            self.own.expect(address, action)
+        expected = self.own.expect(address, action) if self.own is not None and action is not None else None
 
         def target() -> None:
             try:
@@ -297,9 +296,10 @@ class VfioBinder:
             run.hung = True
             raise StepTimeout(f"{step} of {address} did not return within {self.step_timeout_s:g} s",
                               address=address, step=step)
-        if action is not None and ("error" in box or (rel == "bus/pci/drivers_probe" and self.driver_of(address) is None)):
+        if expected is not None:
             assert self.own is not None
-            self.own.cancel(address, action)
+            self.own.done(expected, "error" not in box and (rel != "bus/pci/drivers_probe"
+                                                            or self.driver_of(address) is not None))
         if "error" in box:
             raise box["error"]
 

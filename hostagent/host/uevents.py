@@ -18,6 +18,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 log = logging.getLogger("hostagent.uevents")
 
@@ -35,50 +36,75 @@ def uevent_of(rel: str) -> str | None:
     return m.group(1) if m else None
 
 
+@dataclass(eq=False)
+class Expected:
+    """One uevent the agent expects from its own write; `claimed` by the uevent taken for it (at its `at`)."""
+
+    address: str
+    action: str
+    since: float
+    claimed: tuple[str | None, float | None] | None = None  # (driver, at) of the uevent taken for it
+    sent: bool = False  # the write returned having sent it
+
+
 class OwnChanges:
     """The driver changes the agent is making itself, so that the watcher tells them from anyone else's exactly
-    (by count, never by timing): the binder expects a uevent before each write that sends one and withdraws it when
-    the write fails; the watcher claims one for each uevent it receives. An expectation nobody claimed (a probe of a
-    device that was already bound sends none) lapses after TTL_S. Thread-safe."""
+    (by count, not by timing): the binder `expect`s a uevent before each write that sends one, and says when the
+    write is `done`; the watcher `claim`s one expectation for each uevent it receives. A write that failed (or a
+    probe that bound nothing) sent no uevent: if a uevent was claimed for it all the same, that uevent was someone
+    else's (another writer's unbind completed just before the agent's own attempt, which then found nothing to
+    unbind) and goes to `on_misclaimed` to be judged after all. An expectation never claimed lapses after TTL_S.
+    Thread-safe."""
 
     TTL_S = 120.0
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self._pending: dict[tuple[str, str], collections.deque[float]] = {}
+        self._pending: dict[tuple[str, str], list[Expected]] = {}
+        # (address, action, driver, at) of a uevent claimed for a write that turned out to send none
+        self.on_misclaimed: Callable[[str, str, str | None, float | None], None] | None = None
 
-    def expect(self, address: str, action: str) -> None:
+    def expect(self, address: str, action: str) -> Expected:
         """The agent is about to make the kernel send `action` for `address`."""
+        e = Expected(address, action, self._clock())
         with self._lock:
-            self._pending.setdefault((address, action), collections.deque()).append(self._clock())
+            self._pending.setdefault((address, action), []).append(e)
+        return e
 
-    def cancel(self, address: str, action: str) -> None:
-        """The write failed (or bound nothing): no uevent will come for it."""
+    def done(self, e: Expected, sent: bool) -> None:
+        """The write returned: `sent` when it made the kernel send its uevent, False when it failed or bound
+        nothing. A sent one stays expected until its uevent is claimed."""
         with self._lock:
-            q = self._pending.get((address, action))
-            if q:
-                q.pop()
-                if not q:
-                    del self._pending[(address, action)]
+            if sent and e.claimed is None:
+                e.sent = True  # its uevent is still on its way: the claim takes it out
+                return
+            entries = self._pending.get((e.address, e.action), [])
+            if e in entries:
+                entries.remove(e)
+            if not entries:
+                self._pending.pop((e.address, e.action), None)
+        if not sent and e.claimed is not None and self.on_misclaimed is not None:
+            self.on_misclaimed(e.address, e.action, *e.claimed)
 
-    def claim(self, address: str, action: str, at: float | None = None) -> bool:
-        """A uevent arrived (sent at `at` on this clock, when known): True when it is one the agent expected (and
-        no longer expects it). An expectation made after the uevent was sent is not its: another writer's unbind
-        that completed just before the agent's own attempt stays someone else's."""
+    def claim(self, address: str, action: str, at: float | None = None, driver: str | None = None) -> bool:
+        """A uevent arrived (sent at `at` on this clock, when known): True when it is one the agent expected. An
+        expectation made after the uevent was sent is not its."""
         with self._lock:
-            q = self._pending.get((address, action))
+            entries = self._pending.get((address, action), [])
             now = self._clock()
-            while q and now - q[0] > self.TTL_S:
-                q.popleft()
-            if not q or (at is not None and q[0] > at):
-                if not q:
-                    self._pending.pop((address, action), None)
-                return False
-            q.popleft()
-            if not q:
-                del self._pending[(address, action)]
-            return True
+            entries[:] = [e for e in entries if now - e.since <= self.TTL_S]
+            for e in entries:
+                if e.claimed is None and (at is None or e.since <= at):
+                    e.claimed = (driver, at)
+                    if e.sent:  # its write is done: nothing more will be said of it
+                        entries.remove(e)
+                        if not entries:
+                            self._pending.pop((address, action), None)
+                    return True
+            if not entries:
+                self._pending.pop((address, action), None)
+            return False
 
 
 class UeventsUnavailable(RuntimeError):
@@ -141,4 +167,4 @@ class KernelUevents:
         self._monitor = None
 
 
-__all__ = ["ACTIONS", "KernelUevents", "OwnChanges", "UeventsUnavailable", "uevent_of"]
+__all__ = ["ACTIONS", "Expected", "KernelUevents", "OwnChanges", "UeventsUnavailable", "uevent_of"]

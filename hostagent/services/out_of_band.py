@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ EVENT = "out-of-band"  # the journal event's kind
 SETTLE_S = 0.05  # a change by hand is several writes (unbind, override, probe): look once they have all arrived
 ADD_SETTLE_S = 0.2  # a rescan adds a batch of functions: discover once they have all arrived
 KEEP_FINDINGS = 100
+KEEP_CLAIMED = 256  # the agent's own uevents remembered (as things stood) in case one turns out someone else's
 
 
 class OutOfBandWatcher:
@@ -61,6 +63,9 @@ class OutOfBandWatcher:
         self.added_listeners: list[Callable[[list[Gpu]], None]] = []  # told of GPUs that joined (the topology)
         self._marked: dict[str, str] = {}  # gpu_id -> the attention reason this watcher set (a newer one replaces it)
         self._unknown_added: set[str] = set()
+        self._held_until: dict[str, tuple[str, float]] = {}  # gpu_id -> the last lease that held it, until when
+        # (address, action, at) of a uevent taken for the agent's own -> (the driver before, the lease then)
+        self._claimed: dict[tuple[str, str, float | None], tuple[str | None, str | None]] = {}
         self._last_driver: dict[str, str | None] = {}
         self._by_address: dict[str, str] = {}
         self._wake = asyncio.Event()
@@ -74,6 +79,9 @@ class OutOfBandWatcher:
         self._index()
         self._last_driver = await self.m._run(self._read_all)
         self._loop = asyncio.get_running_loop()
+        self.m.listeners.append(self._on_lease)
+        if self.own is not None:
+            self.own.on_misclaimed = self._misclaimed
         try:
             self.source.start(self._from_thread)
         except Exception as exc:  # UeventsUnavailable, or any failure of a source to open
@@ -108,9 +116,21 @@ class OutOfBandWatcher:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self.deliver, action, address, driver, at)
 
-    def deliver(self, action: str, address: str, driver: str | None, at: float | None = None) -> None:
-        """One uevent, in the event loop (`at`: when it was sent, time.monotonic()): note it, wake the handler."""
-        self.uevents += 1
+    def _misclaimed(self, address: str, action: str, driver: str | None, at: float | None) -> None:
+        """A uevent taken for one of the agent's writes that sent none (from the writer's thread): someone else's."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(functools.partial(self.deliver, action, address, driver, at, mine=False))
+
+    def deliver(self, action: str, address: str, driver: str | None, at: float | None = None, *,
+                mine: bool | None = None) -> None:
+        """One uevent, in the event loop (`at`: when it was sent, time.monotonic()): note it, wake the handler.
+        `mine`: False for a uevent taken for the agent's own at first, known now to be someone else's (None: ask
+        `own`)."""
+        if mine is None:
+            self.uevents += 1
+        else:
+            self.own_uevents -= 1
         gpu_id = self._by_address.get(address)
         if gpu_id is None:
             if action == "add":
@@ -118,16 +138,28 @@ class OutOfBandWatcher:
                 self._wake.set()
             return
         was = self._last_driver.get(address)
-        self._last_driver[address] = driver if action == "bind" else None
-        if action in ("bind", "unbind") and self.own is not None and self.own.claim(address, action, at):
+        then = self._lease_of(gpu_id)
+        if then is None and at is not None and gpu_id in self._held_until:
+            lease_id, until = self._held_until[gpu_id]
+            if until >= at:  # sent while a lease that has ended since held the GPU
+                then = lease_id
+        if mine is None:
+            self._last_driver[address] = driver if action == "bind" else None
+        else:  # as things stood when it arrived
+            was, then = self._claimed.pop((address, action, at), (was, then))
+        if (mine is None and action in ("bind", "unbind") and self.own is not None
+                and self.own.claim(address, action, at, driver)):
             self.own_uevents += 1
+            self._claimed[(address, action, at)] = (was, then)
+            while len(self._claimed) > KEEP_CLAIMED:
+                self._claimed.pop(next(iter(self._claimed)))
             self.on_change()
             return
         touched = self._touched.setdefault(gpu_id, {})
         before = touched.get(address)
         held_by = before.held_by if before is not None else None
         if held_by is None and action in ("bind", "unbind"):
-            held_by = self._lease_of(gpu_id)
+            held_by = then
         if before is not None and before.action in ("add", "remove") and action in ("bind", "unbind"):
             action = before.action  # the return (or the removal) is the news; the probe's bind that follows is not
         touched[address] = Touch(action, before.was if before is not None else was, held_by,
@@ -180,6 +212,14 @@ class OutOfBandWatcher:
             await self._act(f)
         self.on_change()
         return findings
+
+    def _on_lease(self, lease: Any, detail: str | None) -> None:
+        """Lease listener: when a lease ends, remember until when it held its GPUs (time.monotonic(), the uevents'
+        clock), so a uevent sent before its end and read after is still judged as the lease's."""
+        if lease is not None and lease.state.terminal:
+            now = time.monotonic()
+            for gpu_id in lease.gpu_ids:
+                self._held_until[gpu_id] = (lease.id, now)
 
     def _lease_of(self, gpu_id: str) -> str | None:
         """The live lease holding the GPU now (a probe's claim is none)."""
