@@ -1,7 +1,10 @@
 """Runs INSIDE the QEMU test guest: libvirtd + an inner QEMU domain, and a real live attach of vfio-pci devices.
 
-Seven phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt.py to judge:
+Eight phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt.py to judge:
 
+  guest_os    (tests/e2e/guest_os_lease.py) an inner domain that boots a real Linux: the agent leases the
+              two-function group into it, the inner kernel sees both functions, the release's unplug is
+              acknowledged by the inner kernel (DEVICE_REMOVED) and both go back to e1000e: RELEASED.
   adapter     the two-function e1000e group behind the guest's root port: `hostagent vfio bind`, then
               LibvirtHypervisor.attach_hostdevs (LIVE, each function on its own inner root port) into a running
               inner domain, the live XML, detach_hostdevs against a guest with no OS (it never acknowledges:
@@ -61,19 +64,11 @@ from hostagent.virt.libvirt_adapter import LibvirtHypervisor
 from hostagent.virt.port import DomainEvent
 from tests.e2e.guest_vfio import cli
 from hostagent.bench.libvirtd import tiny_domain_xml
+from tests.e2e.inner_os import drivers, wait_libvirtd
 
 URI = "qemu:///system"
 GUEST_BUS = 1  # the inner domain's first pcie-root-port (libvirt gives it index 1)
 DETACH_TIMEOUT_S = 8.0  # libvirt's own wait for an unacknowledged detach is ~5 s
-
-
-def drivers(addresses: list[str]) -> dict[str, str | None]:
-    """The driver bound to each address now, from sysfs."""
-    out = {}
-    for a in addresses:
-        link = Path("/sys/bus/pci/devices", a, "driver")
-        out[a] = os.path.basename(os.readlink(link)) if link.is_symlink() else None
-    return out
 
 
 def vfio_holders(group: int) -> list[str]:
@@ -88,22 +83,6 @@ def vfio_holders(group: int) -> list[str]:
         except OSError:
             continue
     return found
-
-
-def wait_libvirtd(timeout_s: float = 120.0) -> dict[str, Any]:
-    """Wait until the guest's libvirtd (started by the test's shell script) answers, QEMU probing included."""
-    t0 = time.monotonic()
-    last = ""
-    while time.monotonic() - t0 < timeout_s:
-        try:
-            conn = libvirt.open(URI)
-            conn.getCapabilities()  # the first call also waits for QEMU capability probing
-            conn.close()
-            return {"ready_s": round(time.monotonic() - t0, 2)}
-        except libvirt.libvirtError as exc:
-            last = str(exc)
-            time.sleep(0.5)
-    return {"ready_s": None, "error": last}
 
 
 def inner_domain(conn: Any, name: str) -> tuple[Any, float]:
@@ -368,13 +347,14 @@ async def numa_phase(conn: Any, hv: LibvirtHypervisor, by_node: list[str]) -> di
     return rec
 
 
-async def run(single: str, pair: list[str], out: Path, by_node: list[str]) -> dict[str, Any]:
+async def run(single: str, pair: list[str], out: Path, by_node: list[str], vmlinux: str) -> dict[str, Any]:
     """Start libvirtd, then every phase; each phase's facts end up in the result even when one fails.
 
     Blocking work (the CLI, virDomainCreateXML, destroy) goes to threads: libvirtd drops a client whose event
     loop does not answer its keepalive pings for ~25 s, and under TCG a CLI call or a domain start takes 10-15 s.
     """
-    from tests.e2e.guest_uevents import uevents_phase  # it builds on this module's helpers
+    from tests.e2e.guest_os_lease import guest_os_phase  # these build on this module's helpers
+    from tests.e2e.guest_uevents import uevents_phase
 
     facts: dict[str, Any] = {"kernel": os.uname().release, "libvirtd": await asyncio.to_thread(wait_libvirtd)}
     if facts["libvirtd"]["ready_s"] is None:
@@ -386,6 +366,7 @@ async def run(single: str, pair: list[str], out: Path, by_node: list[str]) -> di
     await hv.connect()
     try:
         phases: list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]] = [
+            ("guest_os", lambda: guest_os_phase(conn, hv, pair[0], vmlinux)),  # first: the pair is fresh
             ("adapter", lambda: adapter_phase(conn, hv, pair, events)),
             ("lease", lambda: lease_phase(conn, hv, single, "lease")),
             ("lease_pair", lambda: lease_phase(conn, hv, pair[0], "lease_pair")),
@@ -411,6 +392,6 @@ async def run(single: str, pair: list[str], out: Path, by_node: list[str]) -> di
 if __name__ == "__main__":
     target = Path(os.environ.get("OUT", "."))
     t_start = time.monotonic()
-    result = asyncio.run(run(sys.argv[1], sys.argv[2:4], target, sys.argv[4:6]))
+    result = asyncio.run(run(sys.argv[1], sys.argv[2:4], target, sys.argv[4:6], sys.argv[6]))
     result["script_s"] = round(time.monotonic() - t_start, 2)
     (target / "nested.json").write_text(json.dumps(result, indent=1))
