@@ -60,7 +60,10 @@ async def test_a_free_gpu_handed_to_vfio_by_hand_is_kept_out_of_placement_until_
     assert s.value("hostagent_out_of_band_changes_total", change="vfio-bound") == 1
     assert s.value("hostagent_uevents_watching") == 1
     ready = await (await rig.client.get("/readyz")).json()
-    assert ready["checks"]["uevents"]["ok"] and ready["checks"]["uevents"]["changes"] == {"vfio-bound": 1}
+    check = ready["checks"]["uevents"]
+    assert check["ok"] and check["watching"] and check["changes"] == {"vfio-bound": 1} and check["error"] is None
+    assert check["uevents"] == 2 and check["own_uevents"] == 0 and check["missing"] == []  # unbind, probe's bind
+    assert "fake kernel" in check["source"]
     # placement never gives it out: the seven others are granted, an eighth waits
     r = await rig.client.post("/v1/leases", json={"gpus": 7}, headers=rig.auth("vm-a"))
     lease = await r.json()
@@ -193,7 +196,14 @@ async def test_a_gpu_hot_added_joins_the_inventory_without_a_restart(tmp_path: P
     listed = (await (await rig.client.get("/v1/gpus", headers=rig.auth("operator"))).json())["gpus"]
     assert gid in [g["id"] for g in listed]
     added = [e for e in events(rig, "out-of-band") if e.gpu_id == gid]
-    assert added and added[0].detail.startswith("added:")
+    assert added and added[0].detail.startswith("added:") and addr in added[0].detail
+    assert [f["address"] for f in rig.runtime.watcher.findings if f["change"] == "added"] == [addr]
+    # the watcher knows the new GPU's drivers from the discovery: an unbind by hand says which it lost
+    FakeKernel(rig.tree.sys_root).write("bus/pci/drivers/nvidia/unbind", addr)
+    await until(lambda: gid in m.attention, SOON, "the attention mark")
+    assert "unbound from nvidia" in m.attention[gid]
+    r = await rig.client.post(f"/v1/gpus/{gid}/clear-quarantine", headers=rig.auth("operator"))
+    assert r.status in (200, 204), await r.text()
     r = await rig.client.post("/v1/leases", json={"gpus": 8}, headers=rig.auth("vm-a"))
     lease = await r.json()
     assert r.status == 201, lease
@@ -292,3 +302,60 @@ async def test_a_uevent_sent_before_its_lease_ended_is_still_that_leases(tmp_pat
     w.deliver("bind", addr, "nouveau", time.monotonic())
     await asyncio.sleep(0.3)
     assert w.counts == {"unbound": 1}
+
+
+async def test_the_agent_looks_only_once_a_step_on_the_gpus_group_is_done(tmp_path: Path,
+                                                                          aiohttp_client: Any) -> None:
+    """The look takes the GPU's IOMMU group lock: while one of the agent's own steps holds it (here the test
+    does), nothing is judged; once it is released, the change is."""
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    gid, addr = free_gpu(rig)
+    m, w = rig.runtime.manager, rig.runtime.watcher
+    lock = m._group_lock(m.gpus[gid].iommu_group)
+    await lock.acquire()
+    try:
+        FakeKernel(rig.tree.sys_root).write("bus/pci/drivers/nvidia/unbind", addr)
+        await until(lambda: w.uevents >= 1, SOON, "the uevent")
+        await asyncio.sleep(0.3)
+        assert not w.counts and gid not in m.attention
+    finally:
+        lock.release()
+    await until(lambda: w.counts["unbound"] == 1, SOON, "the finding once the step is done")
+    assert "unbound from nvidia" in m.attention[gid]
+
+
+async def test_a_leased_gpu_fallen_off_the_bus_quarantines_it_and_marks_the_lease(tmp_path: Path,
+                                                                                   aiohttp_client: Any) -> None:
+    """A `remove` (injected: a surprise removal, nothing asked) of a function a live lease holds: the GPU is
+    quarantined, the finding and the lease name each other."""
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    r = await rig.client.post("/v1/leases", json={"gpus": 1}, headers=rig.auth("vm-a"))
+    lease = await r.json()
+    gid, addr = lease["devices"][0]["gpu_id"], lease["devices"][0]["functions"][0]
+    w, m = rig.runtime.watcher, rig.runtime.manager
+    await until(lambda: w.own_uevents >= 2, SOON, "the grant's own uevents")
+    w.deliver("remove", addr, None, None)
+    assert addr in m.missing  # at once, before the look
+    await until(lambda: gid in m.quarantined, SOON, "the quarantine")
+    [finding] = list(w.findings)
+    assert finding["change"] == "removed" and finding["lease_id"] == lease["id"] and finding["address"] == addr
+    assert f"while lease {lease['id']} held it" in m.quarantined[gid]
+    await until(lambda: "gone from the PCI bus" in (m.leases[lease["id"]].error or ""), SOON, "the lease's mark")
+
+
+async def test_a_bind_taken_for_the_agents_own_failed_probe_names_its_driver(tmp_path: Path,
+                                                                            aiohttp_client: Any) -> None:
+    """A misclaimed bind keeps the driver its uevent named."""
+    import time
+
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    r = await rig.client.post("/v1/leases", json={"gpus": 1}, headers=rig.auth("vm-a"))
+    lease = await r.json()
+    addr = lease["devices"][0]["functions"][0]
+    w, own = rig.runtime.watcher, rig.runtime.host.own
+    await until(lambda: w.own_uevents >= 2, SOON, "the grant's own uevents")
+    expected = own.expect(addr, "bind")
+    w.deliver("bind", addr, "nouveau", time.monotonic())
+    await asyncio.to_thread(own.done, expected, False)
+    await until(lambda: w.counts["rebound"] == 1, SOON, "the finding")
+    assert "bound to nouveau outside the agent" in list(w.findings)[0]["reason"]
