@@ -110,8 +110,10 @@ class PrivateLibvirtd:
         return subprocess.Popen(["nsenter", "-t", str(self.holder.pid), "-m", "-n", "--", program,
                                  "--pid-file", str(pid_file)], stdout=log, stderr=subprocess.STDOUT)
 
-    def start_libvirtd(self, timeout_s: float = 20.0) -> None:
-        """(Re)start libvirtd in the namespace and wait until its socket answers."""
+    def start_libvirtd(self, timeout_s: float = 90.0) -> None:
+        """(Re)start libvirtd in the namespace and wait until its socket answers. Its first answer waits for QEMU
+        capability probing, which takes a minute on a 2-CPU machine busy with a TCG guest: a probe that times out
+        is asked again until `timeout_s`."""
         with contextlib.suppress(FileNotFoundError):
             self.socket.unlink()
         self.libvirtd = self._spawn("libvirtd")
@@ -120,7 +122,11 @@ class PrivateLibvirtd:
             if self.libvirtd.poll() is not None:
                 break
             if self.socket.exists():
-                probe = subprocess.run(["virsh", "-c", self.uri, "version"], capture_output=True, timeout=10)
+                try:
+                    probe = subprocess.run(["virsh", "-c", self.uri, "version"], capture_output=True,
+                                           timeout=max(1.0, min(30.0, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    continue
                 if probe.returncode == 0:
                     return
             time.sleep(0.1)

@@ -229,8 +229,6 @@ class OutOfBandWatcher:
     async def _act(self, f: Finding) -> None:
         """Quarantine or mark the GPU, mark the lease, journal, count."""
         m = self.m
-        self.counts[f.change] += 1
-        self.findings.append({**f.to_dict(), "at": self.clock()})
         log.warning("out-of-band change: %s", f.reason, extra={"gpu_id": f.gpu_id, "lease_id": f.lease_id})
         await m._run(m.journal.event, EVENT, actor=self.ACTOR, lease_id=f.lease_id, gpu_id=f.gpu_id,
                      detail=f"{f.change}: {f.reason}")
@@ -247,6 +245,9 @@ class OutOfBandWatcher:
                 if lease is not None and not lease.state.terminal:
                     await m._write(lease.with_changes(error=f"out of band: {f.reason}"), lease.state, self.ACTOR,
                                    f"out of band: {f.reason}")
+        # counted once acted on: whoever reads a count sees the GPU's mark and the lease's already
+        self.counts[f.change] += 1
+        self.findings.append({**f.to_dict(), "at": self.clock()})
 
     async def _discover(self) -> None:
         """Functions the inventory did not know arrived: discover the host and take in the GPUs that are new."""

@@ -8,6 +8,7 @@ SysfsHost and LibvirtHypervisor then leases the two-function e1000e group into i
 root port), the inner kernel's listing shows both functions arrive, and the release detaches them: the inner
 kernel's pciehp acknowledges (attention button, its 5 s confirmation), libvirt emits DEVICE_REMOVED, and the agent
 gives both back to e1000e: RELEASED, never DETACH_PENDING. Per-step timings are recorded.
+
 """
 
 from __future__ import annotations

@@ -236,4 +236,3 @@ def test_the_whole_lease_with_a_real_guest_os_ends_released(nested: dict[str, An
     assert rec["drivers_final"] == {a: "e1000e" for a in pair}
     assert sorted(rec["guest_pci_after"]) == sorted(rec["guest_pci_before"])  # the guest let go of both
     assert rec["gpu_state_final"] == "free"
-
