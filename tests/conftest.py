@@ -6,6 +6,7 @@ reads it at import), so a blocking call on the event loop is reported as a slow 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -53,3 +54,8 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
             return test_group(nodeid)
 
     return GroupScheduling(config, log)
+
+
+# The whole lease with a real guest OS (#19) runs outside the suite: `bash scripts/e2e-real.sh` (see that module).
+collect_ignore = [] if os.environ.get("HOSTAGENT_E2E_REAL") == "1" else ["e2e/test_qemu_guest_os.py"]
+

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The whole lease with a real guest OS (#19), outside the test suite: the nested libvirtd's inner domain boots a real
+# Linux and the agent leases the two-function e1000e group into it and releases it (its kernel acknowledges the
+# unplug). About 4 minutes on a 2-CPU machine; installs what it needs as scripts/test.sh does. Extra arguments go to
+# pytest. Figures: docs/benchmarks.md, "The whole lease with a real guest OS".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+HOSTAGENT_E2E_REAL=1 HOSTAGENT_TEST_WORKERS=0 exec bash scripts/test.sh tests/e2e/test_qemu_guest_os.py -s "$@"
