@@ -336,7 +336,8 @@ async def test_a_leased_gpu_fallen_off_the_bus_quarantines_it_and_marks_the_leas
     await until(lambda: w.own_uevents >= 2, SOON, "the grant's own uevents")
     w.deliver("remove", addr, None, None)
     assert addr in m.missing  # at once, before the look
-    await until(lambda: gid in m.quarantined, SOON, "the quarantine")
+    await until(lambda: w.counts["removed"] == 1, SOON, "the finding, acted on")  # counted once acted on
+    assert gid in m.quarantined
     [finding] = list(w.findings)
     assert finding["change"] == "removed" and finding["lease_id"] == lease["id"] and finding["address"] == addr
     assert f"while lease {lease['id']} held it" in m.quarantined[gid]
