@@ -28,6 +28,7 @@ from hostagent.host.interrupts import irq_bypass
 from hostagent.domain.placement import Exploration
 from hostagent.services.grant_path import gpu_capabilities
 from hostagent.services.fleet import publisher_for
+from hostagent.services.lease_types import all_drivers
 from hostagent.services.leases import LeaseManager, lease_view
 from hostagent.services.out_of_band import OutOfBandWatcher
 from hostagent.services.model_follow import RETRAIN, START, ModelFollower
@@ -136,8 +137,7 @@ class Runtime:
             if gpu_id is not None:
                 cached[2].update(await self.run(self.host.current_drivers, m.gpus[gpu_id]))
             return
-        drivers = await self.run(lambda: {a: d for g in list(m.gpus.values())
-                                          for a, d in self.host.current_drivers(g).items()})
+        drivers = await self.run(all_drivers, m)
         self.drivers_read = (key, time.monotonic(), drivers)
 
     def drivers_changed(self) -> None:

@@ -238,26 +238,13 @@ class FakeKernel(Sysfs):
                 else:
                     super().write(rel, value)
 
-    @contextlib.contextmanager
-    def _device_locked(self, address: str) -> Iterator[None]:
+    def _device_locked(self, address: str) -> contextlib.AbstractContextManager[None]:
         locks = self._root_real / DEVICE_LOCK_DIR
         locks.mkdir(exist_ok=True)
-        fd = os.open(locks / address, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+        return _flocked(locks / address)
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        # flock locks belong to the open file description, so threads and processes both serialise here.
-        fd = os.open(self._root_real / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
+        return _flocked(self._root_real / LOCK_FILE)
 
     @staticmethod
     def _err(code: int, what: str, target: Path) -> HostError:
@@ -479,6 +466,18 @@ class FakeKernel(Sysfs):
                 with contextlib.suppress(FileNotFoundError):
                     (self.dev_root / "vfio" / group).unlink()
         self._uevent("unbind", dev.name, None)  # KOBJ_UNBIND comes after dev->driver = NULL: no DRIVER
+
+
+@contextlib.contextmanager
+def _flocked(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path`. flock locks belong to the open file description, so threads and processes
+    both serialise here."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 class FakeUevents:

@@ -43,7 +43,7 @@ from hostagent.services.admission import apply_priority_policy, cap_length, chec
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import LOGGER, LeaseCore, clocked, guest_addr, render_hostdevs, step_hook
 from hostagent.services.ports import HostOpResult
-from hostagent.services.quarantine import quarantine_gpu
+from hostagent.services.quarantine import mark_attention, quarantine_gpu
 
 log = logging.getLogger(LOGGER)
 BACKFILL_DEPTH = 64  # queued requests looked at per decision (the head, then backfill candidates): bounded work
@@ -482,9 +482,7 @@ async def bind_all(m: LeaseCore, lease: Lease, attaching: Lease, bound: list[Lea
         if res.needs_attention:
             await quarantine_gpu(m, gpu.id, f"bind failed and could not be undone: {res.error}", actor)
         if res.refused:  # the host uses it: out of placement until an operator has fixed that and cleared it
-            m.attention[gpu.id] = res.error or "refused by the host preflight"
-            await m._run(m.journal.event, "attention", actor=actor, lease_id=lease.id, gpu_id=gpu.id,
-                         detail=m.attention[gpu.id])
+            await mark_attention(m, gpu.id, res.error or "refused by the host preflight", actor, lease_id=lease.id)
             raise HostError(f"{res.error}", gpu=gpu.id)
         raise HostError(f"binding {gpu.id} to vfio-pci failed: {res.error}", gpu=gpu.id)
     m._publish(attaching, detail)
@@ -501,10 +499,9 @@ async def rollback(m: LeaseCore, lease: Lease, bound: Sequence[LeaseDevice], act
         # The hypervisor attached part of the set and could not confirm its undo: the guest (QEMU) may still
         # hold the functions, so they stay on vfio-pci, flagged for an operator, never given back blind.
         for dev in bound:
-            m.attention[dev.gpu_id] = f"attach to {lease.domain_name} failed and its undo was not confirmed"
             notes.append(f"kept {dev.gpu_id} on vfio-pci: the undo detach was not confirmed")
-            await m._run(m.journal.event, "attention", actor=actor, lease_id=lease.id, gpu_id=dev.gpu_id,
-                         detail=m.attention[dev.gpu_id])
+            await mark_attention(m, dev.gpu_id, f"attach to {lease.domain_name} failed and its undo was not confirmed",
+                                 actor, lease_id=lease.id)
         bound = []
     for dev in reversed(bound):
         gpu = m.gpus[dev.gpu_id]

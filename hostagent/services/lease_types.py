@@ -222,3 +222,8 @@ def guest_addr(h: HostdevPci) -> str:
     """The guest PCI address of a hostdev ("" when libvirt has not chosen one)."""
     g = h.guest
     return str(PciAddress(g.domain, g.bus, g.slot, g.function)) if g is not None else ""
+
+
+def all_drivers(m: LeaseCore) -> dict[str, str | None]:
+    """Every GPU function's driver now, read from sysfs (blocking: call from a worker thread)."""
+    return {a: d for g in list(m.gpus.values()) for a, d in m.host.current_drivers(g).items()}

@@ -28,8 +28,8 @@ from typing import Any
 
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.out_of_band import Finding, Touch, judge
-from hostagent.services.lease_types import LeaseCore
-from hostagent.services.quarantine import quarantine_gpu
+from hostagent.services.lease_types import LeaseCore, all_drivers
+from hostagent.services.quarantine import mark_attention, quarantine_gpu
 
 log = logging.getLogger("hostagent.out_of_band")
 EVENT = "out-of-band"  # the journal event's kind
@@ -77,7 +77,7 @@ class OutOfBandWatcher:
         """Know every function's driver now, open the source, and start handling what it says. A source that
         cannot open is logged and kept in `error` (the agent runs on; the views say it is not watching)."""
         self._index()
-        self._last_driver = await self.m._run(self._read_all)
+        self._last_driver = await self.m._run(all_drivers, self.m)
         self._loop = asyncio.get_running_loop()
         self.m.listeners.append(self._on_lease)
         if self.own is not None:
@@ -112,15 +112,17 @@ class OutOfBandWatcher:
 
     # -- events --------------------------------------------------------------------------------------------------
     def _from_thread(self, action: str, address: str, driver: str | None, at: float | None = None) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self.deliver, action, address, driver, at)
+        self._post(functools.partial(self.deliver, action, address, driver, at))
 
     def _misclaimed(self, address: str, action: str, driver: str | None, at: float | None) -> None:
         """A uevent taken for one of the agent's writes that sent none (from the writer's thread): someone else's."""
+        self._post(functools.partial(self.deliver, action, address, driver, at, mine=False))
+
+    def _post(self, call: Callable[[], None]) -> None:
+        """Run `call` in the event loop (from a source's or a writer's thread), unless the loop has gone."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(functools.partial(self.deliver, action, address, driver, at, mine=False))
+            loop.call_soon_threadsafe(call)
 
     def deliver(self, action: str, address: str, driver: str | None, at: float | None = None, *,
                 mine: bool | None = None) -> None:
@@ -133,7 +135,7 @@ class OutOfBandWatcher:
             self.own_uevents -= 1
         gpu_id = self._by_address.get(address)
         if gpu_id is None:
-            if action == "add":
+            if action == "add" and self.rediscover is not None:
                 self._unknown_added.add(address)
                 self._wake.set()
             return
@@ -187,12 +189,10 @@ class OutOfBandWatcher:
         while self._touched:
             gpu_id = next(iter(self._touched))
             found += await self._look(gpu_id, self._touched.pop(gpu_id))
-        if self._unknown_added:
-            if self.rediscover is not None:
-                await asyncio.sleep(ADD_SETTLE_S)
+        if self._unknown_added:  # only ever noted when there is a rediscovery
+            await asyncio.sleep(ADD_SETTLE_S)
             self._unknown_added.clear()
-            if self.rediscover is not None:
-                await self._discover()
+            await self._discover()
         return found
 
     async def _look(self, gpu_id: str, touched: dict[str, Touch]) -> list[Finding]:
@@ -236,9 +236,8 @@ class OutOfBandWatcher:
             await quarantine_gpu(m, f.gpu_id, f.reason, self.ACTOR)
         elif f.mark == "attention" and f.gpu_id not in m.quarantined and (
                 f.gpu_id not in m.attention or m.attention[f.gpu_id] == self._marked.get(f.gpu_id)):
-            m.attention[f.gpu_id] = self._marked[f.gpu_id] = f.reason
-            await m._run(m.journal.event, "attention", actor=self.ACTOR, lease_id=f.lease_id, gpu_id=f.gpu_id,
-                         detail=f.reason)
+            self._marked[f.gpu_id] = f.reason
+            await mark_attention(m, f.gpu_id, f.reason, self.ACTOR, lease_id=f.lease_id)
         if f.lease_id is not None and f.mark:
             async with m.lease_lock(f.lease_id):
                 lease = m.leases.get(f.lease_id)
@@ -278,9 +277,6 @@ class OutOfBandWatcher:
     # -- helpers -------------------------------------------------------------------------------------------------
     def _index(self) -> None:
         self._by_address = {str(fn.address): g.id for g in self.m.gpus.values() for fn in g.functions}
-
-    def _read_all(self) -> dict[str, str | None]:
-        return {a: d for g in list(self.m.gpus.values()) for a, d in self.m.host.current_drivers(g).items()}
 
 
 __all__ = ["EVENT", "OutOfBandWatcher"]

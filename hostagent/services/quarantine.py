@@ -1,6 +1,6 @@
 """Quarantine: GPUs kept out of placement until an operator looks (a bind, rollback or give-back that could not be
-undone, a failed probe). It journals and announces a quarantine (`quarantine_gpu`) and clears one, or an attention
-mark (`clear_quarantine`); a GPU that no lease holds is first given back from vfio-pci to its host drivers, and the clear
+undone, a failed probe). It journals and announces a quarantine (`quarantine_gpu`), marks a GPU for an operator's
+attention (`mark_attention`) and clears either (`clear_quarantine`); a GPU that no lease holds is first given back from vfio-pci to its host drivers, and the clear
 is refused, the quarantine kept, while a domain has one of its functions attached, while the domains cannot be
 listed, or when the give-back fails (`give_back_unleased`, with `stranded_functions`, `attached_anywhere` and
 `give_back_to_host`, which the reconciler shares through LeaseManager).
@@ -28,6 +28,13 @@ async def quarantine_gpu(m: LeaseCore, gpu_id: str, reason: str, actor: str) -> 
             listener(None, f"quarantine {gpu_id}: {reason}")  # type: ignore[arg-type]
         except Exception:
             log.exception("listener failed")
+
+
+async def mark_attention(m: LeaseCore, gpu_id: str, reason: str, actor: str, *, lease_id: str | None = None) -> None:
+    """Keep a GPU out of placement until an operator looks (`clear_quarantine` takes the mark away): in memory, and
+    an `attention` event in the journal."""
+    m.attention[gpu_id] = reason
+    await m._run(m.journal.event, "attention", actor=actor, lease_id=lease_id, gpu_id=gpu_id, detail=reason)
 
 
 async def clear_quarantine(m: LeaseCore, gpu_id: str, *, actor: str) -> None:
