@@ -334,10 +334,6 @@ class FakeKernel(Sysfs):
             self._uevent("add", address, None)
             self._probe(address)
 
-    def removed(self) -> list[str]:
-        """Addresses taken off the bus (`remove`) and not yet back (`rescan`)."""
-        return sorted(p.name for p in (self._root_real / REMOVED_DIR).glob("*"))
-
     def _uevent(self, action: str, address: str, driver: str | None) -> None:
         """Append the kernel's uevent (under the tree's lock, so in the order the changes happened)."""
         with (self._root_real / UEVENT_LOG).open("a") as f:
