@@ -18,7 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from hostagent.domain.errors import InvalidInput, NotFound
 from hostagent.store import schema as t
 from hostagent.store.engine import HeldConnection, is_unavailable
-from hostagent.store.rollup import pending, roll_up_step, rollup_engine
+from hostagent.store.rollup import Fresh, FreshWrites, newest_id, pending, roll_up_step, rollup_engine
 from hostagent.store.samples import Sample, validate_samples
 from hostagent.store.upsert import insert_ignore
 from hostagent.store.writes import LOGGER, StoreCore
@@ -57,6 +57,8 @@ class SampleRepo(StoreCore):
     _closing: bool
     _roller_conn: HeldConnection  # the roller keeps one connection, as the writer does
     _roll_jitter: random.Random  # how long the roller lets writes gather varies (see _roll_forever)
+    _fresh: FreshWrites  # committed writes whose every sample was new: the roller folds them from memory
+    _staged: Fresh | None  # the write being applied, until its transaction commits
 
     def _init_rollups(self) -> None:
         self._rlock = threading.Lock()
@@ -68,6 +70,8 @@ class SampleRepo(StoreCore):
         self._closing = False
         self._roller_conn = HeldConnection(rollup_engine(self.engine))
         self._roll_jitter = random.Random()
+        self._fresh = FreshWrites()
+        self._staged = None
 
     def _stop_roller(self) -> None:
         """Stop the roller and wait for it (its connection stays open for a last rollup step)."""
@@ -118,7 +122,13 @@ class SampleRepo(StoreCore):
                 self._require_gpus({s.gpu_id for s in batch}, field="samples.gpu_id")
                 self._require_leases({s.lease_id for s in batch}, field="samples.lease_id")
         with self._wlock:
-            self._write("samples", batch if isinstance(batch, list) else list(batch), set_aside=set_aside)
+            self._staged = None
+            payload = batch if isinstance(batch, list) else list(batch)
+            result = self._write("samples", payload, set_aside=set_aside)
+            staged, self._staged = self._staged, None
+            # applied whole in one committed transaction, every sample new: the roller may fold it from memory
+            if staged is not None and result == len(payload) == len(staged.samples):
+                self._fresh.add(staged)
             applied = not self.degraded  # else it went to the spool, and the replay rolls it up
         if applied:
             self._wrote_samples()
@@ -145,9 +155,14 @@ class SampleRepo(StoreCore):
         # INSERT IGNORE: a sample already stored (a replay, a retried heartbeat) is skipped by its unique key, and
         # since only inserted rows get an id past the watermark, the rollup step never counts it twice.
         host = self.host_id
+        samples = [r if isinstance(r, Sample) else Sample(**r) for r in rows]
         values = [(host, s.gpu_id, s.ts_ms, s.lease_id, s.source, s.util_pct, s.mem_used_bytes, s.work_rate,
-                   s.vfio_irq_rate) for s in (r if isinstance(r, Sample) else Sample(**r) for r in rows)]
+                   s.vfio_irq_rate) for s in samples]
+        after = newest_id(conn, host)
         inserted = insert_ignore(conn, t.usage_samples, SAMPLE_COLUMNS, values)
+        # the host's rows past `after` are this write's alone (one writer per host): with none skipped, they are
+        # exactly `samples`, which write_samples hands to the roller once the transaction has committed
+        self._staged = Fresh(after, newest_id(conn, host), samples) if inserted == len(values) else None
         self.figures["samples_duplicate"] += len(values) - inserted
         self.figures["samples_inserted"] += inserted
         return inserted
@@ -215,9 +230,10 @@ class SampleRepo(StoreCore):
         try:
             while True:
                 with self._roller_conn.begin() as conn:
-                    n, more = roll_up_step(conn, self.host_id, now=self._clock())
+                    n, more = roll_up_step(conn, self.host_id, now=self._clock(), fresh=self._fresh)
                 total += n
                 self.figures["samples_rolled_up"] += n
+                self.figures["samples_rolled_up_in_memory"] = self._fresh.used
                 if not more:
                     return total
         except SQLAlchemyError as exc:

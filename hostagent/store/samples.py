@@ -187,43 +187,80 @@ def _opt_int(d: Mapping[str, Any], name: str, where: str, lo: int, hi: int) -> i
 
 def rollup_rows(host_id: str, samples: Sequence[Sample], *, resolutions: Sequence[int] = RESOLUTIONS,
                 idle_util_pct: float = IDLE_UTIL_PCT) -> list[dict[str, Any]]:
-    """Per-bucket deltas (count, sums, min/max) of freshly inserted samples, ready to add into usage_rollups."""
-    acc: dict[tuple[str, int, int, str], dict[str, Any]] = {}
+    """Per-bucket deltas (count, sums, min/max) of freshly inserted samples, ready to add into usage_rollups: the same
+    figures as the rollup step's SQL fold makes on the server.
+
+    Each sample is added once, into its bucket of the finest resolution; a coarser resolution that the finest divides
+    is summed from those buckets (an hour from its minutes), which halves the work per sample.
+    """
+    if not samples or not resolutions:
+        return []
+    fine = min(resolutions)
+    # [n, util_n, util_sum, util_min, util_max, idle_n, mem_n, mem_sum, mem_max, work_n, work_sum, irq_n, irq_sum,
+    #  first_ms, last_ms] per (gpu, bucket, lease)
+    acc: dict[tuple[str, int, str], list[Any]] = {}
+    span = fine * 1000
     for s in samples:
-        sec = s.ts_ms // 1000
-        for res in resolutions:
-            k = (s.gpu_id, res, sec - sec % res, s.lease_id)
-            b = acc.get(k)
-            if b is None:
-                b = acc[k] = {
-                    "host_id": host_id, "gpu_id": k[0], "resolution": res, "bucket": k[2], "lease_id": k[3],
-                    "n": 0, "util_n": 0, "util_sum": 0.0, "util_min": None, "util_max": None, "idle_n": 0,
-                    "mem_n": 0, "mem_sum": 0.0, "mem_max": None, "work_n": 0, "work_sum": 0.0,
-                    "irq_n": 0, "irq_sum": 0.0, "first_ms": s.ts_ms, "last_ms": s.ts_ms,
-                }
-            b["n"] += 1
-            b["first_ms"] = min(b["first_ms"], s.ts_ms)
-            b["last_ms"] = max(b["last_ms"], s.ts_ms)
-            u = s.util_pct
-            if u is not None:
-                b["util_n"] += 1
-                b["util_sum"] += u
-                b["util_min"] = u if b["util_min"] is None else min(b["util_min"], u)
-                b["util_max"] = u if b["util_max"] is None else max(b["util_max"], u)
-                if u < idle_util_pct:
-                    b["idle_n"] += 1
-            m = s.mem_used_bytes
-            if m is not None:
-                b["mem_n"] += 1
-                b["mem_sum"] += m
-                b["mem_max"] = m if b["mem_max"] is None else max(b["mem_max"], m)
-            if s.work_rate is not None:
-                b["work_n"] += 1
-                b["work_sum"] += s.work_rate
-            if s.vfio_irq_rate is not None:
-                b["irq_n"] += 1
-                b["irq_sum"] += s.vfio_irq_rate
-    return list(acc.values())
+        ts = s.ts_ms
+        k = (s.gpu_id, (ts - ts % span) // 1000, s.lease_id)
+        b = acc.get(k)
+        if b is None:
+            b = acc[k] = [0, 0, 0.0, None, None, 0, 0, 0.0, None, 0, 0.0, 0, 0.0, ts, ts]
+        b[0] += 1
+        if ts < b[13]:
+            b[13] = ts
+        elif ts > b[14]:
+            b[14] = ts
+        u = s.util_pct
+        if u is not None:
+            b[1] += 1
+            b[2] += u
+            if b[3] is None or u < b[3]:
+                b[3] = u
+            if b[4] is None or u > b[4]:
+                b[4] = u
+            if u < idle_util_pct:
+                b[5] += 1
+        m = s.mem_used_bytes
+        if m is not None:
+            b[6] += 1
+            b[7] += m
+            if b[8] is None or m > b[8]:
+                b[8] = m
+        if s.work_rate is not None:
+            b[9] += 1
+            b[10] += s.work_rate
+        if s.vfio_irq_rate is not None:
+            b[11] += 1
+            b[12] += s.vfio_irq_rate
+    out = [_rollup_row(host_id, fine, k, b) for k, b in acc.items()]
+    for res in resolutions:
+        if res == fine:
+            continue
+        if res % fine:  # not a whole number of fine buckets: add the samples themselves
+            out.extend(rollup_rows(host_id, samples, resolutions=(res,), idle_util_pct=idle_util_pct))
+            continue
+        coarse: dict[tuple[str, int, str], list[Any]] = {}
+        for (gpu, bucket, lease), b in acc.items():
+            k = (gpu, bucket - bucket % res, lease)
+            c = coarse.get(k)
+            if c is None:
+                coarse[k] = list(b)
+                continue
+            for i in (0, 1, 2, 5, 6, 7, 9, 10, 11, 12):
+                c[i] += b[i]
+            for i, smaller in ((3, True), (4, False), (8, False), (13, True), (14, False)):
+                if c[i] is None or (b[i] is not None and (b[i] < c[i] if smaller else b[i] > c[i])):
+                    c[i] = b[i]
+        out.extend(_rollup_row(host_id, res, k, c) for k, c in coarse.items())
+    return out
+
+
+def _rollup_row(host_id: str, res: int, key: tuple[str, int, str], b: list[Any]) -> dict[str, Any]:
+    return {"host_id": host_id, "gpu_id": key[0], "resolution": res, "bucket": key[1], "lease_id": key[2],
+            "n": b[0], "util_n": b[1], "util_sum": b[2], "util_min": b[3], "util_max": b[4], "idle_n": b[5],
+            "mem_n": b[6], "mem_sum": float(b[7]), "mem_max": b[8], "work_n": b[9], "work_sum": b[10], "irq_n": b[11],
+            "irq_sum": b[12], "first_ms": b[13], "last_ms": b[14]}
 
 
 ROLLUP_ADD = ("n", "util_n", "util_sum", "idle_n", "mem_n", "mem_sum", "work_n", "work_sum", "irq_n", "irq_sum")

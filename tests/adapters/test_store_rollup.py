@@ -1,7 +1,9 @@
 """Rollups out of the insert transaction (watermark), INSERT IGNORE and the MySQL literal path, on MariaDB and SQLite.
 
 Exactly once is checked against ``rollup_rows`` (the reference in Python) after replays, crashes between an insert
-and its rollup step, a rolled-back step, pruning, and a database migrated from revision 0001 with samples in it.
+and its rollup step, a rolled-back step, pruning, and a database migrated from revision 0001 with samples in it;
+the roller's fold from memory (fresh writes) against the server's fold of the same rows, and chains it must not
+trust (a replay, a row written by another path, a step rolled back).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from hostagent.store.engine import make_engine
 from hostagent.store.ingest import SampleIngestor
 from hostagent.store.migrate import upgrade
 from hostagent.store.repo import SAMPLE_COLUMNS, UsageStore
-from hostagent.store.rollup import ROLLUP_COLUMNS, roll_up_step, watermark
+from hostagent.store.rollup import ROLLUP_COLUMNS, FreshWrites, roll_up_step, watermark
 from hostagent.store.samples import ROLLUP_ADD, ROLLUP_GREATEST, ROLLUP_KEYS, ROLLUP_LEAST, Sample, rollup_rows
 from hostagent.store.upsert import _mysql_values, _insert_ignore_sql, insert_ignore, upsert
 from tests.support.store import backend_url, lease_doc, mysql_database, mysql_url, store  # noqa: F401
@@ -285,3 +287,75 @@ def test_rollups_stay_exact_with_several_hosts_writing_at_once(backend_url: str,
     finally:
         for s in stores:
             s.close()
+
+
+def _batches(samples: list[Sample], size: int) -> list[list[Sample]]:
+    return [samples[i:i + size] for i in range(0, len(samples), size)]
+
+
+def test_fresh_writes_are_folded_in_memory_as_the_server_folds_them(backend_url: str, tmp_path: Path) -> None:  # noqa: F811
+    samples = first_of_each(random_samples(random.Random(31), 1200))
+    memory = UsageStore(backend_url, f"mem-{uuid.uuid4().hex[:8]}", spool_path=tmp_path / "m.sqlite3")
+    server = UsageStore(backend_url, f"srv-{uuid.uuid4().hex[:8]}", spool_path=tmp_path / "s.sqlite3")
+    server._fresh = FreshWrites(cap=0)  # keeps nothing: every step folds the raw rows on the server
+    try:
+        for s in (memory, server):
+            prepare(s)
+            for batch in _batches(samples, 97):
+                s.write_samples(batch)
+            assert s.settle_rollups() and s.rollup_pending() == 0
+        assert memory.status()["samples_rolled_up_in_memory"] == len(samples)
+        assert server.status()["samples_rolled_up_in_memory"] == 0
+        assert memory.status()["samples_rolled_up"] == server.status()["samples_rolled_up"] == len(samples)
+        mine, theirs = stored_rollups(memory), stored_rollups(server)
+        assert {k[1:] for k in mine} == {k[1:] for k in theirs}  # the same buckets, each host its own rows
+        by_rest = {k[1:]: v for k, v in theirs.items()}
+        for key, row in mine.items():
+            other = by_rest[key[1:]]
+            for col in ROLLUP_COLUMNS[1:]:
+                if isinstance(row[col], float):
+                    assert row[col] == pytest.approx(other[col], rel=1e-9, abs=1e-6), (key, col)
+                else:
+                    assert row[col] == other[col], (key, col)
+        assert_rollups_match(memory, samples)
+    finally:
+        memory.close()
+        server.close()
+
+
+def test_a_chain_broken_by_a_replay_or_another_writer_is_folded_by_the_server_once(store: UsageStore) -> None:  # noqa: F811
+    prepare(store)
+    samples = first_of_each(random_samples(random.Random(41), 900))
+    parts = _batches(samples, 150)
+    store.write_samples(parts[0])  # fresh
+    store.write_samples(parts[1] + parts[0][:10])  # ten already stored: not fresh, the chain breaks here
+    store.write_samples(parts[2])  # fresh, but after a write the roller never saw
+    with store._writer.begin() as conn:  # rows by another path (a spool replay applies this way)
+        store._apply_samples(conn, parts[3])
+    store.write_samples(parts[4])
+    store.write_samples(parts[5])
+    assert store.settle_rollups() and store.rollup_pending() == 0
+    assert_rollups_match(store, samples)
+    st = store.status()
+    assert st["samples_rolled_up"] == len(samples)
+    assert st["samples_rolled_up_in_memory"] < len(samples)
+
+
+def test_a_fold_from_memory_rolled_back_is_caught_up_by_the_server(store: UsageStore) -> None:  # noqa: F811
+    prepare(store)
+    store.roll_up()
+    fresh = FreshWrites()
+    store._fresh = fresh
+    samples = first_of_each(random_samples(random.Random(43), 300))
+    with store._rlock:  # the roller waits: the step below is the only one
+        store.write_samples(samples[:150])
+        store.write_samples(samples[150:])
+        assert len(fresh) == 2
+        with store.engine.connect() as conn:
+            tx = conn.begin()
+            assert roll_up_step(conn, store.host_id, now=NOW, fresh=fresh) == (300, False)
+            tx.rollback()  # the step died before its commit, after the chain was taken
+        assert stored_rollups(store) == {} and len(fresh) == 0
+    assert store.roll_up() == 300  # from the raw rows: memory no longer holds them
+    assert_rollups_match(store, samples)
+    assert store.rollup_pending() == 0

@@ -148,3 +148,45 @@ def test_upsert_renders_each_dialects_own_statement() -> None:
     sql = str(lite.on_conflict_do_update(index_elements=["host_id"], set_=_sets(
         schema.usage_rollups, lite.excluded, (), ["n"], [], ["util_max"])).compile(dialect=sqlite.dialect()))
     assert "ON CONFLICT" in sql and "excluded.n" in sql and "CASE WHEN" in sql
+
+
+def test_fresh_writes_chain_from_the_watermark_and_forget_what_is_folded() -> None:
+    from hostagent.store.rollup import Fresh, FreshWrites
+
+    one = [Sample("g", 1_000 * i) for i in range(3)]
+    fw = FreshWrites(cap=10)
+    fw.add(Fresh(0, 5, one))
+    fw.add(Fresh(5, 9, one))
+    fw.add(Fresh(12, 15, one))  # rows 10-12 came another way: the chain stops before it
+    assert [w.top for w in fw.chain(0, 100)] == [5, 9]
+    assert [w.top for w in fw.chain(0, 4)] == [5]  # at most limit samples, but always one write
+    assert [w.top for w in fw.chain(0, 1)] == [5]
+    assert fw.chain(3, 100) == []  # a watermark inside a write: none begins there
+    assert fw.chain(9, 100) == [] and len(fw) == 1  # the two folded ones are forgotten
+    assert [w.top for w in fw.chain(12, 100)] == [15]
+    fw.folded(15)
+    assert len(fw) == 0
+    for k in range(4):  # past the cap the oldest go (their rows are left to the server's fold)
+        fw.add(Fresh(3 * k, 3 * k + 3, one))
+    assert len(fw) == 3 and fw.chain(0, 100) == [] and [w.top for w in fw.chain(3, 100)] == [6, 9, 12]
+
+
+def test_rollup_rows_sum_coarse_buckets_from_fine_ones_as_from_samples() -> None:
+    import random
+
+    rng = random.Random(7)
+    ss = [Sample(rng.choice("ab"), rng.randrange(0, 3 * 3600_000), rng.choice(("L", "")), "guest",
+                 None if rng.random() < 0.2 else rng.uniform(0, 100),
+                 None if rng.random() < 0.2 else rng.randrange(1 << 40),
+                 None if rng.random() < 0.3 else rng.uniform(0, 10),
+                 None if rng.random() < 0.3 else rng.uniform(0, 10)) for _ in range(2000)]
+    both = {(r["resolution"], r["gpu_id"], r["bucket"], r["lease_id"]): r for r in rollup_rows("h", ss)}
+    alone = {(r["resolution"], r["gpu_id"], r["bucket"], r["lease_id"]): r
+             for r in rollup_rows("h", ss, resolutions=(3600,))}
+    odd = {(r["resolution"], r["gpu_id"], r["bucket"], r["lease_id"]): r  # 90 s is no multiple of 60: from samples
+           for r in rollup_rows("h", ss, resolutions=(60, 90)) if r["resolution"] == 90}
+    assert {k for k in both if k[0] == 3600} == set(alone) and odd
+    for k, r in alone.items():
+        for col, v in r.items():
+            assert both[k][col] == (pytest.approx(v) if isinstance(v, float) else v), (k, col)
+    assert sum(r["n"] for r in odd.values()) == sum(r["n"] for r in alone.values()) == 2000
