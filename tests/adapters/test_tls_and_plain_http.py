@@ -8,6 +8,7 @@ bind), and the non-loopback cases that must serve run in a network namespace of 
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import queue
@@ -30,6 +31,9 @@ from typing import Any
 import pytest
 
 from hostagent.domain.errors import ConfigError
+from hostagent.guest.client import HostClient
+from hostagent.guest.client import ssl_context as ssl_context_guest
+from hostagent.guest.errors import HostUnreachable
 from hostagent.host.fakesysfs import build_tree
 from hostagent.virt.sim import SimulatedHypervisor
 from hostagent.web.auth import new_token
@@ -65,6 +69,15 @@ def self_signed(tmp: Path) -> tuple[Path, Path]:
                     "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=hostagent-test",
                     "-addext", f"subjectAltName=IP:127.0.0.1,IP:{NS_ADDRESS}"], check=True, capture_output=True)
     return cert, key
+
+
+async def guest_gpus(url: str, token: str, tls: ssl.SSLContext | bool, slept: list[float] | None = None) -> int:
+    """GPUs listed through the guest agent's client (HostClient) with these TLS settings."""
+    async def sleep(s: float) -> None:
+        if slept is not None:
+            slept.append(s)
+    async with HostClient(url, token, retries=3, ssl=tls, sleep=sleep) as client:
+        return len((await client.request("GET", "/v1/gpus"))[1]["gpus"])
 
 
 # ---- the decision itself ---------------------------------------------------------------------------------------
@@ -163,6 +176,14 @@ def test_serve_with_tls_answers_https_only(tmp_path: Path) -> None:
         with pytest.raises(urllib.error.URLError) as exc:
             get(url + "/healthz", ctx=ssl.create_default_context())
         assert isinstance(exc.value.reason, ssl.SSLCertVerificationError)
+        # the guest agent's client: trusts the CA it is given, refuses an unknown certificate at once (no
+        # retry heals it), and skips verification only when told to (--insecure)
+        assert asyncio.run(guest_gpus(url, operator, ssl_context_guest(str(cert), False))) == 8
+        assert asyncio.run(guest_gpus(url, operator, ssl_context_guest(None, True))) == 8
+        slept: list[float] = []
+        with pytest.raises(HostUnreachable, match=r"TLS handshake with https://127\.0\.0\.1:\d+ failed: .*certificate"):
+            asyncio.run(guest_gpus(url, operator, ssl_context_guest(None, False), slept))
+        assert slept == []
         # plain HTTP to the same port gets no answer: the server speaks TLS only
         with pytest.raises((http.client.HTTPException, ConnectionError, urllib.error.URLError)):
             get(f"http://127.0.0.1:{port}/healthz")

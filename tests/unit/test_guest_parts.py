@@ -259,3 +259,67 @@ def test_a_guest_with_a_move_hook_says_its_lease_can_move() -> None:
     assert parse_lease_request(body, **kw).movable is True and parse_lease_request({"gpus": 1}, **kw).movable is False
     with pytest.raises(Exception, match="movable"):
         parse_lease_request({"gpus": 1, "movable": "yes"}, **kw)
+
+
+def test_the_guest_agent_imports_nothing_but_the_standard_library() -> None:
+    """A guest image has Python and little else: the guest CLI and everything it imports at start are stdlib (pynvml,
+    optional, is imported only when NVML is sampled)."""
+    code = ("import sys; before = {m.split('.')[0] for m in sys.modules}; "  # the interpreter's own start (site)
+            "import hostagent.guest.cli, hostagent.guest.monitor, hostagent.guest.client; "
+            "names = {m.split('.')[0] for m in sys.modules} - before; "
+            "print('\\n'.join(sorted(n for n in names if n not in sys.stdlib_module_names and n != 'hostagent')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.stdout.split() == [], f"the guest agent imports packages a guest may not have: {out.stdout.split()}"
+    mods = subprocess.run([sys.executable, "-c", "import sys, hostagent.guest.cli; "
+                           "print('\\n'.join(m for m in sys.modules if m.startswith('hostagent.')))"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert mods and all(m.startswith("hostagent.guest") for m in mods), mods  # none of the host's own modules
+
+
+def test_the_guest_client_sends_again_on_a_new_connection_when_the_kept_one_was_closed() -> None:
+    """A kept-alive connection the server closed while it was idle fails before any answer: the request goes again at
+    once on a new connection (no retry counted, no backoff), and an answer's body and Retry-After are read."""
+    import asyncio
+    import http.server
+    import threading
+
+    from hostagent.guest.client import HostClient
+
+    conns: list[int] = []
+
+    class OneShot(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # says keep-alive, then closes after one answer (as an idle timeout does)
+
+        def do_GET(self) -> None:  # noqa: N802
+            conns.append(id(self.connection))
+            body = json.dumps({"n": len(conns)}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+            self.close_connection = True
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OneShot)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+
+    async def two() -> list[object]:
+        async with HostClient(f"http://127.0.0.1:{srv.server_address[1]}", "t", retries=0, sleep=sleep) as c:
+            first = await c.request("GET", "/a")
+            await asyncio.sleep(0.2)  # the server has closed it by now
+            return [first, await c.request("GET", "/b")]
+    try:
+        assert asyncio.run(two()) == [(200, {"n": 1}), (200, {"n": 2})]
+        assert slept == [] and len(set(conns)) == 2
+    finally:
+        srv.shutdown()
+        srv.server_close()
