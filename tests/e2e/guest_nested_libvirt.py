@@ -1,11 +1,14 @@
 """Runs INSIDE the QEMU test guest: libvirtd + an inner QEMU domain, and a real live attach of vfio-pci devices.
 
-Eight phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt.py to judge:
+Nine phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt.py to judge:
 
   guest_os    (tests/e2e/guest_os_lease.py; only when NESTED_PHASES names it, tests/e2e/test_qemu_guest_os.py)
               an inner domain that boots a real Linux: the agent leases the two-function group into it, the inner
               kernel sees both functions, the release's unplug is acknowledged by the inner kernel
               (DEVICE_REMOVED) and both go back to e1000e: RELEASED.
+  guest_agent (tests/e2e/guest_agent_lease.py; likewise only when named) the same with the agent's own code in
+              every role: the agent served over HTTP, and the guest agent inside the inner Linux (reaching it over
+              a user-mode NIC) leases, runs the tenant's job, heartbeats and releases.
   adapter     the two-function e1000e group behind the guest's root port: `hostagent vfio bind`, then
               LibvirtHypervisor.attach_hostdevs (LIVE, each function on its own inner root port) into a running
               inner domain, the live XML, detach_hostdevs against a guest with no OS (it never acknowledges:
@@ -354,6 +357,7 @@ async def run(single: str, pair: list[str], out: Path, by_node: list[str], vmlin
     Blocking work (the CLI, virDomainCreateXML, destroy) goes to threads: libvirtd drops a client whose event
     loop does not answer its keepalive pings for ~25 s, and under TCG a CLI call or a domain start takes 10-15 s.
     """
+    from tests.e2e.guest_agent_lease import guest_agent_phase
     from tests.e2e.guest_os_lease import guest_os_phase  # these build on this module's helpers
     from tests.e2e.guest_uevents import uevents_phase
 
@@ -368,6 +372,7 @@ async def run(single: str, pair: list[str], out: Path, by_node: list[str], vmlin
     try:
         phases: list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]] = [
             ("guest_os", lambda: guest_os_phase(conn, hv, pair[0], vmlinux)),  # first: the pair is fresh
+            ("guest_agent", lambda: guest_agent_phase(conn, pair[0], vmlinux)),
             ("adapter", lambda: adapter_phase(conn, hv, pair, events)),
             ("lease", lambda: lease_phase(conn, hv, single, "lease")),
             ("lease_pair", lambda: lease_phase(conn, hv, pair[0], "lease_pair")),
@@ -376,10 +381,11 @@ async def run(single: str, pair: list[str], out: Path, by_node: list[str], vmlin
             ("move", lambda: move_phase(conn, hv, single, by_node[0])),
             ("uevents", lambda: uevents_phase(conn, hv, single, by_node[0], by_node[1])),
         ]
-        # NESTED_PHASES (comma-separated) picks phases; by default every one but guest_os, which boots a real Linux
-        # in the inner domain and runs on its own (tests/e2e/test_qemu_guest_os.py, scripts/e2e-real.sh)
+        # NESTED_PHASES (comma-separated) picks phases; by default every one but guest_os and guest_agent, which
+        # boot a real Linux in the inner domain and run on their own (tests/e2e/test_qemu_guest_os.py,
+        # scripts/e2e-real.sh)
         chosen = [p for p in os.environ.get("NESTED_PHASES", "").split(",") if p]
-        phases = [(n, f) for n, f in phases if (n in chosen if chosen else n != "guest_os")]
+        phases = [(n, f) for n, f in phases if (n in chosen if chosen else n not in ("guest_os", "guest_agent"))]
         for name, phase in phases:
             t0 = time.monotonic()
             try:

@@ -16,12 +16,12 @@ import pytest
 from tests.e2e.test_qemu_nested_libvirt import _phase, boot_nested
 from tests.support import qemu
 
-pytestmark = [pytest.mark.qemu, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.qemu, pytest.mark.timeout(2700)]
 
 
 @pytest.fixture(scope="module")
 def nested() -> dict[str, Any]:
-    return boot_nested({"NESTED_PHASES": "guest_os"})
+    return boot_nested({"NESTED_PHASES": "guest_os,guest_agent"}, timeout_s=2400)
 
 
 def test_the_whole_lease_with_a_real_guest_os_ends_released(nested: dict[str, Any]) -> None:
@@ -50,3 +50,37 @@ def test_the_whole_lease_with_a_real_guest_os_ends_released(nested: dict[str, An
     assert rec["drivers_final"] == {a: "e1000e" for a in pair}
     assert sorted(rec["guest_pci_after"]) == sorted(rec["guest_pci_before"])  # the guest let go of both
     assert rec["gpu_state_final"] == "free"
+
+
+def test_the_guest_agent_in_a_real_guest_leases_works_heartbeats_and_releases(nested: dict[str, Any]) -> None:
+    """#19, with the agent's own code in every role: the agent served over HTTP in the outer guest, and inside the
+    inner Linux `hostagent-guest run --gpus 1 -- sh check.sh` leases the two-function group, the job sees both
+    functions (the guest kernel's own listing), heartbeats flow while it runs, and the guest agent releases when it
+    exits: the unplug is acknowledged, both functions go back to e1000e, the lease ends RELEASED."""
+    rec = _phase(nested, "guest_agent")
+    boot = rec.get("boot", {})
+    starts = {k: rec.get(k) for k in ("run.start", "job.start", "run.end")}
+    print(f"guest agent: boot to stage 2 {boot.get('boot_to_stage2_s')} s, ACTIVE {rec.get('active_after_go_s')} s "
+          f"after the token was handed over, job started {_span(starts, 'run.start', 'job.start')} s after the "
+          f"guest agent did, whole run {_span(starts, 'run.start', 'run.end')} s, heartbeats {rec.get('heartbeats')}")
+    assert boot.get("state") == "done", rec
+    pair = list(qemu.PAIR_ADDRS)
+    assert rec["drivers_before"] == {a: "e1000e" for a in pair}
+    assert rec.get("drivers_active") == {a: "vfio-pci" for a in pair}, rec
+    assert rec["run_rc"] == 0, (rec.get("run.err"), rec.get("run.out"))
+    seen = (rec.get("seen.txt") or "").split()
+    assert len(seen) == 2, rec  # the guest's kernel lists both functions of the group while the job runs
+    assert rec["heartbeats"] >= 3, rec  # the guest agent heartbeat while the job ran (every 5 s for 40 s)
+    assert [x["state"] for x in rec["leases"]] == ["RELEASED"], rec["leases"]
+    assert rec["finished"] and rec["final_state"] == "RELEASED", rec
+    assert "DETACH_PENDING" not in [state for state, _ in rec["transitions"]], rec["transitions"]
+    assert rec["end_reason"] and "guest" in rec["end_reason"], rec["end_reason"]
+    assert rec["live_sources_final"] == []
+    assert rec["drivers_final"] == {a: "e1000e" for a in pair}
+    assert sorted(rec["guest_pci_after"]) == sorted(rec["guest_pci_before"])
+    assert rec["gpu_state_final"] == "free"
+
+
+def _span(t: dict[str, float | None], a: str, b: str) -> float | None:
+    x, y = t.get(a), t.get(b)
+    return round(y - x, 1) if x is not None and y is not None else None

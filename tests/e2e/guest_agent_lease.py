@@ -1,0 +1,209 @@
+"""Runs INSIDE the QEMU test guest (the `guest_agent` phase of guest_nested_libvirt.py): the whole lease with the
+agent's own code in every role (#19).
+
+The agent runs as it serves (``runtime.build_runtime`` + ``runtime.make_app``: the real SysfsHost over the outer
+guest's kernel, the LibvirtHypervisor over the nested libvirtd, the journal, the usage store, the HTTP API with
+token auth) on 127.0.0.1 of the outer guest. One thing differs from `hostagent serve`: its inventory, because the
+outer guest has no GPU: the two-function e1000e group stands in for one (discovery picks display controllers
+only; the lease code cares about the group).
+
+The inner domain boots a real Linux (tests/e2e/inner_os.py) with a user-mode (SLIRP) NIC: 10.0.2.2 is the outer
+guest's loopback. Its stage 2 brings the NIC up and, once the outer side has written the VM's token and the guest
+agent's settings into the share, runs the guest agent itself from this checkout (standard library only, so the
+inner interpreter imports it in tens of seconds, not minutes):
+
+    python3 -m hostagent.guest.cli --config $SHARE/guest.toml --json run --gpus 1 --settle 240 -- sh check.sh
+
+`check.sh` (the tenant's job) lists the Intel 82574L functions (8086:10d3) the inner kernel sees and stays a while,
+so that heartbeats flow; the guest agent releases when it exits, the inner kernel's pciehp acknowledges the unplug,
+libvirt emits DEVICE_REMOVED, and the agent gives both functions back to e1000e: RELEASED, never DETACH_PENDING.
+Per-step timings are recorded; what the guest saw comes from the guest's own files in the share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from hostagent.config import settings_from_dict
+from hostagent.host.discovery import discover
+from hostagent.host.sysfs import Sysfs
+from hostagent.web.auth import hash_token, new_token
+from tests.e2e.guest_nested_libvirt import drivers, gpus_at, wait_for
+from tests.e2e.inner_os import CACHE, FIRST_PORT, STOP, URI, boot_inner, inner_os_domain_xml, pci_now, stage2_script
+
+PORT = 8471  # the agent's port on the outer guest's loopback; the inner guest reaches it as 10.0.2.2:PORT
+BOOT_TIMEOUT_S = 480.0
+DETACH_TIMEOUT_S = 90.0
+RUN_TIMEOUT_S = 900.0  # the inner interpreter's start and import (~1-2 min nested), the lease, the job, the release
+JOB_S = 40  # how long the tenant's job runs: several heartbeats at heartbeat_interval_s
+HEARTBEAT_S = 5.0
+
+# Stage 2's body: the NIC up, then (in the background, so the boot is "done" and the outer side can hand over the
+# token) wait for `go` and run the guest agent; its output, exit status and timings land in the share.
+GUEST_BODY = r"""
+$bb modprobe virtio_net 2>/dev/null || modprobe virtio_net
+$bb ip link set lo up
+$bb ip link set eth0 up && $bb ip addr add 10.0.2.15/24 dev eth0 && $bb ip route add default via 10.0.2.2
+$bb ip addr > "$SHARE/net.txt" 2>&1
+(
+  while [ ! -e "$SHARE/go" ]; do $bb sleep 1; done
+  date +%s.%N > "$SHARE/run.start"
+  "$PYTHON" -m hostagent.guest.cli --config "$SHARE/guest.toml" --json run --gpus 1 --settle 240 \
+      -- sh "$SHARE/check.sh" > "$SHARE/run.out" 2> "$SHARE/run.err"
+  echo $? > "$SHARE/run.rc.tmp"
+  date +%s.%N > "$SHARE/run.end"
+  $bb mv "$SHARE/run.rc.tmp" "$SHARE/run.rc"
+) &
+"""
+
+# The tenant's job: what the guest's own kernel lists as the two leased functions, then work for a while.
+CHECK = f"""#!/bin/sh
+date +%s.%N > "$SHARE/job.start"
+for d in /sys/bus/pci/devices/*; do
+  read -r v < "$d/vendor"; read -r i < "$d/device"
+  [ "$v $i" = "0x8086 0x10d3" ] && echo "${{d##*/}}"
+done > "$SHARE/seen.txt"
+sleep {JOB_S}
+[ "$(wc -l < "$SHARE/seen.txt")" -ge 2 ]
+"""
+
+
+def agent_settings(state: Path, operator: str) -> Any:
+    """The agent's settings over the outer guest's real kernel and the nested libvirtd."""
+    return settings_from_dict({
+        "agent": {"state_dir": str(state), "listen": "127.0.0.1", "port": PORT, "host_id": "nested",
+                  "log_format": "text", "gc_freeze": False},
+        "host": {"sysfs_root": "/sys", "kernel": "sysfs", "step_timeout_s": 60.0},
+        "libvirt": {"uri": URI, "detach_timeout_s": DETACH_TIMEOUT_S, "guest_bus": FIRST_PORT},
+        "reclaim": {"enabled": False},
+        "auth": {"operator_token_sha256": hash_token(operator)},
+    })
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus sample's values whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def guest_agent_phase(conn: Any, pair_first: str, vmlinux: str) -> dict[str, Any]:
+    """Boot, serve, hand over the token, let the guest agent lease, work and release; the facts for the test."""
+    import hostagent.runtime as runtime
+    from aiohttp import web
+
+    share = Path("/tmp/inner-ga")
+    rec: dict[str, Any] = {}
+    inv = await asyncio.to_thread(discover, Sysfs("/sys"), vendors=())
+    [gpu] = gpus_at(inv, [pair_first])
+    pair = [str(a) for a in gpu.group.addresses]  # type: ignore[union-attr]
+    rec["functions"] = pair
+    rec["drivers_before"] = drivers(pair)
+
+    operator = new_token("op")
+    settings = agent_settings(Path("/tmp/ga-state"), operator)
+    real_discover = runtime.discover_host
+    runtime.discover_host = lambda s: dataclasses.replace(inv, gpus=(gpu,))  # the NIC pair stands in for a GPU
+    try:
+        rt = await asyncio.to_thread(runtime.build_runtime, settings)
+    finally:
+        runtime.discover_host = real_discover
+    app = runtime.make_app(rt)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", PORT)
+    await site.start()
+    url = f"http://127.0.0.1:{PORT}"
+
+    xml = inner_os_domain_xml("inner-ga", kernel=vmlinux, initrd=CACHE / "initramfs.cpio.gz", root_dir="/",
+                              share_dir=share, memory_mib=512, vcpus=2, hotplug_ports=2, user_net=True,
+                              console_path=Path("/tmp/inner-ga-console.log"))
+    dom = None
+    try:
+        rec["boot"] = boot = await asyncio.to_thread(boot_inner, conn, "inner-ga", xml, share,
+                                                     stage2_script(GUEST_BODY, keep_running=True), BOOT_TIMEOUT_S)
+        if boot.get("state") != "done":
+            return rec
+        dom = conn.lookupByUUIDString(boot["uuid"])
+        rec["inner_net"] = (share / "net.txt").read_text(errors="replace")[-600:] if (share / "net.txt").exists() else ""
+        await wait_for(lambda: bool(pci_now(share)), 30)
+        rec["guest_pci_before"] = before = pci_now(share)
+        token = new_token("vm")  # the VM's own token, handed to the guest as an operator would (a root-only file)
+        rt.journal.add_token(hash_token(token), role="guest", domain_uuid=boot["uuid"], domain_name="inner-ga")
+        (share / "token").write_text(token + "\n")
+        (share / "guest.toml").write_text(
+            f'url = "http://10.0.2.2:{PORT}"\ntoken_file = "/run/hostagent-test/token"\n'
+            f"heartbeat_interval_s = {HEARTBEAT_S}\nsample_interval_s = {HEARTBEAT_S}\nrequest_timeout_s = 120.0\n"
+            'state_dir = "/tmp/hostagent-guest"\n')
+        (share / "check.sh").write_text(CHECK)
+        t_go = time.time()
+        (share / "go").write_text("")
+
+        def leases_of_vm() -> list[Any]:
+            return list(reversed(rt.journal.leases(domain_uuid=boot["uuid"])))  # oldest first
+
+        got_active = await wait_for(lambda: any(x.state.value == "ACTIVE" for x in leases_of_vm()), RUN_TIMEOUT_S)
+        rec["active_after_go_s"] = round(time.time() - t_go, 2) if got_active else None
+        if got_active:
+            rec["drivers_active"] = drivers(pair)
+        done = await wait_for(lambda: (share / "run.rc").exists(), RUN_TIMEOUT_S)
+        rec["run_rc"] = int((share / "run.rc").read_text().strip()) if done else None
+        for name in ("run.out", "run.err", "seen.txt"):
+            p = share / name
+            rec[name] = p.read_text(errors="replace")[-3000:] if p.exists() else None
+        for name in ("run.start", "job.start", "run.end"):
+            p = share / name
+            rec[name] = float(p.read_text().strip()) if p.exists() else None
+        leases = leases_of_vm()
+        rec["leases"] = [{"id": x.id, "state": x.state.value, "end_reason": x.end_reason} for x in leases]
+        if leases:
+            lid = leases[-1].id
+            rec["finished"] = await wait_for(lambda: lid not in rt.manager.leases, 2 * DETACH_TIMEOUT_S)
+            final = rt.journal.get(lid)
+            rec["final_state"] = final.state.value if final is not None else None
+            rec["end_reason"] = final.end_reason if final is not None else None
+            rec["transitions"] = [(e.to_state, e.actor) for e in rt.journal.events(lease_id=lid) if e.to_state]
+        rec["drivers_final"] = drivers(pair)
+        rec["live_sources_final"] = sorted(str(h.source) for h in await rt.hypervisor.attached_hostdevs(boot["uuid"]))
+        gone = await wait_for(lambda: len(pci_now(share)) <= len(before), 30)
+        rec["guest_pci_after"] = pci_now(share) if gone else pci_now(share)
+        req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {operator}"})
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(req, timeout=30).read().decode())
+        rec["heartbeats"] = metric(text, "hostagent_http_request_duration_seconds_count", method="POST",
+                                   route="/v1/leases/{lease_id}/heartbeat")
+        rec["gpu_state_final"] = rt.manager.gpu_state(gpu.id).value
+    finally:
+        (share / STOP).write_text("")
+        if dom is not None:
+            ended = await wait_for(lambda: not _active(dom), 60)
+            if not ended:
+                await asyncio.to_thread(dom.destroy)
+        await runner.cleanup()
+        rec["inner_dmesg_tail"] = [ln for ln in _text(share / "dmesg.txt").splitlines()
+                                   if "pciehp" in ln or "virtio_net" in ln or "eth0" in ln][-12:]
+    return rec
+
+
+def _active(dom: Any) -> bool:
+    try:
+        return bool(dom.isActive())
+    except Exception:
+        return False
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
