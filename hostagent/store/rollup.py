@@ -151,6 +151,8 @@ def roll_up_step(conn: Connection, host_id: str, *, now: float, limit: int = STE
                    least=ROLLUP_LEAST, greatest=ROLLUP_GREATEST)
             top = chain[-1].top
             _run(conn, "move", host_id=host_id, last_id=top, updated_at=now)
+            # forgotten before the commit: should it fail, the watermark stays and no chain begins there any more,
+            # so the server folds these rows (test_a_fold_from_memory_rolled_back_is_caught_up_by_the_server)
             fresh.folded(top)
             fresh.used += len(samples)
             # more past the chain: the next write's chain, or rows only the server can fold (a replay)

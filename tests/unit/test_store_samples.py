@@ -159,7 +159,8 @@ def test_fresh_writes_chain_from_the_watermark_and_forget_what_is_folded() -> No
     fw.add(Fresh(5, 9, one))
     fw.add(Fresh(12, 15, one))  # rows 10-12 came another way: the chain stops before it
     assert [w.top for w in fw.chain(0, 100)] == [5, 9]
-    assert [w.top for w in fw.chain(0, 4)] == [5]  # at most limit samples, but always one write
+    assert [w.top for w in fw.chain(0, 6)] == [5, 9]  # exactly limit samples
+    assert [w.top for w in fw.chain(0, 5)] == [5]  # at most limit samples, but always one write
     assert [w.top for w in fw.chain(0, 1)] == [5]
     assert fw.chain(3, 100) == []  # a watermark inside a write: none begins there
     assert fw.chain(9, 100) == [] and len(fw) == 1  # the two folded ones are forgotten
