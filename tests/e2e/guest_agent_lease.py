@@ -42,6 +42,9 @@ DETACH_TIMEOUT_S = 90.0
 RUN_TIMEOUT_S = 900.0  # the inner interpreter's start and import (~1-2 min nested), the lease, the job, the release
 JOB_S = 40  # how long the tenant's job runs: several heartbeats at heartbeat_interval_s
 HEARTBEAT_S = 5.0
+# The idle detector in seconds, not hours: no strike before a lease is MIN_AGE_S old (the first lease has ended by
+# then), a check every CHECK_S, strike two GRACE_S after strike one, then the cooperative notice.
+MIN_AGE_S, CHECK_S, GRACE_S, NOTICE_S = 120.0, 10.0, 20.0, 240.0
 
 # Stage 2's body: the NIC up, then (in the background, so the boot is "done" and the outer side can hand over the
 # token) wait for `go` and run the guest agent; its output, exit status and timings land in the share.
@@ -58,6 +61,14 @@ $bb ip addr > "$SHARE/net.txt" 2>&1
   echo $? > "$SHARE/run.rc.tmp"
   date +%s.%N > "$SHARE/run.end"
   $bb mv "$SHARE/run.rc.tmp" "$SHARE/run.rc"
+  # the second lease: a job that leaves its GPU idle until the host reclaims it
+  while [ ! -e "$SHARE/go2" ]; do $bb sleep 1; done
+  date +%s.%N > "$SHARE/run2.start"
+  "$PYTHON" -m hostagent.guest.cli --config "$SHARE/guest.toml" --json run --gpus 1 --settle 240 \
+      -- sleep 1500 > "$SHARE/run2.out" 2> "$SHARE/run2.err"
+  echo $? > "$SHARE/run2.rc.tmp"
+  date +%s.%N > "$SHARE/run2.end"
+  $bb mv "$SHARE/run2.rc.tmp" "$SHARE/run2.rc"
 ) &
 """
 
@@ -80,7 +91,10 @@ def agent_settings(state: Path, operator: str) -> Any:
                   "log_format": "text", "gc_freeze": False},
         "host": {"sysfs_root": "/sys", "kernel": "sysfs", "step_timeout_s": 60.0},
         "libvirt": {"uri": URI, "detach_timeout_s": DETACH_TIMEOUT_S, "guest_bus": FIRST_PORT},
-        "reclaim": {"enabled": False},
+        # the guest has no utilisation source (a NIC stands in for the GPU): its heartbeats carry no samples, so
+        # the host's vfio interrupt counters judge (no_heartbeat = host-signal, and no posted interrupts under TCG)
+        "reclaim": {"enabled": True, "check_interval_s": CHECK_S, "grace_s": GRACE_S, "min_lease_age_s": MIN_AGE_S,
+                    "notice_window_s": NOTICE_S, "no_heartbeat": "host-signal", "host_signal": "trusted"},
         "auth": {"operator_token_sha256": hash_token(operator)},
     })
 
@@ -143,7 +157,11 @@ async def guest_agent_phase(conn: Any, pair_first: str, vmlinux: str) -> dict[st
         (share / "guest.toml").write_text(
             f'url = "http://10.0.2.2:{PORT}"\ntoken_file = "/run/hostagent-test/token"\n'
             f"heartbeat_interval_s = {HEARTBEAT_S}\nsample_interval_s = {HEARTBEAT_S}\nrequest_timeout_s = 120.0\n"
-            'state_dir = "/tmp/hostagent-guest"\n')
+            'state_dir = "/tmp/hostagent-guest"\n'
+            'on_warning = "date +%s.%N > /run/hostagent-test/warning.ran"\n'
+            'on_reclaim = "date +%s.%N > /run/hostagent-test/reclaim.ran"\n'
+            # on the notice the job (the `run` command, a GPU user) is stopped: SIGTERM, then the release
+            "stop_gpu_users = true\nstop_grace_s = 10.0\n")
         (share / "check.sh").write_text(CHECK)
         t_go = time.time()
         (share / "go").write_text("")
@@ -176,6 +194,8 @@ async def guest_agent_phase(conn: Any, pair_first: str, vmlinux: str) -> dict[st
         rec["live_sources_final"] = sorted(str(h.source) for h in await rt.hypervisor.attached_hostdevs(boot["uuid"]))
         gone = await wait_for(lambda: len(pci_now(share)) <= len(before), 30)
         rec["guest_pci_after"] = pci_now(share) if gone else pci_now(share)
+        rec["irq_lines"] = _vfio_lines()
+        rec["reclaim"] = await _reclaim_part(rt, share, boot["uuid"], pair, before)
         req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {operator}"})
         text = await asyncio.to_thread(lambda: urllib.request.urlopen(req, timeout=30).read().decode())
         rec["heartbeats"] = metric(text, "hostagent_http_request_duration_seconds_count", method="POST",
@@ -191,6 +211,50 @@ async def guest_agent_phase(conn: Any, pair_first: str, vmlinux: str) -> dict[st
         rec["inner_dmesg_tail"] = [ln for ln in _text(share / "dmesg.txt").splitlines()
                                    if "pciehp" in ln or "virtio_net" in ln or "eth0" in ln][-12:]
     return rec
+
+
+async def _reclaim_part(rt: Any, share: Path, uuid: str, pair: list[str], before: list[str]) -> dict[str, Any]:
+    """The second lease: the guest agent runs a job that leaves the GPU idle; the host's idle detector strikes
+    twice and sends the reclaim notice; the guest agent runs its hook and releases."""
+    rec: dict[str, Any] = {}
+    known = {x.id for x in rt.journal.leases(domain_uuid=uuid)}
+    t_go = time.time()
+    (share / "go2").write_text("")
+
+    def second() -> Any:
+        return next((x for x in rt.journal.leases(domain_uuid=uuid) if x.id not in known), None)
+
+    active = await wait_for(lambda: (x := second()) is not None and x.state.value == "ACTIVE", RUN_TIMEOUT_S)
+    rec["active_after_go_s"] = round(time.time() - t_go, 2) if active else None
+    lease = second()
+    if lease is None:
+        return rec
+    rec["lease_id"] = lid = lease.id
+    rec["drivers_active"] = drivers(pair)
+    rec["irq_lines_active"] = _vfio_lines()
+    done = await wait_for(lambda: (share / "run2.rc").exists(), RUN_TIMEOUT_S)
+    rec["run_rc"] = int((share / "run2.rc").read_text().strip()) if done else None
+    rec["run_err"] = _text(share / "run2.err")[-3000:]
+    for name in ("run2.start", "warning.ran", "reclaim.ran", "run2.end"):
+        p = share / name
+        rec[name] = float(p.read_text().strip()) if p.exists() else None
+    rec["finished"] = await wait_for(lambda: lid not in rt.manager.leases, 2 * DETACH_TIMEOUT_S)
+    final = rt.journal.get(lid)
+    rec["final_state"] = final.state.value if final is not None else None
+    rec["end_reason"] = final.end_reason if final is not None else None
+    events = rt.journal.events(lease_id=lid)
+    rec["events"] = [(e.kind, e.to_state, e.actor, (e.detail or "")[:160], round(e.ts - t_go, 1)) for e in events]
+    rec["verdicts"] = {k: list(v) for k, v in getattr(rt.reaper, "last_verdicts", {}).items()}
+    rec["drivers_final"] = drivers(pair)
+    rec["live_sources_final"] = sorted(str(h.source) for h in await rt.hypervisor.attached_hostdevs(uuid))
+    gone = await wait_for(lambda: len(pci_now(share)) <= len(before), 30)
+    rec["guest_pci_after"] = pci_now(share) if gone else pci_now(share)
+    return rec
+
+
+def _vfio_lines() -> list[str]:
+    """The outer kernel's vfio interrupt lines (the host-side activity signal the idle detector reads)."""
+    return [ln.strip()[:160] for ln in _text(Path("/proc/interrupts")).splitlines() if "vfio" in ln]
 
 
 def _active(dom: Any) -> bool:
