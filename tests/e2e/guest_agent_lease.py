@@ -192,15 +192,16 @@ async def guest_agent_phase(conn: Any, pair_first: str, vmlinux: str) -> dict[st
             rec["transitions"] = [(e.to_state, e.actor) for e in rt.journal.events(lease_id=lid) if e.to_state]
         rec["drivers_final"] = drivers(pair)
         rec["live_sources_final"] = sorted(str(h.source) for h in await rt.hypervisor.attached_hostdevs(boot["uuid"]))
-        gone = await wait_for(lambda: len(pci_now(share)) <= len(before), 30)
-        rec["guest_pci_after"] = pci_now(share) if gone else pci_now(share)
-        rec["irq_lines"] = _vfio_lines()
-        rec["reclaim"] = await _reclaim_part(rt, share, boot["uuid"], pair, before)
+        await wait_for(lambda: len(pci_now(share)) <= len(before), 30)
+        rec["guest_pci_after"] = pci_now(share)
+        rec["gpu_state_final"] = rt.manager.gpu_state(gpu.id).value
+        # the first lease's heartbeats, through the agent's own metrics (before the second lease adds its own)
         req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {operator}"})
         text = await asyncio.to_thread(lambda: urllib.request.urlopen(req, timeout=30).read().decode())
         rec["heartbeats"] = metric(text, "hostagent_http_request_duration_seconds_count", method="POST",
                                    route="/v1/leases/{lease_id}/heartbeat")
-        rec["gpu_state_final"] = rt.manager.gpu_state(gpu.id).value
+        rec["irq_lines"] = _vfio_lines()
+        rec["reclaim"] = await _reclaim_part(rt, share, boot["uuid"], pair, before)
     finally:
         (share / STOP).write_text("")
         if dom is not None:
@@ -247,8 +248,8 @@ async def _reclaim_part(rt: Any, share: Path, uuid: str, pair: list[str], before
     rec["verdicts"] = {k: list(v) for k, v in getattr(rt.reaper, "last_verdicts", {}).items()}
     rec["drivers_final"] = drivers(pair)
     rec["live_sources_final"] = sorted(str(h.source) for h in await rt.hypervisor.attached_hostdevs(uuid))
-    gone = await wait_for(lambda: len(pci_now(share)) <= len(before), 30)
-    rec["guest_pci_after"] = pci_now(share) if gone else pci_now(share)
+    await wait_for(lambda: len(pci_now(share)) <= len(before), 30)
+    rec["guest_pci_after"] = pci_now(share)
     return rec
 
 
