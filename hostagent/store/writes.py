@@ -115,8 +115,8 @@ class StoreCore:
         # rollback-on-return, two more round trips for every heartbeat batch.
         self._writer = HeldConnection(self.engine)
         self.figures: dict[str, int] = {"samples_inserted": 0, "samples_duplicate": 0, "samples_rolled_up": 0,
-                                        "samples_rolled_up_in_memory": 0, "rollup_errors": 0, "ops_spooled": 0, "ops_replayed": 0, "outages": 0,
-                                        "rows_set_aside": 0, "rows_lost": 0}
+                                        "samples_rolled_up_in_memory": 0, "rollup_errors": 0, "ops_spooled": 0,
+                                        "ops_replayed": 0, "outages": 0, "rows_set_aside": 0, "rows_lost": 0}
         # Told of every write set aside (op, payload, rows, error), in the writer's thread: the agent journals it.
         self.on_set_aside: Callable[[str, Any, int, str], None] | None = None
 
