@@ -673,7 +673,10 @@ async def test_out_of_band_changes_and_missing_functions(tmp_path: Path, aiohttp
     outside = FakeKernel(rig.tree.sys_root)
     outside.write(f"bus/pci/devices/{m.gpus[first].address}/remove", "1")
     outside.write("bus/pci/drivers/nvidia/unbind", str(m.gpus[second].address))
-    await until(lambda: first in m.quarantined and second in m.attention, 5.0, "both findings")
+    counts = rig.runtime.watcher.counts
+    # a change is counted once acted on (after its mark): wait for the counts, the last thing a finding does
+    await until(lambda: first in m.quarantined and second in m.attention and counts["removed"] == 1
+                and counts["unbound"] == 1, 5.0, "both findings")
     mid = await op(rig)
     assert delta(before, mid, "hostagent_out_of_band_changes_total", change="removed") == 1
     assert delta(before, mid, "hostagent_out_of_band_changes_total", change="unbound") == 1
