@@ -141,8 +141,11 @@ class Runtime:
         self.drivers_read = (key, time.monotonic(), drivers)
 
     def drivers_changed(self) -> None:
-        """The kernel said a function's driver changed (services.out_of_band): the views read sysfs again."""
-        self.drivers_read = None
+        """The kernel said a function's driver changed (services.out_of_band): the views read sysfs again at their
+        next refresh. The last reading stays what they show until then: dropping it made a view built between the
+        uevent and that refresh show the drivers discovery found at start (a CI run of test_hung_unbind saw it)."""
+        if self.drivers_read is not None:
+            self.drivers_read = (None, float("-inf"), self.drivers_read[2])
 
     def gpu_view_for(self, gpu_id: str, identity: Identity | None) -> dict[str, Any]:
         """A GPU as a caller may see it: another VM's lease shows only its state, never its id or VM."""
