@@ -34,6 +34,7 @@ from hostagent.host.discovery import discover
 from hostagent.host.sysfs import Sysfs
 from hostagent.web.auth import hash_token, new_token
 from tests.e2e.guest_nested_libvirt import drivers, gpus_at, wait_for
+from tests.e2e.guest_os_lease import _active, _text
 from tests.e2e.inner_os import CACHE, FIRST_PORT, STOP, URI, boot_inner, inner_os_domain_xml, pci_now, stage2_script
 
 PORT = 8471  # the agent's port on the outer guest's loopback; the inner guest reaches it as 10.0.2.2:PORT
@@ -256,19 +257,3 @@ async def _reclaim_part(rt: Any, share: Path, uuid: str, pair: list[str], before
 def _vfio_lines() -> list[str]:
     """The outer kernel's vfio interrupt lines (the host-side activity signal the idle detector reads)."""
     return [ln.strip()[:160] for ln in _text(Path("/proc/interrupts")).splitlines() if "vfio" in ln]
-
-
-def _active(dom: Any) -> bool:
-    try:
-        return bool(dom.isActive())
-    except Exception:
-        return False
-
-
-def _text(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
-
-
