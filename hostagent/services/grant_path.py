@@ -41,7 +41,8 @@ from hostagent.domain.terms import check_requires, resolve_memory, resolve_throu
 from hostagent.services import bookings
 from hostagent.services.admission import apply_priority_policy, cap_length, check_queue_share, quota_cap_for
 from hostagent.services.faults import crash_point
-from hostagent.services.lease_types import LOGGER, LeaseCore, clocked, guest_addr, render_hostdevs, step_hook
+from hostagent.services.lease_types import (LOGGER, LeaseCore, clocked, guest_addr, render_hostdevs, step_hook,
+                                           with_live_addresses)
 from hostagent.services.ports import HostOpResult
 from hostagent.services.quarantine import mark_attention, quarantine_gpu
 
@@ -433,11 +434,8 @@ async def bind_and_attach(m: LeaseCore, lease: Lease, actor: str) -> Lease:
             crash_point("after-attach-call")
             changes: dict[str, Any] = {"granted_at": m.clock()}
             if layout == "auto":  # record the guest addresses libvirt chose
-                placed = {str(h.source): guest_addr(h)
-                          for h in await m.hv.attached_hostdevs(lease.domain_uuid)}
-                changes["devices"] = tuple(LeaseDevice(d.gpu_id, d.functions, d.original_drivers, d.iommu_group,
-                                                       tuple(placed.get(a, "") for a in d.functions))
-                                           for d in lease.devices)
+                changes["devices"] = with_live_addresses(lease.devices,
+                                                         await m.hv.attached_hostdevs(lease.domain_uuid))
             m.grant_seconds.append(time.monotonic() - began)  # what a booking's lead time is measured on
             return await m._move(lease, S.ACTIVE, actor, "attached and verified in the domain XML", **changes)
         except HostAgentError as exc:

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,7 +21,7 @@ from hostagent.domain.assignment import Fairness
 from hostagent.domain.capabilities import Measured
 from hostagent.domain.hostdev import HostdevPci, hostdevs_for_layout
 from hostagent.domain.inventory import Gpu
-from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Quota, Step
+from hostagent.domain.lease import Lease, LeaseDevice, LeaseRequest, LeaseState, Quota, Step
 from hostagent.domain.numa import VmNuma
 from hostagent.domain.pci import PciAddress
 from hostagent.domain.terms import Scaling
@@ -222,6 +223,18 @@ def guest_addr(h: HostdevPci) -> str:
     """The guest PCI address of a hostdev ("" when libvirt has not chosen one)."""
     g = h.guest
     return str(PciAddress(g.domain, g.bus, g.slot, g.function)) if g is not None else ""
+
+
+def with_live_addresses(devices: Iterable[LeaseDevice], live: Iterable[HostdevPci]) -> tuple[LeaseDevice, ...]:
+    """`devices` with the guest address libvirt gave each function in the live domain (`live`: its hostdevs); a
+    function the live XML gives no address keeps the one recorded."""
+    placed = {str(h.source): addr for h in live if (addr := guest_addr(h))}
+    out = []
+    for d in devices:
+        recorded = d.guest_addresses or ("",) * len(d.functions)
+        out.append(dataclasses.replace(d, guest_addresses=tuple(
+            placed.get(a, r) for a, r in zip(d.functions, recorded, strict=True))))
+    return tuple(out)
 
 
 def all_drivers(m: LeaseCore) -> dict[str, str | None]:

@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from hostagent.domain.errors import Conflict, HostAgentError, InvalidInput, NotFound
-from hostagent.domain.hostdev import free_guest_slots, guest_slots_needed
+from hostagent.domain.hostdev import HostdevPci, free_guest_slots, guest_slots_needed
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseState
 from hostagent.services import bookings
 from hostagent.services.faults import crash_point
 from hostagent.services.grant_path import feasible, is_free
-from hostagent.services.lease_types import LOGGER, LeaseCore, guest_addr, render_hostdevs
+from hostagent.services.lease_types import LOGGER, LeaseCore, render_hostdevs, with_live_addresses
 from hostagent.services.quarantine import quarantine_gpu
 from hostagent.services.release_path import detach
 
@@ -136,10 +137,9 @@ async def start(m: LeaseCore, lease_id: str, to_gpu: str, from_gpu: str | None =
                 raise Conflict(f"the move failed: {exc.message}; {gpu.id} stays with the lease", field="to") from exc
             await _undo(m, lease_id, new, exc.message, give_back=True, actor=actor)
             raise Conflict(f"the move failed: {exc.message}; the guest keeps {old.gpu_id}", field="to") from exc
-        placed = {str(h.source): guest_addr(h) for h in await m.hv.attached_hostdevs(lease.domain_uuid)}
+        live = await m.hv.attached_hostdevs(lease.domain_uuid)
         current = m.leases.get(lease_id) or lease
-        devices = tuple(dataclasses.replace(d, guest_addresses=tuple(placed.get(a, "") for a in d.functions))
-                        if d.gpu_id == gpu.id else d for d in current.devices)
+        devices = with_live_addresses(current.devices, live)  # the addresses libvirt gave the new device
         deadline = m.clock() + deadline_s
         return await m._write(_with_move(current.with_changes(devices=devices), **{
             "from": old.gpu_id, "to": gpu.id, "phase": "waiting", "deadline": deadline}), S.ACTIVE, actor,
@@ -217,16 +217,19 @@ async def due(m: LeaseCore) -> None:
                             extra={"lease_id": lease.id})
 
 
-async def settle_after_crash(m: LeaseCore, lease: Lease, attached: set[str] | None, actor: str) -> list[str]:
-    """Reconcile of an ACTIVE lease stopped mid-move: a make whose target the domain holds goes on waiting (a new
-    deadline), one it does not hold is undone; a break resumes on the next `due`. Unknown (libvirt unreachable):
-    left for the next reconcile."""
+async def settle_after_crash(m: LeaseCore, lease: Lease, live: Sequence[HostdevPci] | None,
+                             actor: str) -> list[str]:
+    """Reconcile of an ACTIVE lease stopped mid-move: a make whose target the domain holds (`live`: the lease's
+    hostdevs in the live domain) goes on waiting (a new deadline; the guest addresses libvirt gave it recorded), one
+    it does not hold is undone; a break resumes on the next `due`. Unknown (libvirt unreachable): left for the next
+    reconcile."""
     mv = move_of(lease)
-    if mv.get("phase") != "making" or attached is None:
+    if mv.get("phase") != "making" or live is None:
         return []
     new = next((d for d in lease.devices if d.gpu_id == mv["to"]), None)
-    if new is not None and set(new.functions) <= attached:
-        await m._write(_with_move(lease, **{**mv, "phase": "waiting", "deadline": m.clock() + DEFAULT_DEADLINE_S}),
+    if new is not None and set(new.functions) <= {str(h.source) for h in live}:
+        placed = lease.with_changes(devices=with_live_addresses(lease.devices, live))
+        await m._write(_with_move(placed, **{**mv, "phase": "waiting", "deadline": m.clock() + DEFAULT_DEADLINE_S}),
                        S.ACTIVE, actor, f"reconcile: the move to {mv['to']} had attached; waiting for the guest")
         return [f"the move to {mv['to']} had attached: waiting for the guest"]
     if new is not None:

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from hostagent.domain.errors import HostAgentError, HypervisorUnavailable, NotFound
+from hostagent.domain.hostdev import HostdevPci
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseState
 from hostagent.domain.pci import PciAddress
 from hostagent.services.lease_types import VFIO_DRIVER as VFIO
-from hostagent.services.lease_types import render_hostdevs
+from hostagent.services.lease_types import render_hostdevs, with_live_addresses
 from hostagent.services import moves, top_up
 from hostagent.services.leases import LeaseManager
 
@@ -90,12 +91,17 @@ class Reconciler:
 
     async def _attached(self, lease: Lease) -> set[str] | None:
         """PCI sources of this lease attached to its domain; None when the domain no longer exists."""
+        hds = await self._attached_hostdevs(lease)
+        return None if hds is None else {str(h.source) for h in hds}
+
+    async def _attached_hostdevs(self, lease: Lease) -> list[HostdevPci] | None:
+        """The hostdevs of this lease's functions in its live domain; None when the domain no longer exists."""
         try:
             hds = await self.m.hv.attached_hostdevs(lease.domain_uuid)
         except NotFound:
             return None
         mine = {a for d in lease.devices for a in d.functions}
-        return {str(h.source) for h in hds if str(h.source) in mine}
+        return [h for h in hds if str(h.source) in mine]
 
     async def _give_back_devices(self, lease: Lease, devices: list[LeaseDevice]) -> list[str]:
         notes = []
@@ -140,14 +146,14 @@ class Reconciler:
             await self._fail(lease, "lease stopped in BINDING")
             return
         if st is S.ATTACHING:
-            attached = await self._attached(lease)
+            hds = await self._attached_hostdevs(lease)
             want = {a for d in lease.devices for a in d.functions}
             on_vfio = await self._on_vfio(lease)
-            if attached is not None and attached == want and len(on_vfio) == len(lease.devices) and all(
-                d.guest_addresses for d in lease.devices
-            ):
+            if hds is not None and {str(h.source) for h in hds} == want and len(on_vfio) == len(lease.devices) \
+                    and all(d.guest_addresses for d in lease.devices):
+                # the guest addresses libvirt gave (guest_layout=auto chooses them at the attach the crash cut off)
                 await self.m._move(lease, S.ACTIVE, self.actor, "reconcile: attach had completed",
-                                   granted_at=self.m.clock())
+                                   granted_at=self.m.clock(), devices=with_live_addresses(lease.devices, hds))
                 await self._note(lease.id, "ATTACHING lease fully attached", "finished to ACTIVE", lease_id=lease.id)
             else:
                 await self._fail(lease, "lease stopped in ATTACHING")
@@ -184,14 +190,14 @@ class Reconciler:
             await self._note(lease.id, f"ACTIVE lease whose domain is {dom.state}", "released", lease_id=lease.id)
             return
         if lease.adding:  # stopped in a top-up: finish it (attached) or undo it (not), before anything else
-            attached = await self._attached(lease)
-            if attached is not None:
-                for note in await top_up.settle_after_crash(self.m, lease, attached, self.actor):
+            hds = await self._attached_hostdevs(lease)
+            if hds is not None:
+                for note in await top_up.settle_after_crash(self.m, lease, hds, self.actor):
                     await self._note(lease.id, "ACTIVE lease stopped in a top-up", note, lease_id=lease.id)
                 lease = self.m.leases.get(lease.id, lease)
         if dict(lease.move).get("phase") == "making":  # stopped making a move: go on (attached) or undo (not)
-            attached = await self._attached(lease)
-            for note in await moves.settle_after_crash(self.m, lease, attached, self.actor):
+            hds = await self._attached_hostdevs(lease)
+            for note in await moves.settle_after_crash(self.m, lease, hds, self.actor):
                 await self._note(lease.id, "ACTIVE lease stopped making a move", note, lease_id=lease.id)
             lease = self.m.leases.get(lease.id, lease)
         if dict(lease.move).get("phase") == "breaking":  # stopped breaking a move: the old device goes on going

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 from hostagent.domain.errors import Conflict, HostAgentError
-from hostagent.domain.hostdev import free_guest_slots, guest_slots_needed
+from hostagent.domain.hostdev import HostdevPci, free_guest_slots, guest_slots_needed
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseDevice, LeaseState
 from hostagent.services import bookings
 from hostagent.services.admission import cap_length, quota_cap_for
 from hostagent.services.faults import crash_point
 from hostagent.services.grant_path import backfill_room, busy_until, feasible, head_shadow, is_free, quota_view
-from hostagent.services.lease_types import LOGGER, LeaseCore, guest_addr, render_hostdevs
+from hostagent.services.lease_types import LOGGER, LeaseCore, render_hostdevs, with_live_addresses
 from hostagent.services.quarantine import quarantine_gpu
 
 log = logging.getLogger(LOGGER)
@@ -140,10 +141,9 @@ async def top_up(m: LeaseCore, lease_id: str, gpu: Gpu) -> Lease | None:
                                       f"top-up of {gpu.id}: attach failed and its undo was not confirmed; kept in "
                                       "the lease (it goes back with the lease)")
             return await _drop(m, m.leases.get(lease_id) or lease, dev, exc.message, give_back=True)
-        placed = {str(h.source): guest_addr(h) for h in await m.hv.attached_hostdevs(lease.domain_uuid)}
+        live = await m.hv.attached_hostdevs(lease.domain_uuid)
         lease = m.leases.get(lease_id) or lease
-        devices = tuple(dataclasses.replace(d, guest_addresses=tuple(placed.get(a, "") for a in d.functions))
-                        if d.gpu_id == gpu.id else d for d in lease.devices)
+        devices = with_live_addresses(lease.devices, live)  # the addresses libvirt gave the new device
         why = f"topped up with {gpu.id}: {len(devices)} of {lease.request.gpus} GPU(s)"
         done = await m._write(lease.with_changes(devices=devices, adding=(), granted_gpus=len(devices),
                                                  reasons=(*lease.reasons, why)), S.ACTIVE, "queue", why)
@@ -169,12 +169,15 @@ async def _drop(m: LeaseCore, lease: Lease, dev: LeaseDevice, why: str, *, give_
                                              adding=()), S.ACTIVE, "queue", note)
 
 
-async def settle_after_crash(m: LeaseCore, lease: Lease, attached: set[str] | None, actor: str) -> list[str]:
+async def settle_after_crash(m: LeaseCore, lease: Lease, live: Sequence[HostdevPci] | None,
+                             actor: str) -> list[str]:
     """Reconcile of an ACTIVE lease the agent stopped in the middle of a top-up (`adding`): a device whose every
-    function the domain holds is kept (the top-up finished), one it does not hold is given back and dropped (the
-    lease keeps what it had); unknown (libvirt unreachable): left for the next reconcile. Returns what was done."""
-    if not lease.adding or attached is None:
+    function the domain holds (`live`: the lease's hostdevs in the live domain) is kept (the top-up finished, with
+    the guest addresses libvirt gave it), one it does not hold is given back and dropped (the lease keeps what it
+    had); unknown (libvirt unreachable): left for the next reconcile. Returns what was done."""
+    if not lease.adding or live is None:
         return []
+    attached = {str(h.source) for h in live}
     notes = []
     for gid in lease.adding:
         dev = next((d for d in lease.devices if d.gpu_id == gid), None)
@@ -182,6 +185,7 @@ async def settle_after_crash(m: LeaseCore, lease: Lease, attached: set[str] | No
             continue
         if set(dev.functions) <= attached:
             lease = await m._write(lease.with_changes(adding=tuple(g for g in lease.adding if g != gid),
+                                                      devices=with_live_addresses(lease.devices, live),
                                                       granted_gpus=len(lease.devices)), S.ACTIVE, actor,
                                    f"reconcile: the top-up with {gid} had attached")
             notes.append(f"finished the top-up with {gid} (attached)")

@@ -343,3 +343,12 @@ def test_the_checks_see_a_split_group_and_a_lease_without_its_device(tmp_path: P
     assert any(f"ACTIVE lease l-x claims {group[0]}, which is on" in v for v in found), found
     assert any("attached to None" in v for v in found), found
     assert any(f"{gpu} claimed by two leases" in v for v in found), found
+    # the journal and the domain XML disagree on where the guest sees a function
+    pair = next(a for a in world.groups.values() if len(a) == 2)
+    for f, at in zip(pair, ("0000:01:00.0", "0000:02:00.0")):
+        world.drivers[f], world.attached[f], world.guest[f] = "vfio-pci", "vm-crash", at
+    gpu = next(g for g, f in world.gpu_functions.items() if f == pair)
+    moved = {**lease, "id": "l-z", "devices": [{"gpu_id": gpu, "functions": list(pair),
+                                                "guest_addresses": ["0000:01:00.0", "0000:03:00.0"]}]}
+    assert [v for v in find_violations(world, [moved]) if "l-z" in v] == [
+        f"ACTIVE lease l-z records {pair[1]} at guest address 0000:03:00.0, the domain has it at 0000:02:00.0"]

@@ -21,6 +21,7 @@ from hostagent.domain.lease import LeaseState
 from hostagent.host.discovery import discover
 from hostagent.host.fakekernel import FakeKernel
 from hostagent.host.fakesysfs import FakeHost, build_tree
+from hostagent.services.lease_types import guest_addr
 from hostagent.services.leases import lease_view
 from hostagent.store.journal import Journal
 from hostagent.virt.sim import SimulatedHypervisor
@@ -186,6 +187,7 @@ class World:
     gpu_functions: dict[str, tuple[str, ...]]  # gpu id -> its functions
     viable: frozenset[str]  # GPUs placement may use
     attached: dict[str, str]  # function -> domain name it is attached to (live, or persistent when shut off)
+    guest: dict[str, str]  # function -> its guest PCI address in that domain's XML ("" when it has none)
     domains: dict[str, tuple[str, str]]  # domain uuid -> (name, state)
     unacked: int  # detaches asked for and not acknowledged, in the hypervisor's persisted state
 
@@ -197,8 +199,9 @@ def read_world(ap: AgentProcess) -> World:
     (the guest ran on while the agent was dead), one it refuses stays attached."""
     inv = discover(FakeKernel(ap.tree.sys_root))
     attached: dict[str, str] = {}
+    guest: dict[str, str] = {}
     if ap.libvirtd is not None:
-        domains, unacked = _read_libvirtd(ap.libvirtd, attached, ap.vm_uuid)
+        domains, unacked = _read_libvirtd(ap.libvirtd, attached, guest, ap.vm_uuid)
     else:
         hv = SimulatedHypervisor.load(ap.hv_path)
 
@@ -206,6 +209,7 @@ def read_world(ap: AgentProcess) -> World:
             for dom in hv.domains_sync():
                 for h in await hv.attached_hostdevs(dom.uuid):
                     attached[str(h.source)] = dom.name
+                    guest[str(h.source)] = guest_addr(h)
 
         asyncio.run(read_attached())
         raw = json.loads(ap.hv_path.read_text())  # the loader completes acknowledgeable detaches: count them first
@@ -217,12 +221,13 @@ def read_world(ap: AgentProcess) -> World:
         gpu_functions={g.id: tuple(str(f.address) for f in g.functions) for g in inv.gpus},
         viable=frozenset(g.id for g in inv.gpus if g.viable),
         attached=attached,
+        guest=guest,
         domains=domains,
         unacked=unacked,
     )
 
 
-def _read_libvirtd(libvirtd: PrivateLibvirtd, attached: dict[str, str],
+def _read_libvirtd(libvirtd: PrivateLibvirtd, attached: dict[str, str], guest: dict[str, str],
                    only: str) -> tuple[dict[str, tuple[str, str]], int]:
     """The agent's domain and its hostdevs, from libvirtd itself (virsh): the live XML of a running domain, else the
     persistent one (what the domain takes when it starts). The daemon is shared by the matrix's rows, each with its
@@ -234,6 +239,7 @@ def _read_libvirtd(libvirtd: PrivateLibvirtd, attached: dict[str, str],
         domains[uuid] = (name, "running" if state == "running" else state.replace(" ", "-"))
         for h in parse_domain_hostdevs(libvirtd.virsh("dumpxml", uuid)):
             attached[str(h.source)] = name
+            guest[str(h.source)] = guest_addr(h)
     return domains, 0
 
 
@@ -258,8 +264,13 @@ def find_violations(world: World, leases: list[dict[str, Any]]) -> list[str]:
             if tuple(d["functions"]) != world.gpu_functions.get(d["gpu_id"]):
                 violations.append(f"{state} lease {lid} claims functions {d['functions']} for {d['gpu_id']}, "
                                   f"which has {world.gpu_functions.get(d['gpu_id'])}")
-            for f in d["functions"]:
+            for f, at in zip(d["functions"], d.get("guest_addresses") or [""] * len(d["functions"]), strict=True):
                 held[f] = lid
+                if state == "ACTIVE" and attached.get(f) == dom and at != world.guest.get(f):
+                    # the journal and the domain XML agree on where the guest sees it (a restart that finished
+                    # an attach must record the addresses libvirt chose, as the grant does)
+                    violations.append(f"ACTIVE lease {lid} records {f} at guest address {at or 'none'}, the domain "
+                                      f"has it at {world.guest.get(f) or 'none'}")
                 if state in ON_VFIO and drivers.get(f) != VFIO:
                     violations.append(f"{state} lease {lid} claims {f}, which is on {drivers.get(f)}")
                 if state == "ACTIVE" and attached.get(f) != dom:
