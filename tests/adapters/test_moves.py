@@ -17,6 +17,7 @@ from hostagent.domain.lease import LeaseRequest, LeaseState
 from hostagent.host.fakekernel import FakeKernel
 from hostagent.runtime import build_runtime
 from hostagent.services import moves
+from hostagent.services.quarantine import quarantine_gpu
 from hostagent.store.journal import Journal
 from tests.support.agent import AgentRig, Clock, make_rig, start_rig
 
@@ -261,3 +262,30 @@ async def test_a_break_the_guest_holds_up_is_retried_until_it_lets_go(tmp_path: 
     assert any(f"moved from {old} to {new} (retry" in r for r in after.reasons), after.reasons  # by the retry
     events = [e.detail or "" for e in rig.runtime.journal.events(lease_id=lease["id"])]
     assert len([e for e in events if e.startswith("move: breaking")]) == 1, events  # journaled once, retried after
+
+
+async def test_an_attach_whose_undo_the_guest_never_confirms_keeps_the_target_in_the_lease(
+        tmp_path: Path, aiohttp_client: Any) -> None:
+    """The target's first function attached, its second failed, and the guest never confirmed the undo's detach: the
+    guest may hold the target, so it stays with the lease (on vfio-pci; it goes back with the lease) and the move
+    ends; the journal says so, by whoever asked for the move."""
+    rig = await start_rig(make_rig(tmp_path, scenario="workstation"), aiohttp_client)
+    m = rig.runtime.manager
+    # the workstation's display GPU (Xorg holds it) out of the way: the lease gets the 2080 Ti, the move goes to
+    # the free two-function Radeon
+    await quarantine_gpu(m, "gpu-0000-01-00-0", "the host's display GPU", "operator")
+    status, lease = await call(rig, "vm-a", "POST", "/v1/leases", {"gpus": 1})
+    assert status == 201, lease
+    old, new = lease["devices"][0]["gpu_id"], "gpu-0000-03-00-0"
+    assert len(m.gpus[new].functions) == 2 and m.gpu_state(new).value == "free"
+    rig.hv.fail_attach_after = rig.hv.attach_count + 1  # the target's second function fails
+    rig.hv.set_refuse_detach("vm-a")
+    status, err = await call(rig, "operator", "POST", f"/v1/leases/{lease['id']}/move", {"to": new})
+    assert status == 409 and f"{new} stays with the lease" in err["error"]["message"], err
+    assert err["error"]["field"] == "to", err
+    held = m.leases[lease["id"]]
+    assert set(held.gpu_ids) == {old, new} and not held.move and held.state is S.ACTIVE, held
+    assert all(rig.sysfs_driver(str(f.address)) == "vfio-pci" for f in m.gpus[new].functions)
+    [ev] = [e for e in rig.runtime.journal.events(lease_id=lease["id"]) if "undo was not confirmed" in (e.detail or "")]
+    assert ev.detail.startswith(f"move: attaching {new} failed and its undo was not confirmed; kept in the lease"), ev
+    assert ev.actor == "operator(config)" and ev.to_state == "ACTIVE", ev  # the operator who asked for it
