@@ -213,3 +213,30 @@ async def test_a_failed_attach_gives_the_device_back(tmp_path: Path, aiohttp_cli
         assert all(rig.sysfs_driver(f) == "nvidia" for f in d["functions"])
     events = [e.detail or "" for e in rig.runtime.journal.events(lease_id=part["id"])]
     assert any("top-up of" in e and "failed" in e for e in events), events
+
+
+async def test_a_top_up_that_fails_before_its_journal_write_lets_go_of_its_claim(
+        tmp_path: Path, aiohttp_client: Any) -> None:
+    """The top-up claims a freed GPU, then fails before anything is journaled (reading the drivers raised): the
+    claim goes with it, so the GPU is free for the next decision, and the lease is topped up with others."""
+    rig = await start_rig(make_rig(tmp_path), aiohttp_client)
+    big, part = await partial(rig)
+    m = rig.runtime.manager
+    real = m.host.current_drivers
+    failed: list[str] = []
+
+    def once(gpu: Any) -> Any:
+        if not failed and gpu.id not in {d["gpu_id"] for d in part["devices"]}:
+            failed.append(gpu.id)
+            raise OSError("sysfs read failed")
+        return real(gpu)
+
+    m.host.current_drivers = once  # type: ignore[method-assign]
+    await release(rig, "vm-b", big["id"])
+    await settle(rig)
+    now = await get(rig, part["id"])
+    assert failed and len(now["devices"]) == 4 and now["state"] == "ACTIVE", now
+    held = {d["gpu_id"] for d in now["devices"]}
+    assert set(m.claims) == held, m.claims  # no claim outlives its top-up: only the lease's own GPUs are claimed
+    assert failed[0] in held or m.gpu_state(failed[0]).value == "free"
+    assert sum(m.gpu_state(g).value == "free" for g in m.gpus) == len(m.gpus) - len(held)
