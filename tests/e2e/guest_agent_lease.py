@@ -18,18 +18,33 @@ inner interpreter imports it in tens of seconds, not minutes):
 so that heartbeats flow; the guest agent releases when it exits, the inner kernel's pciehp acknowledges the unplug,
 libvirt emits DEVICE_REMOVED, and the agent gives both functions back to e1000e: RELEASED, never DETACH_PENDING.
 Per-step timings are recorded; what the guest saw comes from the guest's own files in the share.
+
+Then, in the same boot, an idle lease reclaimed through the guest agent's hooks (`_reclaim_part`), and a crash for
+real (`_crash_part`): this agent stops, the agent is started as a process of its own over the same state directory
+(tests/e2e/crash_agent.py) with the crash point after-attach-call armed, the guest's request kills it between the
+attach and the ACTIVE write, and the agent started again reconciles the journal with the live domain XML.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from hostagent.config import settings_from_dict
+from hostagent.domain.hostdev import parse_domain_hostdevs
+from hostagent.services.faults import CRASH_ENV
+from hostagent.services.lease_types import guest_addr
+from hostagent.store.journal import Journal
 from hostagent.host.discovery import discover
 from hostagent.host.sysfs import Sysfs
 from hostagent.web.auth import hash_token, new_token
@@ -37,6 +52,7 @@ from tests.e2e.guest_nested_libvirt import drivers, gpus_at, wait_for
 from tests.e2e.guest_os_lease import _active, _text
 from tests.e2e.inner_os import CACHE, FIRST_PORT, STOP, URI, boot_inner, inner_os_domain_xml, pci_now, stage2_script
 
+STATE = Path("/tmp/ga-state")  # the agent's state directory: its journal outlives the agent's process
 PORT = 8471  # the agent's port on the outer guest's loopback; the inner guest reaches it as 10.0.2.2:PORT
 BOOT_TIMEOUT_S = 480.0
 DETACH_TIMEOUT_S = 90.0
@@ -85,7 +101,7 @@ sleep {JOB_S}
 """
 
 
-def agent_settings(state: Path, operator: str) -> Any:
+def agent_settings(state: Path, operator_sha256: str) -> Any:
     """The agent's settings over the outer guest's real kernel and the nested libvirtd."""
     return settings_from_dict({
         "agent": {"state_dir": str(state), "listen": "127.0.0.1", "port": PORT, "host_id": "nested",
@@ -96,7 +112,7 @@ def agent_settings(state: Path, operator: str) -> Any:
         # the host's vfio interrupt counters judge (no_heartbeat = host-signal, and no posted interrupts under TCG)
         "reclaim": {"enabled": True, "check_interval_s": CHECK_S, "grace_s": GRACE_S, "min_lease_age_s": MIN_AGE_S,
                     "notice_window_s": NOTICE_S, "no_heartbeat": "host-signal", "host_signal": "trusted"},
-        "auth": {"operator_token_sha256": hash_token(operator)},
+        "auth": {"operator_token_sha256": operator_sha256},
     })
 
 
@@ -125,7 +141,7 @@ async def guest_agent_phase(conn: Any, pair_first: str, vmlinux: str) -> dict[st
     rec["drivers_before"] = drivers(pair)
 
     operator = new_token("op")
-    settings = agent_settings(Path("/tmp/ga-state"), operator)
+    settings = agent_settings(STATE, hash_token(operator))
     real_discover = runtime.discover_host
     runtime.discover_host = lambda s: dataclasses.replace(inv, gpus=(gpu,))  # the NIC pair stands in for a GPU
     try:
@@ -137,6 +153,7 @@ async def guest_agent_phase(conn: Any, pair_first: str, vmlinux: str) -> dict[st
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", PORT)
     await site.start()
+    serving = True
     url = f"http://127.0.0.1:{PORT}"
 
     xml = inner_os_domain_xml("inner-ga", kernel=vmlinux, initrd=CACHE / "initramfs.cpio.gz", root_dir="/",
@@ -203,13 +220,18 @@ async def guest_agent_phase(conn: Any, pair_first: str, vmlinux: str) -> dict[st
                                    route="/v1/leases/{lease_id}/heartbeat")
         rec["irq_lines"] = _vfio_lines()
         rec["reclaim"] = await _reclaim_part(rt, share, boot["uuid"], pair, before)
+        # the crash: this agent stops and one in a child process takes over the same state directory
+        await runner.cleanup()
+        serving = False
+        rec["crash"] = await _crash_part(conn, share, boot["uuid"], pair, before, operator, token)
     finally:
         (share / STOP).write_text("")
         if dom is not None:
             ended = await wait_for(lambda: not _active(dom), 60)
             if not ended:
                 await asyncio.to_thread(dom.destroy)
-        await runner.cleanup()
+        if serving:
+            await runner.cleanup()
         rec["inner_dmesg_tail"] = [ln for ln in _text(share / "dmesg.txt").splitlines()
                                    if "pciehp" in ln or "virtio_net" in ln or "eth0" in ln][-12:]
     return rec
@@ -257,3 +279,135 @@ async def _reclaim_part(rt: Any, share: Path, uuid: str, pair: list[str], before
 def _vfio_lines() -> list[str]:
     """The outer kernel's vfio interrupt lines (the host-side activity signal the idle detector reads)."""
     return [ln.strip()[:160] for ln in _text(Path("/proc/interrupts")).splitlines() if "vfio" in ln]
+
+
+CRASH_AT = "after-attach-call"  # the attach call returned; ACTIVE not yet written (hostagent.services.grant_path)
+AGENT_START_S = 300.0  # the agent process's import and start under TCG in the outer guest
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: the child agent runs `-m tests.e2e.crash_agent` from it
+
+
+def _call(method: str, path: str, token: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
+    """One API call as a client makes it: (status, JSON body)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{PORT}{path}", data=data, method=method,
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+def _healthy() -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/healthz", timeout=1.0) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _start_agent(pair_first: str, operator: str, log: Path, crash_at: str | None) -> subprocess.Popen[bytes]:
+    """The agent as a process of its own (tests/e2e/crash_agent.py) over STATE; `crash_at` arms a crash point."""
+    env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
+    if crash_at:
+        env[CRASH_ENV] = crash_at
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "tests.e2e.crash_agent", str(STATE), pair_first,
+                                 hash_token(operator)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _live_hostdevs(conn: Any, uuid: str) -> dict[str, str]:
+    """What the live domain XML holds: host source -> guest address, from libvirt itself."""
+    xml = conn.lookupByUUIDString(uuid).XMLDesc(0)
+    return {str(h.source): guest_addr(h) for h in parse_domain_hostdevs(xml)}
+
+
+def _journal_lease(lid: str | None, uuid: str, known: set[str]) -> tuple[Any, list[Any]]:
+    """The lease (`lid`, or this domain's one not in `known`) and its events, as the journal on disk holds them."""
+    j = Journal(STATE / "journal.sqlite3")
+    try:
+        lease = j.get(lid) if lid else next((x for x in j.leases(domain_uuid=uuid) if x.id not in known), None)
+        return lease, (j.events(lease_id=lease.id) if lease is not None else [])
+    finally:
+        j.close()
+
+
+async def _crash_part(conn: Any, share: Path, uuid: str, pair: list[str], before: list[str], operator: str,
+                      token: str) -> dict[str, Any]:
+    """The agent, in a process of its own, is killed with SIGKILL between the attach call and the ACTIVE write;
+    started again over the same state directory it reconciles the journal with the live domain XML; then the lease
+    is released through the API as the guest would. Each step's facts come from the outer kernel (sysfs), libvirt
+    (the live XML), the journal on disk and the inner guest's own PCI listing."""
+    rec: dict[str, Any] = {"crash_at": CRASH_AT}
+    logs = [Path("/tmp/crash-agent-1.log"), Path("/tmp/crash-agent-2.log")]
+    known = {x.id for x in _journal_lease_list(uuid)}
+    t0 = time.monotonic()
+    first = _start_agent(pair[0], operator, logs[0], CRASH_AT)
+    agent = first
+    try:
+        rec["first_up"] = await wait_for(_healthy, AGENT_START_S)
+        rec["first_up_s"] = round(time.monotonic() - t0, 2)
+        t_req = time.monotonic()
+        try:  # the guest's request: the agent dies while serving it
+            rec["request_reply"] = await asyncio.to_thread(_call, "POST", "/v1/leases", token, {"gpus": 1}, 300.0)
+        except OSError as exc:  # the connection the guest sent it on dies with the agent (RemoteDisconnected...)
+            rec["request_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        rec["first_rc"] = await asyncio.to_thread(first.wait, 60)
+        rec["killed_after_s"] = round(time.monotonic() - t_req, 2)
+        rec["first_log_tail"] = _text(logs[0])[-1500:]
+        # at the crash: what the journal, the outer kernel, libvirt and the inner guest say
+        lease, _ = _journal_lease(None, uuid, known)
+        rec["lease_id"] = lid = lease.id if lease is not None else None
+        rec["journal_state_at_crash"] = lease.state.value if lease is not None else None
+        rec["drivers_at_crash"] = drivers(pair)
+        rec["live_at_crash"] = _live_hostdevs(conn, uuid)
+        rec["guest_sees_at_crash"] = await wait_for(lambda: len(pci_now(share)) >= len(before) + 2, 60)
+        rec["guest_pci_at_crash"] = pci_now(share)
+        if lid is None:
+            return rec
+        # the restart: the agent as it starts after a crash, nothing else done by hand
+        t_restart = time.monotonic()
+        agent = _start_agent(pair[0], operator, logs[1], None)
+        rec["second_up"] = await wait_for(_healthy, AGENT_START_S)
+        rec["restart_to_serving_s"] = round(time.monotonic() - t_restart, 2)
+        _, body = await asyncio.to_thread(_call, "GET", f"/v1/leases/{lid}", operator)
+        rec["state_after_restart"] = body.get("state")
+        rec["devices_after_restart"] = {a: g for d in body.get("devices", [])
+                                        for a, g in zip(d["functions"], d["guest_addresses"], strict=True)}
+        rec["live_after_restart"] = _live_hostdevs(conn, uuid)
+        rec["drivers_after_restart"] = drivers(pair)
+        _, gpus = await asyncio.to_thread(_call, "GET", "/v1/gpus", operator)
+        rec["gpu_after_restart"] = [(g.get("state"), (g.get("lease") or {}).get("id")) for g in gpus.get("gpus", [])]
+        # the guest gives it back as the guest agent does
+        t_rel = time.monotonic()
+        rec["release_reply"] = (await asyncio.to_thread(_call, "DELETE", f"/v1/leases/{lid}", token, None, 120.0))[0]
+
+        def ended() -> bool:
+            return _call("GET", f"/v1/leases/{lid}", operator, timeout=5.0)[1].get("state") in ("RELEASED", "FAILED")
+
+        rec["released"] = await wait_for(ended, 2 * DETACH_TIMEOUT_S)
+        rec["release_s"] = round(time.monotonic() - t_rel, 2)
+        rec["drivers_final"] = drivers(pair)
+        rec["live_final"] = _live_hostdevs(conn, uuid)
+        await wait_for(lambda: len(pci_now(share)) <= len(before), 30)
+        rec["guest_pci_after"] = pci_now(share)
+    finally:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+            rec["second_rc"] = await asyncio.to_thread(agent.wait, 60)
+        for p in (first, agent):
+            if p.poll() is None:
+                p.kill()
+        rec["second_log_tail"] = _text(logs[1])[-1500:]
+    final, events = _journal_lease(rec.get("lease_id"), uuid, known)
+    rec["final_state"] = final.state.value if final is not None else None
+    rec["events"] = [(e.kind, e.to_state, e.actor, (e.detail or "")[:200]) for e in events]
+    return rec
+
+
+def _journal_lease_list(uuid: str) -> list[Any]:
+    j = Journal(STATE / "journal.sqlite3")
+    try:
+        return list(j.leases(domain_uuid=uuid))
+    finally:
+        j.close()

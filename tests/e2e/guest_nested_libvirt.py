@@ -8,7 +8,9 @@ Nine phases, recorded to $OUT/nested.json for tests/e2e/test_qemu_nested_libvirt
               (DEVICE_REMOVED) and both go back to e1000e: RELEASED.
   guest_agent (tests/e2e/guest_agent_lease.py; likewise only when named) the same with the agent's own code in
               every role: the agent served over HTTP, and the guest agent inside the inner Linux (reaching it over
-              a user-mode NIC) leases, runs the tenant's job, heartbeats and releases.
+              a user-mode NIC) leases, runs the tenant's job, heartbeats and releases; then an idle lease is
+              reclaimed through the guest agent's hooks, and the agent (a process of its own) is killed with
+              SIGKILL between the attach and the ACTIVE write and started again over its state directory.
   adapter     the two-function e1000e group behind the guest's root port: `hostagent vfio bind`, then
               LibvirtHypervisor.attach_hostdevs (LIVE, each function on its own inner root port) into a running
               inner domain, the live XML, detach_hostdevs against a guest with no OS (it never acknowledges:

@@ -9,6 +9,7 @@ skips, when QEMU or the kernel is missing.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -115,3 +116,39 @@ def test_an_idle_lease_is_reclaimed_from_the_real_guest_through_its_hook(nested:
     assert rec["live_sources_final"] == []
     assert rec["drivers_final"] == {a: "e1000e" for a in pair}
     assert sorted(rec["guest_pci_after"]) == sorted(_phase(nested, "guest_agent")["guest_pci_before"])
+
+
+def test_a_crash_between_the_attach_and_active_is_reconciled_with_the_live_domain(nested: dict[str, Any]) -> None:
+    """#19, a crash for real in the same boot: the agent, a process of its own over the phase's state directory, is
+    killed with SIGKILL (crash point after-attach-call) while it grants the real guest's request: the attach had
+    reached the inner kernel, the journal still says ATTACHING. Started again, it finds the journal and the live
+    domain XML agree (every function attached, on vfio-pci) and finishes the lease to ACTIVE with the guest
+    addresses libvirt chose; the guest releases it: unplug acknowledged, both back on e1000e, nothing left on
+    vfio-pci without a lease."""
+    rec = _phase(nested, "guest_agent").get("crash") or {}
+    print(f"crash: agent up {rec.get('first_up_s')} s, killed {rec.get('killed_after_s')} s after the request; "
+          f"restart to serving {rec.get('restart_to_serving_s')} s; release {rec.get('release_s')} s")
+    print("crash facts:", json.dumps({k: v for k, v in rec.items() if not k.endswith("log_tail")}, default=str))
+    pair = list(qemu.PAIR_ADDRS)
+    assert rec.get("first_up"), rec
+    assert rec["first_rc"] == -9 and f"crash point {rec['crash_at']} reached" in rec["first_log_tail"], rec
+    assert "request_error" in rec, rec  # the guest's connection died with the agent: no reply
+    # at the kill: attached (libvirt's live XML, the guest's own listing) and on vfio-pci, journaled ATTACHING
+    assert rec["journal_state_at_crash"] == "ATTACHING", rec
+    assert rec["drivers_at_crash"] == {a: "vfio-pci" for a in pair}, rec
+    assert sorted(rec["live_at_crash"]) == sorted(pair), rec
+    assert rec["guest_sees_at_crash"], rec
+    # the restart: the journal follows the live XML, guest addresses included; the GPU is the lease's
+    assert rec["second_up"] and rec["state_after_restart"] == "ACTIVE", rec
+    assert rec["devices_after_restart"] == rec["live_after_restart"] and all(rec["live_after_restart"].values()), rec
+    assert rec["drivers_after_restart"] == {a: "vfio-pci" for a in pair}
+    assert rec["gpu_after_restart"] == [["leased", rec["lease_id"]]], rec  # (state, holder), as JSON lists
+    events = rec["events"]
+    assert any("attach had completed" in (detail or "") and to == "ACTIVE" for _, to, _, detail in events), events
+    # the release after it: acknowledged by the inner kernel, both given back
+    assert rec["release_reply"] in (200, 202) and rec["released"] and rec["final_state"] == "RELEASED", rec
+    assert "DETACH_PENDING" not in [to for _, to, _, _ in events], events
+    assert rec["live_final"] == {}
+    assert rec["drivers_final"] == {a: "e1000e" for a in pair}
+    assert sorted(rec["guest_pci_after"]) == sorted(_phase(nested, "guest_agent")["guest_pci_before"])
+    assert rec["second_rc"] == 0, rec["second_log_tail"]  # the restarted agent stopped cleanly on SIGTERM
