@@ -3,7 +3,8 @@
 # Linux; the agent leases the two-function e1000e group into one and releases it (its kernel acknowledges the
 # unplug); in another the guest agent itself leases over HTTP, runs a job, heartbeats and releases, then has an idle
 # lease reclaimed through its hooks, and the agent is killed with SIGKILL between an attach and the ACTIVE write and
-# started again (the restart reconciles the journal with the live domain XML). About 13 minutes on a 2-CPU machine; installs what it needs as scripts/test.sh
+# started again (the restart reconciles the journal with the live domain XML). About 20 minutes on a 2-CPU machine;
+# installs what it needs as scripts/test.sh
 # does. Extra arguments go to pytest. Figures: docs/benchmarks.md, "The whole lease with a real guest OS".
 set -euo pipefail
 cd "$(dirname "$0")/.."
