@@ -12,6 +12,7 @@ from pathlib import Path
 
 from hostagent.domain.errors import HypervisorUnavailable
 from hostagent.domain.lease import LeaseRequest, LeaseState
+from hostagent.host.fakekernel import FakeKernel
 from hostagent.runtime import build_runtime
 from hostagent.services.reconcile import Reconciler
 from hostagent.store.journal import Journal
@@ -163,5 +164,37 @@ async def test_a_lease_stopped_in_attaching_whose_guest_keeps_the_device_waits_f
                  if e.actor != "test"][-4:]
         assert steps == [(st, Reconciler.ACTOR) for st in ("ACTIVE", "RELEASING", "DETACHING", "DETACH_PENDING")], \
             steps
+    finally:
+        await rig.runtime.stop()
+
+
+async def test_a_leased_device_found_off_vfio_pci_is_bound_again_and_the_repair_says_which(tmp_path: Path) -> None:
+    """The host rebooted while the agent was away (leases are kept while a domain is shut off): the domain is shut
+    off and the lease's functions came back on their host driver. The restart binds them to vfio-pci again, each
+    repair naming its GPU, or saying why the bind failed."""
+    rig = make_rig(tmp_path, leases={"keep_on_domain_stop": True})
+    rig.runtime.use_store = False
+    await rig.runtime.start()
+    lease = await rig.runtime.manager.request(rig.uuids["vm-a"], LeaseRequest(gpus=2), actor="test")
+    assert lease.state is S.ACTIVE
+    await rig.runtime.stop()
+    rig.hv.shutdown("vm-a")  # the reboot: the guest let go of every device
+    kernel = FakeKernel(rig.tree.sys_root)
+    for f in (a for d in lease.devices for a in d.functions):  # and the host's drivers took them at boot
+        kernel.write(f"bus/pci/devices/{f}/driver_override", "\n")
+        kernel.write("bus/pci/drivers/vfio-pci/unbind", f)
+        kernel.write("bus/pci/drivers_probe", f)
+        assert rig.sysfs_driver(f) == "nvidia"
+    ok, bad = lease.devices
+    kernel.set_fault("fail_bind", bad.functions[0])  # one of them will not go back to vfio-pci
+    await _start_again(rig)
+    try:
+        rt = rig.runtime
+        assert all(rig.sysfs_driver(f) == "vfio-pci" for f in ok.functions)
+        events = _repair_events(rig, lease.id)
+        assert f"found {ok.gpu_id} not on vfio-pci; re-bound" in events, events
+        assert any(e.startswith(f"found {bad.gpu_id} not on vfio-pci; re-bind failed: ") for e in events), events
+        notes = {r.subject: r for r in rt.repairs}
+        assert notes[lease.id].found.endswith("not on vfio-pci"), rt.repairs
     finally:
         await rig.runtime.stop()
