@@ -72,17 +72,40 @@ def clear_until(gpus: Iterable[str], holds: Sequence[Hold], now: float, until: f
 def earliest_window(gpus: Sequence[str], holds: Sequence[Hold], count: int, duration: float, not_before: float,
                     horizon: float) -> Window | None:
     """The earliest start in [not_before, horizon] at which `count` of `gpus` are free for `duration`; None when
-    there is none. Only the window's opening and the ends of holds can be the earliest start (a GPU frees only
-    when a hold of it ends)."""
+    there is none. The window's GPUs are every one of `gpus` free over it, in the given order.
+
+    Each GPU's earliest free start from a time t (the first s >= t with [s, s + duration) clear of its holds) never
+    decreases as t grows; so from t = not_before, moving t to the count-th smallest of those starts never passes the
+    earliest window, and stops on it once `count` GPUs are free at t itself. A step costs one pass over the holds;
+    a few steps suffice where scanning every hold's end, each against every hold, cost their square (the queue's
+    ETAs ask for one window per queued request)."""
     if count < 1 or count > len(gpus):
         return None
-    starts = sorted({not_before, *(h.end for h in holds if not_before < h.end <= horizon and h.end < INF)})
-    for t in starts:
-        if t > horizon:
-            break
-        free = free_over(gpus, holds, t, t + duration)
-        if len(free) >= count:
-            return Window(t, tuple(free))
+    wanted = set(gpus)
+    spans: dict[str, list[tuple[float, float]]] = {g: [] for g in gpus}
+    for h in holds:
+        if h.gpu_id in wanted and h.end > not_before:  # one that ends by then meets no window
+            spans[h.gpu_id].append((h.start, h.end))
+    for v in spans.values():
+        v.sort()
+
+    def free_from(gpu: str, t: float) -> float:
+        s = t
+        for start, end in spans[gpu]:  # by start: once one starts at or past s + duration, so do the rest
+            if end <= s:
+                continue
+            if start >= s + duration:
+                break
+            s = end  # it meets [s, s + duration): the earliest clear start is past its end
+        return s
+
+    t = not_before
+    while t <= horizon:
+        starts = {g: free_from(g, t) for g in gpus}
+        nth = sorted(starts.values())[count - 1]
+        if nth == t:
+            return Window(t, tuple(g for g in gpus if starts[g] == t))
+        t = nth
     return None
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 
 from hostagent.domain.assignment import Candidate, choose
+from hostagent.domain.calendar import INF, Hold, earliest_window
 from hostagent.domain.errors import Conflict
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState
@@ -35,6 +36,7 @@ from hostagent.services.lease_types import LOGGER, LeaseCore
 
 log = logging.getLogger(LOGGER)
 VIEW_MAX_AGE_S = 1.0  # queue positions and ETAs are recomputed at least this often (ETAs move with the clock)
+ETA_HORIZON_S = 365 * 86400.0  # with bookings, no ETA is given past a year (a request that cannot fit before)
 
 S = LeaseState
 
@@ -54,7 +56,11 @@ def view(m: LeaseCore) -> dict[str, tuple[int, float | None]]:
         return cached[2]
     now = m.clock()
     order = in_order(m)
-    out: dict[str, tuple[int, float | None]] = {}
+    if bookings.has_bookings(m):
+        out = _view_with_bookings(m, order, now)
+        m.queue_cache = (key, now, out)
+        return out
+    out = {}
     groups: dict[frozenset[str], list[float]] = {}  # usable GPUs -> when each frees (now for a free one), sorted
     cursor: dict[frozenset[str], tuple[int, float]] = {}
     for pos, lease in enumerate(order, start=1):
@@ -71,6 +77,26 @@ def view(m: LeaseCore) -> dict[str, tuple[int, float | None]]:
         for other in groups:  # this lease takes its GPUs before anyone behind it, in every group
             cursor[other] = _consume(groups[other], cursor[other], [n])
     m.queue_cache = (key, now, out)
+    return out
+
+
+def _view_with_bookings(m: LeaseCore, order: list[Lease], now: float) -> dict[str, tuple[int, float | None]]:
+    """The queue's positions and ETAs when bookings are in the calendar: a GPU that frees before a booking of it
+    starts serves a queued lease only if the lease ends before the booking's lead time (the grant path keeps leases
+    clear of bookings), so each lease's ETA is the earliest window in which enough of its usable GPUs are free for
+    its whole duration, past the leases holding them now (until `busy_until`), the bookings, and the leases queued
+    ahead of it (each in its own window, holding its GPUs from then on, as the pool sweep of :func:`view` assumes)."""
+    cal = [h for h in bookings.holds(m, now) if h.booking]
+    cal += [Hold(gid, now, max(now, busy_until(m, gid, now)), m.claims.get(gid, "")) for gid in m.gpus
+            if not is_free(m, gid)]
+    out: dict[str, tuple[int, float | None]] = {}
+    for pos, lease in enumerate(order, start=1):
+        usable = [g.id for g in feasible(m, lease.request)]
+        duration = lease.request.duration_s or m.policy.default_duration_s
+        w = earliest_window(usable, cal, lease.request.gpus, duration, now, now + ETA_HORIZON_S)
+        out[lease.id] = (pos, None if w is None else w.start)
+        if w is not None:
+            cal += [Hold(g, w.start, INF, lease.id) for g in w.gpus[:lease.request.gpus]]
     return out
 
 

@@ -239,3 +239,19 @@ def test_the_leases_cli_shows_a_booking_s_gpus_and_start() -> None:
                        "request": {"task_type": "training", "priority": 3}, "expires_at": 2e9 + 60, "warnings": [],
                        "booking": {"gpus": ["g0", "g1"], "start_at": 2e9, "end_at": 2e9 + 60}}])[0]
     assert row["gpus"] == "g0,g1" and row["note"].startswith("starts ") and row["prio"] == 3
+
+
+async def test_a_queued_request_s_eta_keeps_clear_of_the_bookings(tmp_path: Path, aiohttp_client: Any) -> None:
+    """Every GPU is leased for an hour, and booked from the third hour for four. A queued request of one hour fits in
+    the gap and is told so; one of five hours cannot start before the booking ends, and its ETA says that, not the
+    hour at which the GPUs first free (which is what it said before bookings were counted)."""
+    rig, clock = await booking_rig(tmp_path, aiohttp_client)
+    t0 = clock.now
+    await post(rig, "vm-b", 201, gpus=8, duration_s=HOUR)
+    start = t0 + 3 * HOUR
+    await post(rig, "vm-a", 201, gpus=8, start_at=start, duration_s=4 * HOUR)
+    short = await post(rig, "vm-c", 202, gpus=1, duration_s=HOUR, accept_deferred=True)
+    long = await post(rig, "vm-c", 202, gpus=1, duration_s=5 * HOUR, accept_deferred=True)
+    assert (await get(rig, short["id"]))["queue"]["eta"] == t0 + HOUR  # ends before the booking's lead time
+    assert (await get(rig, long["id"]))["queue"]["eta"] == start + 4 * HOUR  # after the booking's end
+    assert (await get(rig, long["id"]))["queue"]["position"] == 2

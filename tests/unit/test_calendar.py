@@ -121,3 +121,33 @@ def test_one_gpu_and_every_gpu_have_windows_too() -> None:
     assert w is not None and w.start == 0 and "g0" not in w.gpus
     w = earliest_window(GPUS, holds, len(GPUS), 10, not_before=0, horizon=100)
     assert w is not None and w.start == 50 and set(w.gpus) == set(GPUS)
+
+
+def _window_by_brute_force(gpus: list[str], holds: list[Hold], count: int, duration: float, not_before: float,
+                           horizon: float) -> tuple[float, tuple[str, ...]] | None:
+    """The definition: the first of not_before and every hold's end (where a GPU can free) with `count` free."""
+    if count < 1 or count > len(gpus):
+        return None
+    for t in sorted({not_before, *(h.end for h in holds if not_before < h.end <= horizon and h.end < INF)}):
+        if t > horizon:
+            break
+        free = free_over(gpus, holds, t, t + duration)
+        if len(free) >= count:
+            return t, tuple(free)
+    return None
+
+
+_spans = st.lists(st.tuples(st.sampled_from(GPUS), st.integers(0, 50), st.integers(0, 30), st.booleans()),
+                  max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_spans, st.integers(1, 4), st.integers(0, 40), st.integers(0, 40), st.integers(0, 120))
+def test_the_earliest_window_is_the_first_hold_end_where_enough_gpus_are_free(
+        spans: list[tuple[str, int, int, bool]], count: int, duration: int, not_before: int, horizon: int) -> None:
+    """Against the definition, on random calendars (overlapping holds, empty ones, holds for ever)."""
+    holds = [Hold(g, float(a), INF if forever else float(a + n), f"h{i}", booking=not forever)
+             for i, (g, a, n, forever) in enumerate(spans)]
+    w = earliest_window(GPUS, holds, count, duration, not_before, horizon)
+    want = _window_by_brute_force(GPUS, holds, count, duration, not_before, horizon)
+    assert (None if w is None else (w.start, w.gpus)) == want
