@@ -8,11 +8,11 @@ queue and the quarantine work. It imports no other part of the lease driver, so 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
