@@ -235,6 +235,10 @@ async def test_detach_alerts_count_leases_out_of_retries(tmp_path: Path, aiohttp
     await rig.runtime.manager.retry_pending()  # the retry, unacknowledged too: out of retries, the operator alerted
     s = await op(rig)
     assert s.value("hostagent_detach_alerts") == 1 and s.value("hostagent_gpus", state="detach-pending") == 1
+    # the lease says so too, with how many detaches were asked (the request's and the one retry)
+    body = await (await rig.client.get(f"/v1/leases/{lease['id']}", headers=rig.auth("operator"))).json()
+    (alert_w,) = [w for w in body["warnings"] if w["code"] == "detach_alert"]
+    assert alert_w["attempts"] == 2 and "libvirt.detach_retries" in alert_w["message"], body["warnings"]
     # the ERROR line carries the lease's id as a field (the JSON log's lease_id: what an operator searches by)
     (alert,) = [r for r in caplog.records if r.levelname == "ERROR" and "automatic retries stopped" in r.getMessage()]
     assert getattr(alert, "lease_id", None) == lease["id"], alert.__dict__

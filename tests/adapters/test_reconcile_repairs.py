@@ -14,6 +14,7 @@ from hostagent.domain.errors import HypervisorUnavailable
 from hostagent.domain.lease import LeaseRequest, LeaseState
 from hostagent.host.fakekernel import FakeKernel
 from hostagent.runtime import build_runtime
+from hostagent.services.lease_types import guest_addr
 from hostagent.services.reconcile import Reconciler
 from hostagent.store.journal import Journal
 from tests.support.agent import AgentRig, make_rig
@@ -196,5 +197,36 @@ async def test_a_leased_device_found_off_vfio_pci_is_bound_again_and_the_repair_
         assert any(e.startswith(f"found {bad.gpu_id} not on vfio-pci; re-bind failed: ") for e in events), events
         notes = {r.subject: r for r in rt.repairs}
         assert notes[lease.id].found.endswith("not on vfio-pci"), rt.repairs
+    finally:
+        await rig.runtime.stop()
+
+
+async def test_a_lease_stopped_in_attaching_with_every_device_attached_is_finished_with_the_domains_addresses(
+        tmp_path: Path) -> None:
+    """The agent died after the attach and before ACTIVE: the journal says ATTACHING with no guest addresses (libvirt
+    chooses them at the attach), the domain holds every function. The restart finishes the lease to ACTIVE, saying
+    so, with the guest addresses the domain gave each function."""
+    rig, lease_id, functions = await _leased_then_stopped(tmp_path, gpus=2)
+    live = {str(h.source): h for h in await rig.hv.attached_hostdevs(rig.uuids["vm-a"])}
+    journal = Journal(rig.settings.state_dir / "journal.sqlite3")
+    try:
+        lease = journal.get(lease_id)
+        assert lease is not None
+        blank = tuple(dataclasses.replace(d, guest_addresses=("",) * len(d.functions)) for d in lease.devices)
+        journal.record(dataclasses.replace(lease, state=S.ATTACHING, devices=blank), from_state=lease.state,
+                       actor="test")
+    finally:
+        journal.close()
+    await _start_again(rig)
+    try:
+        rt = rig.runtime
+        done = rt.manager.leases[lease_id]
+        assert done.state is S.ACTIVE, done
+        want = {f: guest_addr(live[f]) for f in functions}
+        assert all(want.values()) and {a: g for d in done.devices for a, g in zip(d.functions, d.guest_addresses)} \
+            == want, done.devices
+        assert _repair_events(rig, lease_id) == ["found ATTACHING lease fully attached; finished to ACTIVE"]
+        (step,) = [e for e in rt.journal.events(lease_id=lease_id, kinds=["transition"]) if e.actor == Reconciler.ACTOR]
+        assert (step.to_state, step.detail) == ("ACTIVE", "reconcile: attach had completed"), step
     finally:
         await rig.runtime.stop()

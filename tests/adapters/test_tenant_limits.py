@@ -224,7 +224,8 @@ async def test_a_lease_sends_samples_at_its_rate(tmp_path: Path, aiohttp_client:
     assert (await beat(rig, "vm-a", a, samples(ga, 60))).status == 200  # a burst of 60 s of its rate
     r = await beat(rig, "vm-a", a, samples(ga, 5))
     assert r.status == 429 and int(r.headers["Retry-After"]) >= 4, await r.text()
-    assert "samples_per_lease_per_s" in (await r.json())["error"]["message"]
+    err = (await r.json())["error"]
+    assert "samples_per_lease_per_s" in err["message"] and err["field"] == "samples", err
     r = await rig.client.post(f"/v1/leases/{a}/heartbeat", data=b"[" * 5000, headers={
         **rig.auth("vm-a"), "Content-Type": "application/json"})
     assert r.status == 429, "told to wait, it is refused before its body is even parsed"

@@ -83,6 +83,18 @@ def test_two_strikes_then_reclaim() -> None:
     assert a is Action.RECLAIM
 
 
+def test_strike_two_waits_for_the_recheck_even_past_the_grace_period() -> None:
+    """A recheck set later than strike one plus the grace period (the reaper's own schedule) is when strike two may
+    come: idle at strike one + grace, before the recheck, changes nothing; idle at the recheck reclaims. A
+    recheck set earlier than the grace period allows still waits for the grace period."""
+    late = Strikes(100.0, 300.0)
+    assert step(late, Activity.IDLE, 200.0, grace_s=60) == (late, Action.NONE)
+    assert step(late, Activity.IDLE, 300.0, grace_s=60) == (late, Action.RECLAIM)
+    early = Strikes(100.0, 120.0)
+    assert step(early, Activity.IDLE, 130.0, grace_s=60) == (early, Action.NONE)
+    assert step(early, Activity.IDLE, 160.0, grace_s=60) == (early, Action.RECLAIM)
+
+
 def test_activity_between_resets() -> None:
     s, _ = step(Strikes(), Activity.IDLE, 0.0, grace_s=10)
     s, a = step(s, Activity.BUSY, 5.0, grace_s=10)
