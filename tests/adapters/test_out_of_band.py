@@ -225,8 +225,11 @@ async def test_an_injected_unbind_of_a_live_leases_function_marks_the_lease_itse
     assert body["state"] == "ACTIVE"
     assert f"{addr} was unbound from vfio-pci outside the agent while lease {lease['id']} held it" in body["error"]
     assert rig.runtime.manager.gpu_state(gid).value == "leased" and gid in rig.runtime.manager.attention
-    # the mark is journaled: it outlives a restart
+    # the mark is journaled: it outlives a restart, and the lease's history says what happened, by whom
     assert "out of band" in (rig.runtime.journal.get(lease["id"]).error or "")
+    (mark,) = [e for e in rig.runtime.journal.events(lease_id=lease["id"])
+               if (e.detail or "").startswith("out of band: ")]
+    assert mark.detail == body["error"] and mark.actor == rig.runtime.watcher.ACTOR, mark
     # the GPU stays out of placement once the lease ends, until an operator clears it
     await rig.client.delete(f"/v1/leases/{lease['id']}", headers=rig.auth("vm-a"))
     assert rig.runtime.manager.gpu_state(gid).value == "unavailable"
