@@ -248,7 +248,8 @@ def find_violations(world: World, leases: list[dict[str, Any]]) -> list[str]:
 
     No GPU on vfio-pci without a lease; no IOMMU group split across drivers, none left driverless; no lease claiming
     a device it does not hold (every holding state checked against sysfs and the hypervisor, and no GPU claimed by
-    two leases); nothing given back to the host, or attached anywhere, without a lease that holds it on vfio-pci."""
+    two leases); an ACTIVE lease records each function at the guest address the domain's XML has it at; nothing
+    given back to the host, or attached anywhere, without a lease that holds it on vfio-pci."""
     violations: list[str] = []
     drivers, attached = world.drivers, world.attached
     held: dict[str, str] = {}  # function -> lease id
