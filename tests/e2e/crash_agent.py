@@ -11,23 +11,15 @@ With HOSTAGENT_CRASH_AT in its environment it SIGKILLs itself at that crash poin
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
 
 def main(state: str, pair_first: str, operator_sha256: str) -> int:
     import hostagent.runtime as runtime
-    from hostagent.host.discovery import discover
-    from hostagent.host.sysfs import Sysfs
-    from tests.e2e.guest_agent_lease import agent_settings
-    from tests.e2e.guest_nested_libvirt import gpus_at
+    from tests.e2e.guest_agent_lease import agent_settings, nic_inventory
 
-    def inventory(settings: object) -> object:
-        inv = discover(Sysfs("/sys"), vendors=())
-        return dataclasses.replace(inv, gpus=tuple(gpus_at(inv, [pair_first])))
-
-    runtime.discover_host = inventory  # type: ignore[assignment]  # the NIC pair stands in for a GPU
+    runtime.discover_host = lambda settings: nic_inventory(pair_first)  # type: ignore[assignment]
     return runtime.serve(agent_settings(Path(state), operator_sha256))
 
 

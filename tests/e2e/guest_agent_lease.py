@@ -28,15 +28,15 @@ attach and the ACTIVE write, and the agent started again reconciles the journal 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from hostagent.host.sysfs import Sysfs
 from hostagent.web.auth import hash_token, new_token
 from tests.e2e.guest_nested_libvirt import drivers, gpus_at, wait_for
 from tests.e2e.guest_os_lease import _active, _text
+from tests.support.api import call_json
 from tests.e2e.inner_os import CACHE, FIRST_PORT, STOP, URI, boot_inner, inner_os_domain_xml, pci_now, stage2_script
 
 STATE = Path("/tmp/ga-state")  # the agent's state directory: its journal outlives the agent's process
@@ -101,6 +102,15 @@ sleep {JOB_S}
 """
 
 
+def nic_inventory(pair_first: str) -> Any:
+    """The outer guest's inventory as the agent's discovery reads it, with the two-function e1000e group (the one
+    of `pair_first`) as its only GPU: the NIC pair stands in for a GPU (discovery picks display controllers only;
+    the lease code cares about the group). After a crash its functions are on vfio-pci: the journal knows their
+    drivers."""
+    inv = discover(Sysfs("/sys"), vendors=())
+    return dataclasses.replace(inv, gpus=tuple(gpus_at(inv, [pair_first])))
+
+
 def agent_settings(state: Path, operator_sha256: str) -> Any:
     """The agent's settings over the outer guest's real kernel and the nested libvirtd."""
     return settings_from_dict({
@@ -134,8 +144,8 @@ async def guest_agent_phase(conn: Any, pair_first: str, vmlinux: str) -> dict[st
 
     share = Path("/tmp/inner-ga")
     rec: dict[str, Any] = {}
-    inv = await asyncio.to_thread(discover, Sysfs("/sys"), vendors=())
-    [gpu] = gpus_at(inv, [pair_first])
+    inv = await asyncio.to_thread(nic_inventory, pair_first)
+    [gpu] = inv.gpus
     pair = [str(a) for a in gpu.group.addresses]  # type: ignore[union-attr]
     rec["functions"] = pair
     rec["drivers_before"] = drivers(pair)
@@ -143,7 +153,7 @@ async def guest_agent_phase(conn: Any, pair_first: str, vmlinux: str) -> dict[st
     operator = new_token("op")
     settings = agent_settings(STATE, hash_token(operator))
     real_discover = runtime.discover_host
-    runtime.discover_host = lambda s: dataclasses.replace(inv, gpus=(gpu,))  # the NIC pair stands in for a GPU
+    runtime.discover_host = lambda s: inv
     try:
         rt = await asyncio.to_thread(runtime.build_runtime, settings)
     finally:
@@ -287,15 +297,8 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: the child agent runs
 
 
 def _call(method: str, path: str, token: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
-    """One API call as a client makes it: (status, JSON body)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{PORT}{path}", data=data, method=method,
-                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"null")
+    """One API call to the agent on PORT as a client makes it: (status, JSON body)."""
+    return call_json(f"http://127.0.0.1:{PORT}", method, path, body, token, timeout)
 
 
 def _healthy() -> bool:
@@ -322,14 +325,21 @@ def _live_hostdevs(conn: Any, uuid: str) -> dict[str, str]:
     return {str(h.source): guest_addr(h) for h in parse_domain_hostdevs(xml)}
 
 
-def _journal_lease(lid: str | None, uuid: str, known: set[str]) -> tuple[Any, list[Any]]:
-    """The lease (`lid`, or this domain's one not in `known`) and its events, as the journal on disk holds them."""
+@contextlib.contextmanager
+def _journal() -> Iterator[Journal]:
+    """The journal on disk, as the agent processes leave it (opened while none of them runs)."""
     j = Journal(STATE / "journal.sqlite3")
     try:
-        lease = j.get(lid) if lid else next((x for x in j.leases(domain_uuid=uuid) if x.id not in known), None)
-        return lease, (j.events(lease_id=lease.id) if lease is not None else [])
+        yield j
     finally:
         j.close()
+
+
+def _journal_lease(lid: str | None, uuid: str, known: set[str]) -> tuple[Any, list[Any]]:
+    """The lease (`lid`, or this domain's one not in `known`) and its events, as the journal on disk holds them."""
+    with _journal() as j:
+        lease = j.get(lid) if lid else next((x for x in j.leases(domain_uuid=uuid) if x.id not in known), None)
+        return lease, (j.events(lease_id=lease.id) if lease is not None else [])
 
 
 async def _crash_part(conn: Any, share: Path, uuid: str, pair: list[str], before: list[str], operator: str,
@@ -340,7 +350,8 @@ async def _crash_part(conn: Any, share: Path, uuid: str, pair: list[str], before
     (the live XML), the journal on disk and the inner guest's own PCI listing."""
     rec: dict[str, Any] = {"crash_at": CRASH_AT}
     logs = [Path("/tmp/crash-agent-1.log"), Path("/tmp/crash-agent-2.log")]
-    known = {x.id for x in _journal_lease_list(uuid)}
+    with _journal() as j:
+        known = {x.id for x in j.leases(domain_uuid=uuid)}
     t0 = time.monotonic()
     first = _start_agent(pair[0], operator, logs[0], CRASH_AT)
     agent = first
@@ -404,10 +415,3 @@ async def _crash_part(conn: Any, share: Path, uuid: str, pair: list[str], before
     rec["events"] = [(e.kind, e.to_state, e.actor, (e.detail or "")[:200]) for e in events]
     return rec
 
-
-def _journal_lease_list(uuid: str) -> list[Any]:
-    j = Journal(STATE / "journal.sqlite3")
-    try:
-        return list(j.leases(domain_uuid=uuid))
-    finally:
-        j.close()

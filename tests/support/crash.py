@@ -10,8 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from hostagent.services.leases import lease_view
 from hostagent.store.journal import Journal
 from hostagent.virt.sim import SimulatedHypervisor
 from hostagent.web.auth import hash_token, new_token
+from tests.support.api import call_json
 from tests.support.libvirtd import PrivateLibvirtd, tiny_domain_xml
 
 ROOT = Path(__file__).parents[2]
@@ -89,16 +88,7 @@ class AgentProcess:
 
     def call(self, method: str, path: str, body: Any = None, token: str | None = None,
              timeout: float = 30.0) -> tuple[int, Any]:
-        headers = {"Content-Type": "application/json"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.loads(r.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"null")
+        return call_json(self.url, method, path, body, token, timeout)
 
     def wait_killed(self, timeout: float = 30.0) -> int:
         assert self.proc is not None
