@@ -56,11 +56,15 @@ def view(m: LeaseCore) -> dict[str, tuple[int, float | None]]:
         return cached[2]
     now = m.clock()
     order = in_order(m)
-    if bookings.has_bookings(m):
-        out = _view_with_bookings(m, order, now)
-        m.queue_cache = (key, now, out)
-        return out
-    out = {}
+    out = _view_with_bookings(m, order, now) if bookings.has_bookings(m) else _view_by_pools(m, order, now)
+    m.queue_cache = (key, now, out)
+    return out
+
+
+def _view_by_pools(m: LeaseCore, order: list[Lease], now: float) -> dict[str, tuple[int, float | None]]:
+    """The queue's positions and ETAs without bookings: one sorted pool of free-at times per group of leases that
+    could use the same GPUs, each lease taking the next GPUs of every pool in serve order."""
+    out: dict[str, tuple[int, float | None]] = {}
     groups: dict[frozenset[str], list[float]] = {}  # usable GPUs -> when each frees (now for a free one), sorted
     cursor: dict[frozenset[str], tuple[int, float]] = {}
     for pos, lease in enumerate(order, start=1):
@@ -76,7 +80,6 @@ def view(m: LeaseCore) -> dict[str, tuple[int, float | None]]:
         out[lease.id] = (pos, eta)
         for other in groups:  # this lease takes its GPUs before anyone behind it, in every group
             cursor[other] = _consume(groups[other], cursor[other], [n])
-    m.queue_cache = (key, now, out)
     return out
 
 
@@ -85,7 +88,7 @@ def _view_with_bookings(m: LeaseCore, order: list[Lease], now: float) -> dict[st
     starts serves a queued lease only if the lease ends before the booking's lead time (the grant path keeps leases
     clear of bookings), so each lease's ETA is the earliest window in which enough of its usable GPUs are free for
     its whole duration, past the leases holding them now (until `busy_until`), the bookings, and the leases queued
-    ahead of it (each in its own window, holding its GPUs from then on, as the pool sweep of :func:`view` assumes)."""
+    ahead of it (each in its own window, holding its GPUs from then on, as :func:`_view_by_pools` assumes)."""
     cal = [h for h in bookings.holds(m, now) if h.booking]
     cal += [Hold(gid, now, max(now, busy_until(m, gid, now)), m.claims.get(gid, "")) for gid in m.gpus
             if not is_free(m, gid)]

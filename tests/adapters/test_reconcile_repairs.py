@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from hostagent.domain.errors import HypervisorUnavailable
 from hostagent.domain.lease import LeaseRequest, LeaseState
@@ -40,12 +41,14 @@ async def _start_again(rig: AgentRig) -> None:
     await rig.runtime.start()
 
 
-def _journal_steps(rig: AgentRig, lease_id: str, *states: LeaseState) -> None:
-    """Journal the stopped agent's lease through `states`, as if it had died in the last of them."""
+def _journal_steps(rig: AgentRig, lease_id: str, *states: LeaseState, **changes: Any) -> None:
+    """Journal the stopped agent's lease through `states`, as if it had died in the last of them; `changes` (a field
+    -> a function of the lease) are made at the first step."""
     journal = Journal(rig.settings.state_dir / "journal.sqlite3")
     try:
         lease = journal.get(lease_id)
         assert lease is not None
+        lease = dataclasses.replace(lease, **{k: f(lease) for k, f in changes.items()})
         for st in states:
             prev, lease = lease.state, dataclasses.replace(lease, state=st)
             journal.record(lease, from_state=prev, actor="test")
@@ -208,15 +211,8 @@ async def test_a_lease_stopped_in_attaching_with_every_device_attached_is_finish
     so, with the guest addresses the domain gave each function."""
     rig, lease_id, functions = await _leased_then_stopped(tmp_path, gpus=2)
     live = {str(h.source): h for h in await rig.hv.attached_hostdevs(rig.uuids["vm-a"])}
-    journal = Journal(rig.settings.state_dir / "journal.sqlite3")
-    try:
-        lease = journal.get(lease_id)
-        assert lease is not None
-        blank = tuple(dataclasses.replace(d, guest_addresses=("",) * len(d.functions)) for d in lease.devices)
-        journal.record(dataclasses.replace(lease, state=S.ATTACHING, devices=blank), from_state=lease.state,
-                       actor="test")
-    finally:
-        journal.close()
+    _journal_steps(rig, lease_id, S.ATTACHING, devices=lambda lease: tuple(
+        dataclasses.replace(d, guest_addresses=("",) * len(d.functions)) for d in lease.devices))
     await _start_again(rig)
     try:
         rt = rig.runtime
