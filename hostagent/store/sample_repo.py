@@ -32,8 +32,7 @@ ROLL_EVERY_WRITES = 8  # the roller folds at least this many sample writes at on
 # client CPU went from 0.90 to 0.38 cores and the flush latency p50 from 203 to 12 ms (`hostagent bench fleet`,
 # docs/benchmarks.md, with the varying wait below).
 ROLL_AFTER_S = 5.0
-SAMPLE_COLUMNS = ("host_id", "gpu_id", "ts_ms", "lease_id", "source", "util_pct", "mem_used_bytes", "work_rate",
-                  "vfio_irq_rate")
+SAMPLE_COLUMNS = ("host_id", *Sample._fields)  # a row is (host_id, *sample)
 
 
 class SampleRepo(StoreCore):
@@ -156,8 +155,7 @@ class SampleRepo(StoreCore):
         # since only inserted rows get an id past the watermark, the rollup step never counts it twice.
         host = self.host_id
         samples = [r if isinstance(r, Sample) else Sample(**r) for r in rows]
-        values = [(host, s.gpu_id, s.ts_ms, s.lease_id, s.source, s.util_pct, s.mem_used_bytes, s.work_rate,
-                   s.vfio_irq_rate) for s in samples]
+        values = [(host, *s) for s in samples]  # a Sample's fields are the columns after host_id, in order
         after = newest_id(conn, host)
         inserted = insert_ignore(conn, t.usage_samples, SAMPLE_COLUMNS, values)
         # the host's rows past `after` are this write's alone (one writer per host): with none skipped, they are

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from hostagent.domain.errors import InvalidInput
 
@@ -17,9 +16,14 @@ SOURCES = ("guest", "host", "probe", "import")
 _FIELDS = {"gpu_id", "ts", "lease_id", "source", "util_pct", "mem_used_bytes", "work_rate", "vfio_irq_rate"}
 
 
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """One usage observation of one GPU at one instant."""
+class Sample(NamedTuple):
+    """One usage observation of one GPU at one instant (immutable and hashable).
+
+    A named tuple rather than a frozen dataclass: heartbeats arrive by the thousand per second, and building a
+    frozen dataclass (one ``object.__setattr__`` per field) cost 1.5 µs a sample against 0.4 µs for this, a third of
+    what validating a sample costs (``hostagent bench fleet``). Its fields are in ``usage_samples``' column order
+    after ``host_id``, so a row is ``(host_id, *sample)``.
+    """
 
     gpu_id: str
     ts_ms: int
@@ -33,7 +37,7 @@ class Sample:
     @property
     def key(self) -> tuple[str, int, str, str]:
         """What makes a sample unique for its host (a replay of it is the same row)."""
-        return (self.gpu_id, self.ts_ms, self.lease_id, self.source)
+        return self[:4]  # type: ignore[return-value]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (also the spool's JSON form)."""
@@ -43,7 +47,7 @@ class Sample:
 
     def to_api(self) -> dict[str, Any]:
         """The form callers send and get back: ``ts`` in unix seconds."""
-        d = asdict(self)
+        d = self._asdict()
         d["ts"] = d.pop("ts_ms") / 1000.0
         return d
 
@@ -62,7 +66,7 @@ def validate_samples(raw: Iterable[Mapping[str, Any] | Sample], *, now: float, m
             # the slow path below re-checks what the fast one would not take, and names the field that is wrong
             s = _fast(item, ts_max, default_lease_id, default_source) or _one(
                 item, i, now, max_skew_s, default_lease_id, default_source)
-        key = (s.gpu_id, s.ts_ms, s.lease_id, s.source)
+        key = s[:4]  # Sample.key: (gpu_id, ts_ms, lease_id, source)
         if key not in seen:
             seen.add(key)
             out.append(s)
@@ -131,7 +135,7 @@ def _one(d: Mapping[str, Any], i: int, now: float, skew: float, lease: str, sour
         vfio_irq_rate=_opt(d, "vfio_irq_rate", where, 0.0, 1e12),
     )
     if not s.lease_id and lease:
-        s = Sample(**{**asdict(s), "lease_id": lease})
+        s = s._replace(lease_id=lease)
     return s
 
 
