@@ -63,6 +63,16 @@ def test_duplicates_inside_a_batch_are_dropped_and_default_lease_applies() -> No
     assert len(out) == 2 and {s.lease_id for s in out} == {"L9"}
 
 
+def test_a_sample_is_the_same_sample_by_its_key_whatever_its_readings() -> None:
+    # the store's unique key is (host, gpu, instant, lease, source): a guest that resends an instant with other
+    # readings has sent the same sample again, and the first one stands (the store would skip the second anyway)
+    out = validate_samples([ok(util_pct=10.0), ok(util_pct=90.0, mem_used_bytes=5), ok(ts=NOW - 4, util_pct=90.0)],
+                           now=NOW)
+    assert [(s.ts_ms, s.util_pct) for s in out] == [(int((NOW - 5) * 1000), 10.0), (int((NOW - 4) * 1000), 90.0)]
+    assert out[0].key == ("gpu-0", int((NOW - 5) * 1000), "", "guest") and type(out[0].key) is tuple
+    assert Sample(*out[0]) == out[0] and Sample(**out[0].to_dict()) == out[0]  # the spool's form reads back
+
+
 def test_rollup_rows_aggregate_per_bucket_and_lease() -> None:
     t0 = 1_800_000_000  # a multiple of 3600 and of 60
     ss = [Sample("g", (t0 + i * 10) * 1000, "L", "guest", float(i), 100 * i, 1.0, 2.0) for i in range(12)]
