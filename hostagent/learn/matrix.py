@@ -56,23 +56,28 @@ class ThroughputMatrix:
 
     task_effect: dict[str, float] = field(default_factory=dict)
     model_effect: dict[str, float] = field(default_factory=dict)
-    pairs: dict[str, dict[str, tuple[float, int]]] = field(default_factory=dict)  # task -> model -> (residual, n)
+    # task -> model -> (residual, n): n is the pair's leases, each counted at its tenant weight (records.tenant_weights)
+    pairs: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     s2: float = 0.0
     t2: float = 0.0
-    task_n: dict[str, int] = field(default_factory=dict)
-    model_n: dict[str, int] = field(default_factory=dict)
+    task_n: dict[str, float] = field(default_factory=dict)
+    model_n: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def fit(cls, rows: Iterable[tuple[str, str, float]]) -> ThroughputMatrix:
-        """From (task type, GPU model, log relative work rate) per finished lease and device."""
-        cells: dict[tuple[str, str], list[float]] = defaultdict(list)
-        for task, model, y in rows:
-            if math.isfinite(y):
-                cells[(task, model)].append(y)
+    def fit(cls, rows: Iterable[tuple[str, str, float] | tuple[str, str, float, float]]) -> ThroughputMatrix:
+        """From (task type, GPU model, log relative work rate[, weight]) per finished lease and device. A weight
+        (the lease's tenant weight, default 1) counts the lease as that much of one, so that one tenant leasing all
+        day cannot make the pairs' rates its own, as it cannot the trees'."""
+        cells: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+        for row in rows:
+            task, model, y = row[0], row[1], row[2]
+            w = row[3] if len(row) > 3 else 1.0  # type: ignore[misc]
+            if math.isfinite(y) and w > 0:
+                cells[(task, model)].append((y, w))
         if not cells:
             return cls()
-        mean = {k: sum(v) / len(v) for k, v in cells.items()}
-        n = {k: len(v) for k, v in cells.items()}
+        n = {k: sum(w for _, w in v) for k, v in cells.items()}
+        mean = {k: sum(w * y for y, w in v) / n[k] for k, v in cells.items()}
         a: dict[str, float] = {t: 0.0 for t, _ in cells}
         b: dict[str, float] = {m: 0.0 for _, m in cells}
         for _ in range(ROUNDS):
@@ -80,14 +85,14 @@ class ThroughputMatrix:
             b = _effect(mean, n, a, side=1)
         resid = {k: mean[k] - a[k[0]] - b[k[1]] for k in cells}
         dof = sum(n.values()) - len(cells)
-        s2 = sum((y - mean[k]) ** 2 for k, v in cells.items() for y in v) / dof if dof > 0 else 0.0
+        s2 = sum(w * (y - mean[k]) ** 2 for k, v in cells.items() for y, w in v) / dof if dof > 0 else 0.0
         # the spread of the pairs' mean residuals, less what their own noise explains (method of moments)
         t2 = max(0.0, sum(r * r for r in resid.values()) / len(resid) - sum(s2 / n[k] for k in cells) / len(cells))
-        pairs: dict[str, dict[str, tuple[float, int]]] = defaultdict(dict)
+        pairs: dict[str, dict[str, tuple[float, float]]] = defaultdict(dict)
         for (t, m), r in resid.items():
             pairs[t][m] = (r, n[(t, m)])
-        task_n: dict[str, int] = defaultdict(int)
-        model_n: dict[str, int] = defaultdict(int)
+        task_n: dict[str, float] = defaultdict(float)
+        model_n: dict[str, float] = defaultdict(float)
         for (t, m), c in n.items():
             task_n[t] += c
             model_n[m] += c
@@ -97,14 +102,14 @@ class ThroughputMatrix:
         """The pair's estimate; None where the task type or the GPU model was never seen."""
         if task not in self.task_effect or model not in self.model_effect:
             return None
-        resid, n = self.pairs.get(task, {}).get(model, (0.0, 0))
+        resid, n = self.pairs.get(task, {}).get(model, (0.0, 0.0))
         keep = n / (n + self.s2 / self.t2) if n and self.t2 > 0 else (1.0 if n and self.s2 == 0 else 0.0)
         # the interaction's posterior variance, plus the two effects' (each known from its leases)
         post = (1.0 / (n / self.s2 + 1.0 / self.t2) if n and self.s2 > 0 and self.t2 > 0
                 else (0.0 if n and self.s2 == 0 else self.t2))
         var = post + self.s2 / max(1, self.task_n.get(task, 0)) + self.s2 / max(1, self.model_n.get(model, 0))
         log_rate = self.task_effect[task] + self.model_effect[model] + keep * resid
-        return Cell(task, model, math.exp(log_rate), math.sqrt(var), n, "records" if n else "shared")
+        return Cell(task, model, math.exp(log_rate), math.sqrt(var), round(n), "records" if n else "shared")
 
     def table(self) -> list[Cell]:
         """Every pair of a seen task type and a seen GPU model, by task then model."""
@@ -124,17 +129,17 @@ class ThroughputMatrix:
             return cls()
         return cls({str(k): float(v) for k, v in d["task_effect"].items()},
                    {str(k): float(v) for k, v in d["model_effect"].items()},
-                   {str(t): {str(m): (float(x[0]), int(x[1])) for m, x in ms.items()} for t, ms in d["pairs"].items()},
-                   float(d["s2"]), float(d["t2"]), {str(k): int(v) for k, v in d["task_n"].items()},
-                   {str(k): int(v) for k, v in d["model_n"].items()})
+                   {str(t): {str(m): (float(x[0]), float(x[1])) for m, x in ms.items()} for t, ms in d["pairs"].items()},
+                   float(d["s2"]), float(d["t2"]), {str(k): float(v) for k, v in d["task_n"].items()},
+                   {str(k): float(v) for k, v in d["model_n"].items()})
 
 
-def _effect(mean: dict[tuple[str, str], float], n: dict[tuple[str, str], int], other: dict[str, float],
+def _effect(mean: dict[tuple[str, str], float], n: dict[tuple[str, str], float], other: dict[str, float],
             side: int) -> dict[str, float]:
     """One backfitting step: each task's (side 0) or GPU model's (side 1) lease-weighted mean of what the other
     effect leaves; the GPU-model effects are centred (lease-weighted) so the task effects carry the level."""
     num: dict[str, float] = defaultdict(float)
-    den: dict[str, int] = defaultdict(int)
+    den: dict[str, float] = defaultdict(float)
     for k, y in mean.items():
         num[k[side]] += n[k] * (y - other[k[1 - side]])
         den[k[side]] += n[k]

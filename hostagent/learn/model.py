@@ -5,6 +5,12 @@ type, so one model ranks devices for every task type on a common, unit-free scal
 ``exp(prediction)``, i.e. the expected speed relative to a typical device for that task type. A failed lease that
 reported no work counts as a tenth of typical speed (failure is an outcome, not a missing label). Other
 targets: "utilization" (mean GPU utilisation, 0..1) and "completion" (1 unless the lease failed).
+
+For the work rate the prediction is stacked: the throughput matrix (:mod:`hostagent.learn.matrix`, empirical Bayes
+over task types and GPU models) gives each (task type, GPU model) pair's rate, and the trees are fitted to what it
+leaves, the device's own figures (probe score, NUMA, memory headroom, link, errors) and the request's. Trees alone
+must find every pair by splits on one-hot columns, which young models with a few hundred records do badly: on the
+evaluation's traces their relative rates were 1.5-7x further off than the matrix's (docs/placement.md).
 """
 
 from __future__ import annotations
@@ -81,10 +87,26 @@ class ModelBundle:
     scaling: dict[str, dict[int, float]] = field(default_factory=dict)  # task -> GPUs -> median total work rate
     matrix: ThroughputMatrix = field(default_factory=ThroughputMatrix)  # (task, GPU model) rates (learn.matrix)
     run_s: dict[str, float] = field(default_factory=dict)  # task -> median run time of its finished leases
+    stacked: bool = False  # the trees predict what the matrix leaves (work rate; artifacts from before: False)
+    residual_weight: float = 1.0  # how much of the trees' part a stacked model adds (0: the matrix alone; see fit)
 
     def __post_init__(self) -> None:
         self.encoder = FeatureEncoder(self.vocabulary)
         self.forest = CompiledForest.build(self.estimator)
+        self._base: dict[tuple[str, str], float] = {}  # (task, GPU model) -> the matrix's log rate (0: no cell)
+
+    def base(self, task: str, model: str) -> float:
+        """The matrix's log relative rate of the pair, the stacked trees' starting point (0 where it has none)."""
+        got = self._base.get((task, model))
+        if got is None:
+            got = self._base[(task, model)] = matrix_base(self.matrix, task, model)
+        return got
+
+    def _stack(self, task: str, devices: Sequence[DeviceView], raw: np.ndarray) -> np.ndarray:
+        if not self.stacked:
+            return raw
+        out: np.ndarray = self.residual_weight * raw + np.array([self.base(task, d.model) for d in devices])
+        return out
 
     def _raw(self, X: np.ndarray) -> np.ndarray:
         out: np.ndarray = self.forest.predict(X) if self.forest is not None else self.estimator.predict(X)
@@ -95,7 +117,7 @@ class ModelBundle:
         raw = self._raw(self.encoder.matrix(request, devices))
         if self.target != "work_rate":
             return raw
-        return np.exp(self._shared(request.task_type, devices, raw))
+        return np.exp(self._shared(request.task_type, devices, self._stack(request.task_type, devices, raw)))
 
     def _shared(self, task: str, devices: Sequence[DeviceView], raw: np.ndarray) -> np.ndarray:
         """Where a device's GPU model never ran the task type in the records (both seen, never together), the
@@ -115,8 +137,9 @@ class ModelBundle:
     def predict_rates(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> np.ndarray:
         """Each device's predicted work rate for the request's task type, in the guest's unit ("work_rate" target,
         a task type it was trained on)."""
-        raw = self._shared(request.task_type, devices, self._raw(self.encoder.matrix(request, devices)))
-        out: np.ndarray = np.exp(raw + self.norms[request.task_type])
+        task = request.task_type
+        raw = self._shared(task, devices, self._stack(task, devices, self._raw(self.encoder.matrix(request, devices))))
+        out: np.ndarray = np.exp(raw + self.norms[task])
         return out
 
     def predict_examples(self, examples: Sequence[Example]) -> np.ndarray:
@@ -126,6 +149,9 @@ class ModelBundle:
         raw = self._raw(self.encoder.rows((e.request, e.device) for e in examples))
         if self.target != "work_rate":
             return raw
+        if self.stacked:
+            raw = self.residual_weight * raw + np.array([self.base(e.request.task_type, e.device.model)
+                                                         for e in examples])
         fallback = float(np.mean(list(self.norms.values()))) if self.norms else 0.0
         offs = np.array([self.norms.get(e.request.task_type, fallback) for e in examples])
         out: np.ndarray = np.exp(raw + offs)
@@ -138,7 +164,8 @@ class ModelBundle:
             "norms": self.norms, "task_counts": self.task_counts, "trained_on": self.trained_on,
             "params": _jsonable(self.params), "trained_until": self.trained_until,
             "scaling": {task: {str(n): v for n, v in totals.items()} for task, totals in self.scaling.items()},
-            "matrix": self.matrix.to_plain(), "run_s": self.run_s,
+            "matrix": self.matrix.to_plain(), "run_s": self.run_s, "stacked": self.stacked,
+            "residual_weight": self.residual_weight,
         })
         return blob
 
@@ -159,7 +186,8 @@ class ModelBundle:
                    scaling={str(task): {int(n): float(v) for n, v in totals.items()}
                             for task, totals in (d.get("scaling") or {}).items()},
                    matrix=ThroughputMatrix.from_plain(d.get("matrix")),
-                   run_s={str(k): float(v) for k, v in (d.get("run_s") or {}).items()})
+                   run_s={str(k): float(v) for k, v in (d.get("run_s") or {}).items()},
+                   stacked=bool(d.get("stacked", False)), residual_weight=float(d.get("residual_weight", 1.0)))
 
 
 def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
@@ -179,15 +207,53 @@ def fit(examples: Sequence[Example], *, target: str = "work_rate",
     empty = np.isnan(X).all(axis=0)
     X[:, empty] = 0.0
     p = {**DEFAULT_PARAMS, **(params or {})}
+    weights = np.array(tenant_weights([e.tenant for e in kept]))
+    stacked = target == "work_rate"
+    matrix = _matrix_of(kept, norms, weights) if stacked else ThroughputMatrix()
+    weight = 1.0
+    if stacked:  # the trees learn what the matrix's pair estimate leaves (see the module)
+        weight = _residual_weight(kept, X, y, norms, weights, p)
+        y = y - np.array([matrix_base(matrix, e.request.task_type, e.device.model) for e in kept])
     est = HistGradientBoostingRegressor(**p)
-    est.fit(X, y, sample_weight=np.array(tenant_weights([e.tenant for e in kept])))
+    est.fit(X, y, sample_weight=weights)
     counts: dict[str, int] = {}
     for e in kept:
         counts[e.request.task_type] = counts.get(e.request.task_type, 0) + 1
-    matrix = ThroughputMatrix.fit((e.request.task_type, e.device.model, math.log(e.work_rate) - norms[e.request.task_type])
-                                  for e in kept if target == "work_rate" and e.work_rate is not None and e.work_rate > 0)
     return ModelBundle(est, vocab, target, norms, counts, len(kept), p, max(e.created_at for e in kept),
-                       scaling=scaling_of(examples), matrix=matrix, run_s=run_times(examples))
+                       scaling=scaling_of(examples), matrix=matrix, run_s=run_times(examples), stacked=stacked,
+                       residual_weight=weight)
+
+
+def _matrix_of(kept: Sequence[Example], norms: dict[str, float], weights: Sequence[float]) -> ThroughputMatrix:
+    return ThroughputMatrix.fit((e.request.task_type, e.device.model, math.log(e.work_rate) - norms[e.request.task_type],
+                                 float(w)) for e, w in zip(kept, weights) if e.work_rate is not None and e.work_rate > 0)
+
+
+def _residual_weight(kept: Sequence[Example], X: np.ndarray, y: np.ndarray, norms: dict[str, float],
+                     weights: np.ndarray, params: dict[str, Any]) -> float:
+    """Whether the trees' part earns its place on top of the matrix: both fitted on the older 80 % of the records,
+    judged on the newest 20 % (as the lifecycle judges a candidate). 1 when the trees lower the held-out error,
+    else 0 (the matrix alone). With a few hundred records the trees mostly fit the noise left over by the pairs'
+    means; with many, the devices' own figures (probe score, NUMA, memory headroom) carry real signal."""
+    order = np.argsort([e.created_at for e in kept], kind="stable")
+    cut = int(len(kept) * 0.8)
+    if cut < 10 or len(kept) - cut < 5:
+        return 0.0  # too few records to judge the trees: the matrix alone
+    old, new = order[:cut], order[cut:]
+    matrix = _matrix_of([kept[i] for i in old], norms, weights[old])
+    base = np.array([matrix_base(matrix, e.request.task_type, e.device.model) for e in kept])
+    resid = y - base
+    est = HistGradientBoostingRegressor(**params).fit(X[old], resid[old], sample_weight=weights[old])
+    with_trees = float(np.average((resid[new] - est.predict(X[new])) ** 2, weights=weights[new]))
+    without = float(np.average(resid[new] ** 2, weights=weights[new]))
+    return 1.0 if with_trees < without else 0.0
+
+
+def matrix_base(matrix: ThroughputMatrix, task: str, model: str) -> float:
+    """The matrix's log relative rate of a (task type, GPU model) pair; 0 (a typical device) where the task type or
+    the GPU model never reported work."""
+    cell = matrix.cell(task, model)
+    return math.log(cell.rate) if cell is not None and cell.rate > 0 else 0.0
 
 
 def run_times(examples: Sequence[Example], *, at_least: int = 3) -> dict[str, float]:

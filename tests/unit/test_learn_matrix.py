@@ -1,5 +1,6 @@
-"""The learned throughput matrix (learn.matrix): shared effects, shrunk interactions, uncertainty, and its use by
-the scorer for pairs the records never saw together; built only from the store's records."""
+"""The learned throughput matrix (learn.matrix): shared effects, shrunk interactions, uncertainty, tenant weights,
+and its use by the scorer (the base of every work-rate prediction; alone for pairs the records never saw together);
+built only from the store's records."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_interactions_are_kept_where_the_records_show_them_and_shrunk_where_they
         assert math.log(c.rate) == pytest.approx(flat.task_effect[c.task] + flat.model_effect[c.model], abs=0.05)
 
 
-def test_the_scorer_uses_the_matrix_only_for_pairs_its_trees_never_saw() -> None:
+def test_the_scorer_stands_on_the_matrix_and_uses_it_alone_for_pairs_never_seen_together() -> None:
     # "b" never ran on Y (and "a" runs on both): the trees would extrapolate, the matrix shares strength
     truth = {("a", "X"): 100.0, ("a", "Y"): 10.0, ("b", "X"): 50.0, ("b", "Y"): 5.0, ("c", "X"): 20.0, ("c", "Y"): 2.0}
     recs = [r for r in store_records(300, truth=truth) if not (r["task_type"] == "b" and r["devices"][0]["model"] == "Y")]
@@ -73,10 +74,33 @@ def test_the_scorer_uses_the_matrix_only_for_pairs_its_trees_never_saw() -> None
     got = bundle.predict_relative(PlacementRequest(task_type="b"), [dev("g0", "X"), dev("g1", "Y")])
     assert got[1] == pytest.approx(cell.rate)  # the matrix's, not the trees'
     assert got[0] / got[1] == pytest.approx(10.0, rel=0.2)  # Y is a tenth of X for the other task types: so here
+    # a pair seen together: the matrix's rate, times the trees' part as far as it earned its place (stacked)
     seen = bundle.predict_relative(PlacementRequest(task_type="a"), [dev("g1", "Y")])
-    assert seen[0] != pytest.approx(bundle.matrix.cell("a", "Y").rate, rel=1e-9)  # type: ignore[union-attr]
+    trees = bundle._raw(bundle.encoder.matrix(PlacementRequest(task_type="a"), [dev("g1", "Y")]))[0]
+    assert bundle.stacked and bundle.residual_weight in (0.0, 1.0)
+    assert math.log(seen[0]) == pytest.approx(math.log(bundle.matrix.cell("a", "Y").rate)  # type: ignore[union-attr]
+                                              + bundle.residual_weight * trees)
     again = ModelBundle.from_bytes(bundle.to_bytes())
     assert again.matrix.to_plain() == bundle.matrix.to_plain()
+    assert (again.stacked, again.residual_weight) == (bundle.stacked, bundle.residual_weight)
+
+
+def test_a_lease_counts_as_much_as_its_tenant_weight() -> None:
+    # weight 2 is the same lease twice; weight 0.5 half a lease (one tenant's flood counts at its capped weight)
+    twice = ThroughputMatrix.fit([("a", "X", 1.0), ("a", "X", 1.0), ("a", "X", 3.0), ("a", "Y", 0.0), ("b", "Y", 2.0),
+                                  ("b", "X", 2.5)])
+    weighted = ThroughputMatrix.fit([("a", "X", 1.0, 2.0), ("a", "X", 3.0, 1.0), ("a", "Y", 0.0, 1.0),
+                                     ("b", "Y", 2.0, 1.0), ("b", "X", 2.5, 1.0)])
+    for c, d in zip(twice.table(), weighted.table()):
+        assert (c.task, c.model, c.n) == (d.task, d.model, d.n)
+        assert c.rate == pytest.approx(d.rate) and c.sd == pytest.approx(d.sd)
+    half = ThroughputMatrix.fit([("a", "X", 0.0, 1.0), ("a", "X", 4.0, 0.25), ("a", "Y", 0.0), ("b", "X", 0.0),
+                                 ("b", "Y", 0.0)])
+    assert half.pairs["a"]["X"][1] == 1.25  # the pair's leases, weighted
+    assert half.cell("a", "X").n == 1  # type: ignore[union-attr]  # shown as whole leases
+    # the weighted mean: (0 * 1 + 4 * 0.25) / 1.25 = 0.8 before the shared effects take their part
+    assert half.task_effect["a"] + half.model_effect["X"] + half.pairs["a"]["X"][0] == pytest.approx(0.8)
+    assert ThroughputMatrix.fit([("a", "X", 1.0, 0.0)]).table() == []  # a weight of nothing is no lease
 
 
 def test_the_matrix_is_built_only_from_the_stores_records() -> None:

@@ -232,3 +232,61 @@ def test_the_model_keeps_each_task_types_median_run_time() -> None:
         assert bundle.run_s[task] == pytest.approx(statistics.median(held))
     assert LearnedScorer(bundle).typical_run_s("a") == bundle.run_s["a"] and LearnedScorer(bundle).typical_run_s("z") is None
     assert ModelBundle.from_bytes(bundle.to_bytes()).run_s == bundle.run_s
+
+
+def _young_bundle(n: int, seed: int, slow: float | None = None) -> ModelBundle:
+    """`n` records; with `slow`, the X device g2 has that probe score and runs at that fraction of the others."""
+    recs = store_records(n, seed=seed)
+    gpus = gpu_rows()
+    if slow is not None:
+        for r in recs:
+            if r["devices"][0]["gpu_id"] == "g2":
+                r["usage"] = dict(r["usage"], work_mean=r["usage"]["work_mean"] * slow)
+        gpus = [dict(g, probe_score=slow) if g["gpu_id"] == "g2" else g for g in gpus]
+    return fit(examples_from_records(recs, gpus))
+
+
+@pytest.mark.parametrize("n", [40, 60, 100])
+def test_a_young_model_already_knows_each_pairs_rate(n: int) -> None:
+    """A few dozen records: the matrix's pair means carry the prediction (trees alone must find every pair by splits
+    and were 1.5-7x further off on the evaluation's traces); both task types' tenfold differences are there."""
+    bundle = _young_bundle(n, seed=3)
+    assert bundle.stacked
+    scorer = LearnedScorer(bundle)
+    for job in ("a", "b", "c"):
+        got = scorer.score(PlacementRequest(task_type=job), [dev("g0", "X"), dev("g1", "Y")])
+        assert abs(np.log(got[0] / got[1]) - np.log(TRUTH[(job, "X")] / TRUTH[(job, "Y")])) < 0.1
+
+
+def test_the_trees_are_kept_only_where_they_lower_the_held_out_error() -> None:
+    # pure noise around the pairs' rates: the trees would fit the noise, so the matrix alone predicts
+    assert _young_bundle(400, seed=0).residual_weight == 0.0
+    # one X device runs at half speed and its probes say so: only the trees can see a device's own figures
+    bundle = _young_bundle(400, seed=0, slow=0.5)
+    assert bundle.residual_weight == 1.0
+    views = [dev("g0", "X", probe_score=1.0), dev("g2", "X", probe_score=0.5)]
+    got = LearnedScorer(bundle).score(PlacementRequest(task_type="a"), views)
+    assert got[1] / got[0] == pytest.approx(0.5, rel=0.15)
+
+
+def test_an_artifact_from_before_the_stacking_predicts_as_it_did() -> None:
+    bundle = _young_bundle(300, seed=1)
+    d = sio.loads(bundle.to_bytes(), trusted=sio.get_untrusted_types(data=bundle.to_bytes()))
+    del d["stacked"], d["residual_weight"]
+    old = ModelBundle.from_bytes(sio.dumps(d))
+    assert not old.stacked
+    r = PlacementRequest(task_type="a")
+    trees = old._raw(old.encoder.matrix(r, DEVICES))
+    assert np.allclose(old.predict_relative(r, DEVICES), np.exp(trees))  # the trees alone, as then
+    assert (ModelBundle.from_bytes(bundle.to_bytes()).residual_weight, bundle.stacked) == (bundle.residual_weight, True)
+    util = fit(examples_from_records(store_records(100), gpu_rows()), target="utilization")
+    assert not util.stacked  # only the work rate has a matrix to stand on
+
+
+@pytest.mark.parametrize("slow", [None, 0.5])
+def test_held_out_figures_judge_the_model_that_places(slow: float | None) -> None:
+    # the lifecycle scores a candidate with predict_examples: it must be the very prediction placement uses
+    bundle = _young_bundle(300, seed=2, slow=slow)
+    examples = examples_from_records(store_records(40, seed=9), gpu_rows())
+    rates = [bundle.predict_rates(e.request, [e.device])[0] for e in examples]
+    assert np.allclose(bundle.predict_examples(examples), rates)
