@@ -50,11 +50,17 @@ from hostagent.domain.placement import (
     place,
 )
 
-POLICIES = ("random", "first-fit", "best-fit-memory", "fastest-model", "model", "oracle", "matching-oracle")
-QUEUE_AWARE = frozenset({"model", "matching-oracle"})  # the queue-aware assignment (domain.assignment) decides
+POLICIES = ("random", "first-fit", "best-fit-memory", "fastest-model", "model", "oracle", "matching-oracle",
+            "noisy-oracle")
+# the queue-aware assignment (domain.assignment) decides
+QUEUE_AWARE = frozenset({"model", "matching-oracle", "noisy-oracle"})
 EPOCH = 1_600_000_000.0  # simulated clock origin (2020-09-13): the store refuses timestamps before 2000
 SAMPLES_PER_LEASE = 3
 WORK_RATE_NOISE = 0.03  # a guest's own throughput counter is a little noisy (log-normal sigma)
+# `noisy-oracle`: `matching-oracle` with each (task type, GPU model) throughput off by a log-normal error of this sigma,
+# drawn once per run: the table known as well as one heartbeat's work-rate figure tells it. How far that falls behind
+# `matching-oracle` is how much of a learned policy's gap a few per cent of estimation error alone explains.
+ORACLE_NOISE = WORK_RATE_NOISE
 
 
 # -- inputs --------------------------------------------------------------------------------------------------------
@@ -212,10 +218,14 @@ class _RuleScorer:
         return self._fn(request, devices)
 
 
-def rule_scorers(table: Table, host: Sequence[SimGpu], rng: random.Random) -> dict[str, Scorer]:
-    """The baseline policies and the oracle as Scorers."""
+def rule_scorers(table: Table, host: Sequence[SimGpu], rng: random.Random,
+                 noise_rng: random.Random | None = None) -> dict[str, Scorer]:
+    """The baseline policies and the oracles as Scorers (``noise_rng`` draws `noisy-oracle`'s errors; its own
+    generator, so that the other policies' runs do not change with it)."""
     order = {g.gpu_id: i for i, g in enumerate(host)}
     health = {g.gpu_id: g.health for g in host}
+    draw = noise_rng or random.Random(0)
+    noisy = {key: v * math.exp(draw.gauss(0.0, ORACLE_NOISE)) for key, v in sorted(table.thr.items())}
     # "nominally best": one global ranking of models (geometric mean of their speed relative to the best model
     # for each job type), blind to which job is being placed
     rank: dict[str, float] = {}
@@ -234,6 +244,8 @@ def rule_scorers(table: Table, host: Sequence[SimGpu], rng: random.Random) -> di
             table.thr[(r.task_type, d.model)] * health[d.gpu_id] for d in ds]),
         "matching-oracle": _RuleScorer("matching-oracle", lambda r, ds: [
             table.thr[(r.task_type, d.model)] * health[d.gpu_id] for d in ds]),
+        "noisy-oracle": _RuleScorer("noisy-oracle", lambda r, ds: [
+            noisy[(r.task_type, d.model)] * health[d.gpu_id] for d in ds]),
     }
 
 
@@ -333,7 +345,7 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
     if policy not in POLICIES:
         raise InvalidInput(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}", field="policies")
     rng = random.Random(seed)
-    rules = rule_scorers(table, host, random.Random(seed * 31 + 7))
+    rules = rule_scorers(table, host, random.Random(seed * 31 + 7), noise_rng=random.Random(seed * 31 + 11))
     by_id = {g.gpu_id: g for g in host}
     base_views = [DeviceView(gpu_id=g.gpu_id, model=g.model, vendor="NVIDIA Corporation",
                              memory_bytes=int(g.memory_gib * GIB), numa_node=g.numa_node, probe_score=g.health)

@@ -201,3 +201,16 @@ def test_simulate_json_reports_queue_wait_computed_by_hand(tmp_path: Path,
                           str(tmp_path / "r.csv"), "--seeds", "1", "--policies", "first-fit",
                           "--warmup-jobs", "1"]) == 0
     assert "p99_wait_s" in capsys.readouterr().out
+
+
+def test_noisy_oracle_is_an_oracle_and_its_gap_is_shown_beside_the_models() -> None:
+    runs = [_run(t, "matching-oracle", 100.0) for t in ("t1", "t2")]
+    runs += [_run(t, "noisy-oracle", j) for t, j in (("t1", 90.0), ("t2", 110.0))]  # beats model: not a rival
+    runs += [_run(t, "model", j) for t, j in (("t1", 120.0), ("t2", 120.0))]
+    runs += [_run(t, "first-fit", 300.0) for t in ("t1", "t2")]
+    [g] = evaluate.aggregate(runs)
+    got = {t["target"]: t for t in evaluate.targets([g], heterogeneous=True, spread=100.0)}
+    assert got["lowest mean JCT of the non-oracle policies"]["met"] is True
+    detail = got["within 5 % of matching-oracle"]["detail"]
+    assert got["within 5 % of matching-oracle"]["met"] is False
+    assert detail.startswith("1.200x") and "noisy-oracle 1.000x, paired 1.000 ± " in detail
