@@ -130,6 +130,12 @@ def test_failed_leases_count_as_slow_and_bad_target_is_refused() -> None:
     bundle = fit(examples_from_records(recs, gpu_rows()))
     s = LearnedScorer(bundle).score(PlacementRequest(task_type="a"), [dev("g0", "X"), dev("g2", "X")])
     assert len(s) == 2
+    # the failures are the device's, not its model's: the matrix (work rates only) keeps X fast for job "a", and
+    # the trees, which earn their place on the held-out failures, mark the device whose recent leases failed
+    assert bundle.stacked and bundle.residual_weight == 1.0
+    fast, failing = LearnedScorer(bundle).score(PlacementRequest(task_type="a"),
+                                                [dev("g0", "X"), dev("g2", "X", recent_errors=3)])
+    assert failing < 0.2 * fast and fast > 2.0
     with pytest.raises(InvalidInput):
         fit(examples_from_records(recs, gpu_rows()), target="happiness")
 
