@@ -625,7 +625,8 @@ class Worker:
         ins = sum(m[1][0] - m[0][0] for m in marks.values())
         rolled = sum(m[1][1] - m[0][1] for m in marks.values())
         return {"sent": sum(h.sent for h in self.hosts) - sent0, "inserted_window": ins, "rolled_window": rolled,
-                "recover": rec, "trouble": self._since(fig0), "writes": [sum(x) for x in zip(*writes)],
+                "recover": rec, "trouble": self._since(fig0),
+                "writes": [sum(n for n, _ in writes), sum(w for _, w in writes)],
                 "drain_s": drain, "lags": lags, "pending_end": pending_end,
                 "lat": {h.host_id: h.lat for h in self.hosts}, **self._parts()}
 
@@ -1165,7 +1166,7 @@ async def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
                 f["parts"] = parts(outs)
                 f["rolled_rate"] = merge(outs, "rolled_window") / window
                 f["pending_end"] = merge(outs, "pending_end")
-                f["writes"] = [*(sum(x) for x in zip(*(o["writes"] for o in outs))), plan.batch]  # samples, writes
+                f["writes"] = [sum(o["writes"][0] for o in outs), sum(o["writes"][1] for o in outs), plan.batch]
                 f["lag"] = lag_figures(merge(outs, "lags"), 0)
             else:
                 f["errors"] = merge(outs, "errors")
