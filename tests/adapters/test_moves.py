@@ -17,7 +17,7 @@ from hostagent.domain.lease import LeaseRequest, LeaseState
 from hostagent.host.fakekernel import FakeKernel
 from hostagent.runtime import build_runtime
 from hostagent.services import moves
-from hostagent.services.quarantine import quarantine_gpu
+from hostagent.services.quarantine import clear_quarantine, quarantine_gpu
 from hostagent.store.journal import Journal
 from tests.support.agent import AgentRig, Clock, make_rig, start_rig
 
@@ -274,9 +274,13 @@ async def test_an_attach_whose_undo_the_guest_never_confirms_keeps_the_target_in
     # the workstation's display GPU (Xorg holds it) out of the way: the lease gets the 2080 Ti, the move goes to
     # the free two-function Radeon
     await quarantine_gpu(m, "gpu-0000-01-00-0", "the host's display GPU", "operator")
+    new = "gpu-0000-03-00-0"
+    # the Radeon held back while the lease is granted: with no model, placement may explore (epsilon) and take it
+    await quarantine_gpu(m, new, "kept for the move", "operator")
     status, lease = await call(rig, "vm-a", "POST", "/v1/leases", {"gpus": 1})
     assert status == 201, lease
-    old, new = lease["devices"][0]["gpu_id"], "gpu-0000-03-00-0"
+    await clear_quarantine(m, new, actor="operator")
+    old = lease["devices"][0]["gpu_id"]
     assert len(m.gpus[new].functions) == 2 and m.gpu_state(new).value == "free"
     rig.hv.fail_attach_after = rig.hv.attach_count + 1  # the target's second function fails
     rig.hv.set_refuse_detach("vm-a")
