@@ -16,7 +16,7 @@ evaluation's traces their relative rates were 1.5-7x further off than the matrix
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,10 +102,11 @@ class ModelBundle:
             got = self._base[(task, model)] = matrix_base(self.matrix, task, model)
         return got
 
-    def _stack(self, task: str, devices: Sequence[DeviceView], raw: np.ndarray) -> np.ndarray:
+    def _stack(self, pairs: Iterable[tuple[str, str]], raw: np.ndarray) -> np.ndarray:
+        """The trees' raw predictions for (task type, GPU model) pairs, on the matrix's rates when stacked."""
         if not self.stacked:
             return raw
-        out: np.ndarray = self.residual_weight * raw + np.array([self.base(task, d.model) for d in devices])
+        out: np.ndarray = self.residual_weight * raw + np.array([self.base(t, m) for t, m in pairs])
         return out
 
     def _raw(self, X: np.ndarray) -> np.ndarray:
@@ -117,7 +118,8 @@ class ModelBundle:
         raw = self._raw(self.encoder.matrix(request, devices))
         if self.target != "work_rate":
             return raw
-        return np.exp(self._shared(request.task_type, devices, self._stack(request.task_type, devices, raw)))
+        task = request.task_type
+        return np.exp(self._shared(task, devices, self._stack(((task, d.model) for d in devices), raw)))
 
     def _shared(self, task: str, devices: Sequence[DeviceView], raw: np.ndarray) -> np.ndarray:
         """Where a device's GPU model never ran the task type in the records (both seen, never together), the
@@ -138,7 +140,8 @@ class ModelBundle:
         """Each device's predicted work rate for the request's task type, in the guest's unit ("work_rate" target,
         a task type it was trained on)."""
         task = request.task_type
-        raw = self._shared(task, devices, self._stack(task, devices, self._raw(self.encoder.matrix(request, devices))))
+        raw = self._raw(self.encoder.matrix(request, devices))
+        raw = self._shared(task, devices, self._stack(((task, d.model) for d in devices), raw))
         out: np.ndarray = np.exp(raw + self.norms[task])
         return out
 
@@ -149,9 +152,7 @@ class ModelBundle:
         raw = self._raw(self.encoder.rows((e.request, e.device) for e in examples))
         if self.target != "work_rate":
             return raw
-        if self.stacked:
-            raw = self.residual_weight * raw + np.array([self.base(e.request.task_type, e.device.model)
-                                                         for e in examples])
+        raw = self._stack(((e.request.task_type, e.device.model) for e in examples), raw)
         fallback = float(np.mean(list(self.norms.values()))) if self.norms else 0.0
         offs = np.array([self.norms.get(e.request.task_type, fallback) for e in examples])
         out: np.ndarray = np.exp(raw + offs)
@@ -213,7 +214,7 @@ def fit(examples: Sequence[Example], *, target: str = "work_rate",
     weight = 1.0
     if stacked:  # the trees learn what the matrix's pair estimate leaves (see the module)
         weight = _residual_weight(kept, X, y, norms, weights, p)
-        y = y - np.array([matrix_base(matrix, e.request.task_type, e.device.model) for e in kept])
+        y = y - _bases(matrix, kept)
     est = HistGradientBoostingRegressor(**p)
     est.fit(X, y, sample_weight=weights)
     counts: dict[str, int] = {}
@@ -241,12 +242,24 @@ def _residual_weight(kept: Sequence[Example], X: np.ndarray, y: np.ndarray, norm
         return 0.0  # too few records to judge the trees: the matrix alone
     old, new = order[:cut], order[cut:]
     matrix = _matrix_of([kept[i] for i in old], norms, weights[old])
-    base = np.array([matrix_base(matrix, e.request.task_type, e.device.model) for e in kept])
-    resid = y - base
+    resid = y - _bases(matrix, kept)
     est = HistGradientBoostingRegressor(**params).fit(X[old], resid[old], sample_weight=weights[old])
     with_trees = float(np.average((resid[new] - est.predict(X[new])) ** 2, weights=weights[new]))
     without = float(np.average(resid[new] ** 2, weights=weights[new]))
     return 1.0 if with_trees < without else 0.0
+
+
+def _bases(matrix: ThroughputMatrix, kept: Sequence[Example]) -> np.ndarray:
+    """`matrix_base` of each example's pair, computed once per pair."""
+    seen: dict[tuple[str, str], float] = {}
+    out = []
+    for e in kept:
+        key = (e.request.task_type, e.device.model)
+        got = seen.get(key)
+        if got is None:
+            got = seen[key] = matrix_base(matrix, *key)
+        out.append(got)
+    return np.array(out)
 
 
 def matrix_base(matrix: ThroughputMatrix, task: str, model: str) -> float:
