@@ -258,12 +258,14 @@ class OutOfBandWatcher:
             return
         added = [g for g in gpus if g.id not in self.m.gpus]
         for g in added:
-            self.m.gpus[g.id] = g
-            for fn in g.functions:
-                self._last_driver[str(fn.address)] = fn.driver
+            # the finding is journaled and counted before the GPU joins the inventory: whoever sees the GPU
+            # listed sees why it is there
             f = Finding("added", g.id, str(g.address), "",
                         f"GPU {g.id} ({g.model}) at {g.address} appeared on the PCI bus; added to the inventory")
             await self._act(f)
+            self.m.gpus[g.id] = g
+            for fn in g.functions:
+                self._last_driver[str(fn.address)] = fn.driver
         if added:
             self._index()
             for listener in self.added_listeners:
