@@ -183,6 +183,31 @@ def run_task(task: Task) -> dict[str, Any]:
             "wall_s": round(time.perf_counter() - t0, 3)}
 
 
+_LIMITS: list[Any] = []  # the worker's thread-pool limits, kept alive for the worker's life
+
+
+def one_thread_each() -> Any:
+    """A worker process's initializer: its native thread pools (scikit-learn's OpenMP, BLAS) run one thread each.
+    The harness already runs one worker per CPU, and each worker's trees would otherwise start a thread per CPU:
+    on two CPUs two workers ran 30 times slower, their threads spinning against each other."""
+    from threadpoolctl import threadpool_limits
+
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # libraries loaded from now on
+        os.environ[var] = "1"
+    limits = threadpool_limits(limits=1)  # the ones loaded already (the forkserver preloads the simulator)
+    _LIMITS.append(limits)
+    return limits
+
+
+def worker_pool(processes: int) -> Any:
+    """`processes` worker processes for the runs, each started with `one_thread_each`."""
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload([__name__])  # the server imports the simulator (and scikit-learn) once
+    return ctx.Pool(processes, initializer=one_thread_each)
+
+
 def run_tasks(tasks: Sequence[Task], processes: int, *, progress: bool = False,
               save: Path | None = None) -> list[dict[str, Any]]:
     """Run the tasks, `processes` at a time (in this process when 1); the slow `model` runs are started first."""
@@ -201,11 +226,7 @@ def run_tasks(tasks: Sequence[Task], processes: int, *, progress: bool = False,
         for t in order:
             done(run_task(t))
         return out
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    ctx = multiprocessing.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload([__name__])  # the server imports the simulator (and scikit-learn) once
-    with ctx.Pool(min(processes, len(order))) as pool:
+    with worker_pool(min(processes, len(order))) as pool:
         for run in pool.imap_unordered(run_task, order, chunksize=1):
             done(run)
     return out

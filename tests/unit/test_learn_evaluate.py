@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,14 @@ def test_noisy_oracle_is_an_oracle_and_its_gap_is_shown_beside_the_models() -> N
     detail = got["within 5 % of matching-oracle"]["detail"]
     assert got["within 5 % of matching-oracle"]["met"] is False
     assert detail.startswith("1.200x") and "noisy-oracle 1.000x, paired 1.000 ± " in detail
+
+
+def test_each_worker_runs_its_native_thread_pools_one_thread_each() -> None:
+    # the harness runs a worker per CPU; a worker whose trees started a thread per CPU as well ran 30 times slower
+    from threadpoolctl import threadpool_info
+
+    with evaluate.worker_pool(1) as pool:
+        pools = pool.apply(threadpool_info)
+        env = pool.apply(os.getenv, ("OMP_NUM_THREADS",))
+    assert any(p["user_api"] == "openmp" for p in pools), pools  # scikit-learn's OpenMP is loaded, and limited
+    assert [p["num_threads"] for p in pools] == [1] * len(pools) and env == "1"
