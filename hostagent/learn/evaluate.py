@@ -189,7 +189,10 @@ _LIMITS: list[Any] = []  # the worker's thread-pool limits, kept alive for the w
 def one_thread_each() -> Any:
     """A worker process's initializer: its native thread pools (scikit-learn's OpenMP, BLAS) run one thread each.
     The harness already runs one worker per CPU, and each worker's trees would otherwise start a thread per CPU:
-    on two CPUs two workers ran 30 times slower, their threads spinning against each other."""
+    on two CPUs two workers ran 30 times slower, their threads spinning against each other. One thread also makes a
+    run's figures the same on any machine: the trees' split finding sums in an order that depends on the threads,
+    and near saturation a queue turns a different split into a different trace (runs in this process, with
+    `--jobs-parallel 1`, are limited alike)."""
     from threadpoolctl import threadpool_limits
 
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # libraries loaded from now on
@@ -223,8 +226,11 @@ def run_tasks(tasks: Sequence[Task], processes: int, *, progress: bool = False,
             print(f"[{len(out)}/{len(order)}] load {run['load']} {run['trace']} {run['policy']} seed {run['seed']}: "
                   f"mean JCT {run['mean_jct_s']:.0f} s ({run['wall_s']:.1f} s)", file=sys.stderr, flush=True)
     if processes <= 1 or len(order) <= 1:
-        for t in order:
-            done(run_task(t))
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(limits=1):  # as in a worker: the trees' figures depend on their threads' sums
+            for t in order:
+                done(run_task(t))
         return out
     with worker_pool(min(processes, len(order))) as pool:
         for run in pool.imap_unordered(run_task, order, chunksize=1):

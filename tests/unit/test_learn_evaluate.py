@@ -226,3 +226,16 @@ def test_each_worker_runs_its_native_thread_pools_one_thread_each() -> None:
         env = pool.apply(os.getenv, ("OMP_NUM_THREADS",))
     assert any(p["user_api"] == "openmp" for p in pools), pools  # scikit-learn's OpenMP is loaded, and limited
     assert [p["num_threads"] for p in pools] == [1] * len(pools) and env == "1"
+
+
+def test_runs_in_this_process_run_one_thread_each_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the same figures with --jobs-parallel 1 as in the workers: the trees' sums depend on their threads
+    from threadpoolctl import threadpool_info
+
+    def threads(task: evaluate.Task) -> dict[str, object]:
+        return {"load": 0.7, "trace": "t", "policy": "model", "seed": 0, "mean_jct_s": 1.0,
+                "threads": sorted({p["num_threads"] for p in threadpool_info()})}
+    monkeypatch.setattr(evaluate, "run_task", threads)
+    tasks = [evaluate.Task(0.7, "t", "model", seed, TABLE, [], [], 0, 100, 30, 0.05) for seed in (0, 1)]
+    runs = evaluate.run_tasks(tasks, 1)
+    assert [r["threads"] for r in runs] == [[1], [1]]
