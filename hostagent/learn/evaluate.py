@@ -271,7 +271,9 @@ def _paired(per: dict[str, dict[str, float]], other: dict[str, dict[str, float]]
     if not vals:
         return None
     m, h = mean_ci(vals)
-    return {"mean": m, "ci95": h, "n": len(vals)}
+    # the per-trace ratios are heavy-tailed near saturation (most traces near 1, a few far off): the median and the
+    # worst say which
+    return {"mean": m, "ci95": h, "n": len(vals), "median": statistics.median(vals), "max": max(vals)}
 
 
 def aggregate_load(load: float, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -349,8 +351,11 @@ def targets(groups: Sequence[dict[str, Any]], heterogeneous: bool, spread: float
                 # how far a few per cent of error in the table alone puts the same assignment behind it
                 floor = (f"; noisy-oracle {noisy['jct_vs_matching_oracle']:.3f}x, paired "
                          f"{_fmt_ci(noisy['paired_vs_matching_oracle'])}") if noisy is not None else ""
+                paired = model["paired_vs_matching_oracle"]
+                spread = (f" (median {paired['median']:.3f}, worst {paired['max']:.3f})"
+                          if paired is not None and "median" in paired else "")
                 add(load, "within 5 % of matching-oracle", ratio is not None and ratio <= 1.05,
-                    f"{ratio:.3f}x; paired per trace {_fmt_ci(model['paired_vs_matching_oracle'])}{floor}")
+                    f"{ratio:.3f}x; paired per trace {_fmt_ci(paired)}{spread}{floor}")
             else:
                 add(load, "within 5 % of matching-oracle", None, "matching-oracle was not run")
             if best is None:

@@ -45,9 +45,13 @@ def test_mean_and_confidence_interval_across_three_traces_by_hand() -> None:
     paired = model["paired_vs_matching_oracle"]
     assert paired["mean"] == pytest.approx(3.2 / 3) and paired["n"] == 3
     assert paired["ci95"] == pytest.approx(4.302653 * 0.0577350 / math.sqrt(3), rel=1e-5)
+    assert paired["median"] == pytest.approx(1.1) and paired["max"] == pytest.approx(1.1)
     assert model["jct_vs_best_simple"] == pytest.approx(640.0 / 750.0)
     assert model["p99_wait_s"] == 20.0 and model["p99_wait_vs_first_fit"] == 2.0
-    got = {t["target"]: t["met"] for t in evaluate.targets([g], heterogeneous=True, spread=100.0)}
+    said = evaluate.targets([g], heterogeneous=True, spread=100.0)
+    got = {t["target"]: t["met"] for t in said}
+    assert "paired per trace 1.067 ± 0.143 (median 1.100, worst 1.100)" in [
+        t["detail"] for t in said if t["target"] == "within 5 % of matching-oracle"][0]
     assert got == {"lowest mean JCT of the non-oracle policies": True, "within 5 % of matching-oracle": False,
                    "at least 10 % below the best simple rule": True,
                    "p99 queue wait at most 20 % above first-fit's": False}
