@@ -100,6 +100,53 @@ def speedup_spread(table: Table, models: Sequence[str]) -> float:
     return spread
 
 
+def capacity_headroom(table: Table, host: Sequence[SimGpu]) -> tuple[float, float] | None:
+    """How much comparative advantage there is to trade on this host: (a type-blind FIFO's capacity, the best
+    assignment's), in jobs' work per second at each type's typical rate, for a uniform mix of the job types (as the
+    generated traces draw them) of single-GPU jobs. FIFO keeps every GPU busy with whatever comes next, so each GPU
+    serves the mix of the types that fit it: the harmonic mean of its rates over them. The best assignment splits
+    each GPU's time among the types to serve the mix fastest (a linear program). Their ratio bounds what assigning by
+    comparative advantage can gain in throughput (None: scipy missing, or no job type fits any GPU)."""
+    try:
+        from scipy.optimize import linprog  # type: ignore[import-untyped]  # scikit-learn's dependency
+    except ImportError:  # pragma: no cover - scipy comes with scikit-learn
+        return None
+    types = table.job_types
+    rates = [[table.thr.get((j, g.model), 0.0) * g.health if g.memory_gib + 1e-9 >= table.need_gib.get(j, 0.0) else 0.0
+              for g in host] for j in types]
+    norm: list[list[float]] = []
+    for row in rates:
+        fit = [r for r in row if r > 0]
+        if not fit:
+            return None
+        typical = len(fit) / sum(1.0 / r for r in fit)  # harmonic mean: the generator's unit of work
+        norm.append([r / typical for r in row])
+    fifo = 0.0
+    for i in range(len(host)):
+        fit = [row[i] for row in norm if row[i] > 0]
+        fifo += len(fit) / sum(1.0 / r for r in fit) if fit else 0.0
+    n_t, n_g = len(types), len(host)
+    # variables: x[t, g] (share of GPU g's time on type t), then lam; maximise lam with every type served lam / n_t
+    cost = [0.0] * (n_t * n_g) + [-1.0]
+    a_ub: list[list[float]] = []
+    b_ub: list[float] = []
+    for t in range(n_t):
+        row = [0.0] * (n_t * n_g + 1)
+        for i in range(n_g):
+            row[t * n_g + i] = -norm[t][i]
+        row[-1] = 1.0 / n_t
+        a_ub.append(row)
+        b_ub.append(0.0)
+    for i in range(n_g):
+        row = [0.0] * (n_t * n_g + 1)
+        for t in range(n_t):
+            row[t * n_g + i] = 1.0
+        a_ub.append(row)
+        b_ub.append(1.0)
+    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=[(0, None)] * (n_t * n_g + 1), method="highs")
+    return (fifo, float(-res.fun)) if res.success else None
+
+
 # -- traces ---------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -389,6 +436,10 @@ def format_report(out: dict[str, Any]) -> str:
     lines = [(f"table {meta['throughputs']}  host {meta['host']} ({meta['gpus']} GPUs)  speedup spread "
               f"{meta['speedup_spread']:.2f} ({'differs' if meta['heterogeneous'] else 'does not differ'} "
               f"by task type)")]
+    if meta.get("capacity_fifo") and meta.get("capacity_best"):
+        lines.append(f"capacity for a uniform mix of single-GPU jobs: {meta['capacity_fifo']:.2f} serving in FIFO order, "
+                     f"{meta['capacity_best']:.2f} assigned by comparative advantage "
+                     f"({meta['capacity_best'] / meta['capacity_fifo']:.2f}x: the most it can gain in throughput)")
     head = (f"{'policy':<16}{'n':>3}{'mean_jct_s':>11}{'±95%':>8}{'p99_jct_s':>10}{'p99_wait_s':>11}"
             f"{'regret':>8}{'mem':>4}{'/m-orc':>8}{'/simple':>8}{'wait/ff':>8}  {'paired /m-oracle':<18}"
             f"{'paired /simple':<16}")
@@ -471,10 +522,13 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     models = sorted({g.model for g in host})
     spread = speedup_spread(table, models)
     heterogeneous = spread > SPREAD_HETEROGENEOUS
+    headroom = capacity_headroom(table, host)
     return {"loads": groups, "targets": targets(groups, heterogeneous, spread),
             "runs": sorted(runs, key=lambda r: (r["load"], r["trace"], r["policy"], r["seed"])),
             "meta": {"throughputs": str(args.throughputs), "host": str(args.host), "gpus": len(host),
                      "models": models, "speedup_spread": spread, "heterogeneous": heterogeneous,
+                     "capacity_fifo": headroom[0] if headroom else None,
+                     "capacity_best": headroom[1] if headroom else None,
                      "policies": policies, "seeds": args.seeds, "warmup_jobs": args.warmup_jobs,
                      "traces": args.traces, "jobs": args.jobs if args.traces is not None else None,
                      "trace_seed": args.trace_seed, "trace_files": args.trace_files}}

@@ -243,3 +243,22 @@ def test_runs_in_this_process_run_one_thread_each_too(monkeypatch: pytest.Monkey
     tasks = [evaluate.Task(0.7, "t", "model", seed, TABLE, [], [], 0, 100, 30, 0.05) for seed in (0, 1)]
     runs = evaluate.run_tasks(tasks, 1)
     assert [r["threads"] for r in runs] == [[1], [1]]
+
+
+def test_capacity_headroom_by_hand() -> None:
+    # opposite speedups: each type's typical (harmonic-mean) rate is 2 / (1/10 + 1/1) = 1.818, so a GPU runs its
+    # own type at 5.5 and the other at 0.55 typical units. FIFO: each GPU serves the mix at 2 / (1/5.5 + 1/0.55) = 1
+    # (2 in all); by comparative advantage each GPU serves its own type at 5.5: the mix at 11
+    host = [SimGpu("x", "X", 16, 0), SimGpu("y", "Y", 16, 0)]
+    fifo, best = evaluate.capacity_headroom(TABLE, host)  # type: ignore[misc]
+    assert fifo == pytest.approx(2.0) and best == pytest.approx(11.0, rel=1e-6)
+    # the same speedup for every type: nothing to trade
+    same = Table({("a", "X"): 2.0, ("a", "Y"): 1.0, ("b", "X"): 4.0, ("b", "Y"): 2.0}, {})
+    fifo, best = evaluate.capacity_headroom(same, host)  # type: ignore[misc]
+    assert best == pytest.approx(fifo, rel=1e-6)
+    # a type that fits only on X: Y serves the other alone (its rate 10 over its typical 1.818 there)
+    big = Table(TABLE.thr, {"a": 20.0, "b": 0.0})
+    host2 = [SimGpu("x", "X", 24, 0), SimGpu("y", "Y", 16, 0)]
+    fifo, _ = evaluate.capacity_headroom(big, host2)  # type: ignore[misc]
+    # "a" fits X only: typical 10, X runs it at 1; "b" typical 1.818: X 0.55, Y 5.5. X: 2 / (1/1 + 1/0.55); Y: 5.5
+    assert fifo == pytest.approx(2 / (1 + 1 / 0.55) + 5.5, rel=1e-6)
