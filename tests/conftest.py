@@ -60,7 +60,6 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
 collect_ignore = [] if os.environ.get("HOSTAGENT_E2E_REAL") == "1" else ["e2e/test_qemu_guest_os.py"]
 
 
-
 class _SeededRandom:
     """`random` as `hostagent.services.placement` sees it in tests: a placer made without a seed draws from one
     fixed by the test's name."""

@@ -399,10 +399,10 @@ def targets(groups: Sequence[dict[str, Any]], heterogeneous: bool, spread: float
                 floor = (f"; noisy-oracle {noisy['jct_vs_matching_oracle']:.3f}x, paired "
                          f"{_fmt_ci(noisy['paired_vs_matching_oracle'])}") if noisy is not None else ""
                 paired = model["paired_vs_matching_oracle"]
-                spread = (f" (median {paired['median']:.3f}, worst {paired['max']:.3f})"
-                          if paired is not None and "median" in paired else "")
+                tails = (f" (median {paired['median']:.3f}, worst {paired['max']:.3f})"
+                         if paired is not None and "median" in paired else "")
                 add(load, "within 5 % of matching-oracle", ratio is not None and ratio <= 1.05,
-                    f"{ratio:.3f}x; paired per trace {_fmt_ci(paired)}{spread}{floor}")
+                    f"{ratio:.3f}x; paired per trace {_fmt_ci(paired)}{tails}{floor}")
             else:
                 add(load, "within 5 % of matching-oracle", None, "matching-oracle was not run")
             if best is None:

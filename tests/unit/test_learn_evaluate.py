@@ -55,6 +55,11 @@ def test_mean_and_confidence_interval_across_three_traces_by_hand() -> None:
     assert got == {"lowest mean JCT of the non-oracle policies": True, "within 5 % of matching-oracle": False,
                    "at least 10 % below the best simple rule": True,
                    "p99 queue wait at most 20 % above first-fit's": False}
+    # where speedups do not differ, the 10 % target does not apply, and says the spread it was judged by
+    flat = {t["target"]: t for t in evaluate.targets([g], heterogeneous=False, spread=1.1)}
+    assert flat["at least 10 % below the best simple rule"]["met"] is None
+    assert "spread 1.10" in flat["at least 10 % below the best simple rule"]["detail"]
+    assert flat["within 5 % of matching-oracle"]["met"] is False
     low = evaluate.aggregate([{**r, "load": 0.7} for r in runs])
     assert {t["target"]: t["met"] for t in evaluate.targets(low, heterogeneous=True, spread=100.0)}[
         "no worse than the best simple rule"] is True
