@@ -119,12 +119,12 @@ def capacity_headroom(table: Table, host: Sequence[SimGpu]) -> tuple[float, floa
         fit = [r for r in row if r > 0]
         if not fit:
             return None
-        typical = len(fit) / sum(1.0 / r for r in fit)  # harmonic mean: the generator's unit of work
+        typical = statistics.harmonic_mean(fit)  # the generator's unit of work
         norm.append([r / typical for r in row])
     fifo = 0.0
     for i in range(len(host)):
         fit = [row[i] for row in norm if row[i] > 0]
-        fifo += len(fit) / sum(1.0 / r for r in fit) if fit else 0.0
+        fifo += statistics.harmonic_mean(fit) if fit else 0.0
     n_t, n_g = len(types), len(host)
     # variables: x[t, g] (share of GPU g's time on type t), then lam; maximise lam with every type served lam / n_t
     cost = [0.0] * (n_t * n_g) + [-1.0]

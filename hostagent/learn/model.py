@@ -95,18 +95,11 @@ class ModelBundle:
         self.forest = CompiledForest.build(self.estimator)
         self._base: dict[tuple[str, str], float] = {}  # (task, GPU model) -> the matrix's log rate (0: no cell)
 
-    def base(self, task: str, model: str) -> float:
-        """The matrix's log relative rate of the pair, the stacked trees' starting point (0 where it has none)."""
-        got = self._base.get((task, model))
-        if got is None:
-            got = self._base[(task, model)] = matrix_base(self.matrix, task, model)
-        return got
-
     def _stack(self, pairs: Iterable[tuple[str, str]], raw: np.ndarray) -> np.ndarray:
         """The trees' raw predictions for (task type, GPU model) pairs, on the matrix's rates when stacked."""
         if not self.stacked:
             return raw
-        out: np.ndarray = self.residual_weight * raw + np.array([self.base(t, m) for t, m in pairs])
+        out: np.ndarray = self.residual_weight * raw + _bases(self.matrix, pairs, self._base)
         return out
 
     def _raw(self, X: np.ndarray) -> np.ndarray:
@@ -152,7 +145,7 @@ class ModelBundle:
         raw = self._raw(self.encoder.rows((e.request, e.device) for e in examples))
         if self.target != "work_rate":
             return raw
-        raw = self._stack(((e.request.task_type, e.device.model) for e in examples), raw)
+        raw = self._stack(_pairs(examples), raw)
         fallback = float(np.mean(list(self.norms.values()))) if self.norms else 0.0
         offs = np.array([self.norms.get(e.request.task_type, fallback) for e in examples])
         out: np.ndarray = np.exp(raw + offs)
@@ -214,7 +207,7 @@ def fit(examples: Sequence[Example], *, target: str = "work_rate",
     weight = 1.0
     if stacked:  # the trees learn what the matrix's pair estimate leaves (see the module)
         weight = _residual_weight(kept, X, y, norms, weights, p)
-        y = y - _bases(matrix, kept)
+        y = y - _bases(matrix, _pairs(kept))
     est = HistGradientBoostingRegressor(**p)
     est.fit(X, y, sample_weight=weights)
     counts: dict[str, int] = {}
@@ -242,24 +235,29 @@ def _residual_weight(kept: Sequence[Example], X: np.ndarray, y: np.ndarray, norm
         return 0.0  # too few records to judge the trees: the matrix alone
     old, new = order[:cut], order[cut:]
     matrix = _matrix_of([kept[i] for i in old], norms, weights[old])
-    resid = y - _bases(matrix, kept)
+    resid = y - _bases(matrix, _pairs(kept))
     est = HistGradientBoostingRegressor(**params).fit(X[old], resid[old], sample_weight=weights[old])
     with_trees = float(np.average((resid[new] - est.predict(X[new])) ** 2, weights=weights[new]))
     without = float(np.average(resid[new] ** 2, weights=weights[new]))
     return 1.0 if with_trees < without else 0.0
 
 
-def _bases(matrix: ThroughputMatrix, kept: Sequence[Example]) -> np.ndarray:
-    """`matrix_base` of each example's pair, computed once per pair."""
-    seen: dict[tuple[str, str], float] = {}
+def _bases(matrix: ThroughputMatrix, pairs: Iterable[tuple[str, str]],
+           cache: dict[tuple[str, str], float] | None = None) -> np.ndarray:
+    """`matrix_base` of each (task type, GPU model) pair, computed once per pair (and kept in `cache`, a bundle's,
+    across calls)."""
+    seen: dict[tuple[str, str], float] = {} if cache is None else cache
     out = []
-    for e in kept:
-        key = (e.request.task_type, e.device.model)
+    for key in pairs:
         got = seen.get(key)
         if got is None:
             got = seen[key] = matrix_base(matrix, *key)
         out.append(got)
     return np.array(out)
+
+
+def _pairs(examples: Sequence[Example]) -> Iterable[tuple[str, str]]:
+    return ((e.request.task_type, e.device.model) for e in examples)
 
 
 def matrix_base(matrix: ThroughputMatrix, task: str, model: str) -> float:
