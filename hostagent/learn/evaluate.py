@@ -464,6 +464,32 @@ def format_report(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+
+def format_markdown(out: dict[str, Any]) -> str:
+    """The per-load tables as docs/placement.md's "Results" shows them (one Markdown table, every load), then the
+    targets as a list: what the report says, in the form the docs paste."""
+    def f(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+    lines = ["| load | policy | mean JCT s ± 95 % CI | p99 JCT s | p99 wait s | mean regret | mem. viol. | "
+             "JCT / m-oracle | JCT / best simple | p99 wait / first-fit | paired JCT / m-oracle |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for g in out["loads"]:
+        for i, r in enumerate(g["policies"]):
+            name = f"**{r['policy']}**" if r["policy"] == "model" else r["policy"]
+            if r["policy"] == g["best_simple"]:
+                name += " (best simple)"
+            ci = f" ± {r['mean_jct_ci95_s']:.0f}" if r["mean_jct_ci95_s"] is not None else ""
+            lines.append(f"| {g['load'] if i == 0 else ''} | {name} | {r['mean_jct_s']:.0f}{ci} | {r['p99_jct_s']:.0f} | "
+                         f"{r['p99_wait_s']:.0f} | {r['mean_regret']:.4f} | {r['memory_violations']} | "
+                         f"{f(r['jct_vs_matching_oracle'], '.3f')} | {f(r['jct_vs_best_simple'], '.3f')} | "
+                         f"{f(r['p99_wait_vs_first_fit'], '.3f')} | {_fmt_ci(r['paired_vs_matching_oracle'])} |")
+    lines += ["", "Targets (`model`):", ""]
+    for t in out["targets"]:
+        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "**not met**")
+        lines.append(f"- {t['load']}: {t['target']}: {verdict} ({t['detail']})")
+    return "\n".join(lines)
+
+
 # -- CLI ------------------------------------------------------------------------------------------------------------
 
 def _parse_loads(text: str) -> list[float]:
@@ -552,14 +578,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--save-runs", help="append each run's figures to this JSON-lines file as it finishes")
     ap.add_argument("--load-runs", help="comma-separated JSON-lines files of runs saved earlier, aggregated too")
     ap.add_argument("--progress", action="store_true", help="a line on stderr per finished run")
-    ap.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    out_form = ap.add_mutually_exclusive_group()
+    out_form.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    out_form.add_argument("--markdown", action="store_true",
+                          help="the tables and targets as Markdown, as docs/placement.md shows them")
     args = ap.parse_args(argv)
     try:
         out = evaluate(args)
     except InvalidInput as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    print(json.dumps(out) if args.json else format_report(out))
+    print(json.dumps(out) if args.json else format_markdown(out) if args.markdown else format_report(out))
     return 0
 
 

@@ -125,6 +125,25 @@ def test_cli_json_on_generated_traces(tmp_path: Path, capsys: pytest.CaptureFixt
                           str(tmp_path / "runs.jsonl")]) == 0
     text = capsys.readouterr().out
     assert "load 0.95: 3 trace(s), 250 evaluated jobs each" in text and "targets (model):" in text
+    # the docs' form: one Markdown row per (load, policy), the load named on its first row, the best simple rule
+    # marked, the same figures as the JSON
+    assert evaluate.main(["--throughputs", str(table), "--host", str(host), "--load-runs",
+                          str(tmp_path / "runs.jsonl"), "--markdown"]) == 0
+    md = capsys.readouterr().out.splitlines()
+    rows = [line.split(" | ") for line in md if line.startswith("| ") and not line.startswith("| load")]
+    assert len(rows) == 2 * 5 and all(len(r) == 11 for r in rows)
+    assert [r[0] for r in rows] == ["| 0.7"] + ["| "] * 4 + ["| 0.95"] + ["| "] * 4
+    for g, block in zip(out["loads"], (rows[:5], rows[5:])):
+        got = {r[1].removesuffix(" (best simple)"): r for r in block}
+        assert [r[1] for r in block if r[1].endswith(" (best simple)")] == [f"{g['best_simple']} (best simple)"]
+        for want in g["policies"]:
+            r = got[want["policy"]]
+            assert r[2] == f"{want['mean_jct_s']:.0f} ± {want['mean_jct_ci95_s']:.0f}"
+            assert r[7] == f"{want['jct_vs_matching_oracle']:.3f}" and r[9] == f"{want['p99_wait_vs_first_fit']:.3f}"
+    assert "- 0.95: model policy evaluated: n/a (model was not run at this load)" in md
+    with pytest.raises(SystemExit):  # one form at a time
+        evaluate.main(["--throughputs", str(table), "--host", str(host), "--load-runs", str(tmp_path / "runs.jsonl"),
+                       "--markdown", "--json"])
 
 
 def test_trace_files_in_worker_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
