@@ -153,6 +153,7 @@ class PlacementSettings:
     objective: str = "pack"  # among equally good sets: pack (keep whole free blocks) | spread (share links least)
     objective_per_task: dict[str, str] = field(default_factory=dict)  # task_type -> pack | spread
     cap_at_scaling_limit: bool = False  # cut a request to where its task type's records stop gaining
+    train_threads: int = 1  # the scheduled retraining's fit threads (0: a thread per CPU); the CPUs are the guests'
 
 
 @dataclass(frozen=True)
@@ -383,6 +384,9 @@ def _check_cross(s: Settings) -> None:
         raise ConfigError("reclaim.idle_util_pct: must be 0..100", field="reclaim.idle_util_pct")
     if not 0 <= s.placement.explore_epsilon <= 0.5:
         raise ConfigError("placement.explore_epsilon: must be 0..0.5", field="placement.explore_epsilon")
+    if not 0 <= s.placement.train_threads <= 1024:
+        raise ConfigError(f"placement.train_threads: must be 0 (a thread per CPU) or 1..1024, got "
+                          f"{s.placement.train_threads}", field="placement.train_threads")
     if s.leases.journal_retention_days < 0:
         raise ConfigError("leases.journal_retention_days: must be 0 (keep forever) or more",
                           field="leases.journal_retention_days")

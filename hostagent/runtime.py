@@ -460,11 +460,13 @@ class Runtime:
             settle_heap()  # the follower settles it after a switch
 
     async def _retrain(self) -> None:
-        """Scheduled retraining: a new model replaces the current one only if it does at least as well."""
+        """Scheduled retraining: a new model replaces the current one only if it does at least as well. Its fit runs
+        on placement.train_threads threads: a host's CPUs are its guests' vCPUs."""
         from hostagent.learn.lifecycle import train
 
         pl = self.settings.placement
-        result = await self.run(train, self.store.store, target=pl.outcome, min_records=pl.min_records)
+        result = await self.run(limit_threads(train, pl.train_threads), self.store.store, target=pl.outcome,
+                                min_records=pl.min_records)
         log.info("retraining: %s", result.to_dict().get("decision"))
         await self._load_model(RETRAIN)
 
@@ -577,6 +579,25 @@ def settle_heap() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+def limit_threads(fn: Callable[..., Any], threads: int) -> Callable[..., Any]:
+    """`fn`, its native thread pools (scikit-learn's OpenMP, BLAS) limited to `threads` threads while it runs; 0: `fn`
+    as it is (a thread per CPU, or OMP_NUM_THREADS). The limit is set in the thread that calls `fn` (Runtime.run's
+    worker): an OpenMP limit, the trees', holds only in the thread that sets it."""
+    if threads <= 0:
+        return fn
+
+    def limited(*args: Any, **kwargs: Any) -> Any:
+        import sklearn.ensemble  # noqa: F401 - a limit reaches only the libraries loaded already: its OpenMP runtime
+        from threadpoolctl import threadpool_limits
+
+        # threadpool_limits is process-wide while active for a pool the process shares (OpenBLAS's own threads):
+        # whatever else runs meanwhile gets the limit too. Retrainings never overlap (_periodic awaits each), so no
+        # two limits restore each other's values.
+        with threadpool_limits(limits=threads):
+            return fn(*args, **kwargs)
+    return limited
 
 
 def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable[[], float] = time.time) -> Runtime:

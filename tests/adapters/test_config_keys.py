@@ -1396,6 +1396,10 @@ TABLE: dict[str, Effect | Proven] = {
         5, "training needs this many labelled records before a model replaces the cold-start rule",
         train_figures, default=lambda f: f[1:] == (30, "insufficient-records"),
         changed=lambda f: f[1:] == (5, "insufficient-records")),
+    "placement.train_threads": Proven(
+        "tests/adapters/test_train_threads.py::test_the_scheduled_retraining_fits_on_placement_train_threads",
+        "the scheduled retraining fits with its OpenMP pool at this many threads (left out: one; 0: a worker thread's "
+        "default, a thread per CPU)"),
     "placement.explore_epsilon": Effect(
         0.5, "placement explores on this share of one-GPU requests", explored_of(8),
         default=lambda n: n <= 1, changed=lambda n: n >= 3),

@@ -46,6 +46,9 @@ def test_file_env_and_overrides_layer(tmp_path: Path) -> None:
     ("[placement]\nobjective = 'balance'\n", "placement.objective"),
     ("[placement]\nobjective_per_task = { inference = 'balance' }\n", "placement.objective_per_task.inference"),
     ("[placement]\nobjective_per_task = { inference = 1 }\n", "placement.objective_per_task.inference"),
+    ("[placement]\ntrain_threads = -1\n", "placement.train_threads"),
+    ("[placement]\ntrain_threads = 'x'\n", "placement.train_threads"),
+    ("[placement]\ntrain_threads = 1025\n", "placement.train_threads"),
 ])
 def test_invalid_file_names_the_key(tmp_path: Path, text: str, key: str) -> None:
     f = tmp_path / "h.toml"
@@ -54,6 +57,17 @@ def test_invalid_file_names_the_key(tmp_path: Path, text: str, key: str) -> None
         load_settings(f, environ={})
     assert exc.value.field == key
     assert str(f) in exc.value.message
+
+
+def test_train_threads_is_one_unless_the_file_says_otherwise(tmp_path: Path) -> None:
+    # the scheduled retraining's fit threads (tests/adapters/test_train_threads.py): one, the host's CPUs being its
+    # guests'; 0 is scikit-learn's own default
+    assert settings_from_dict({}).placement.train_threads == 1
+    f = tmp_path / "h.toml"
+    for value in (0, 4, 1024):
+        f.write_text(f"[placement]\ntrain_threads = {value}\n")
+        assert load_settings(f, environ={}).placement.train_threads == value
+    assert load_settings(f, environ={"HOSTAGENT_PLACEMENT__TRAIN_THREADS": "2"}).placement.train_threads == 2
 
 
 def test_cli_exits_2_with_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
