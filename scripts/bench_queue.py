@@ -114,6 +114,7 @@ class Bench:
         m.place = placer
         m.scaling, m.predict_rates = placer.scaling, placer.predict_rates
         m.relative_rates = placer.relative_rates
+        m.rate_uncertainty = placer.rate_uncertainty
         probe = {g.id: self.rng.uniform(0.9, 1.05) for g in gpus}
         placer.topology_place = make_topology_place(
             m, Topology.from_gpus(gpus), scorer=lambda: placer.scorer, probe_score=probe.get,

@@ -7,6 +7,13 @@ requests of the same priority could start now, the one whose best free set is cl
 have on this host goes first: its **efficiency**, the predicted work rate of that set over its best predicted rate on
 any GPU of the host it may use (free or not). Requests ahead of it in serve order are *passed over*.
 
+Uncertainty: a request is preferred to one ahead of it only where the predictions tell their efficiencies apart.
+Each candidate may carry the standard deviation of its log efficiency (`sd`, from the learned throughput matrix: a
+few per cent for pairs with records, the interactions' spread for a pair never seen together); where the gap between
+the most efficient request and another is within their combined deviation, they count as equal and serve order
+decides. Comparative advantage acts on what the records show, not on an extrapolation (with `sd` 0, as for a known
+table, only exact ties keep serve order).
+
 Bounded fairness: a request passed over `max_passes` times, or first passed over `max_delay_s` ago, is *due*: the
 earliest due request that can start goes first, whatever its efficiency. Priorities are never inverted: only the
 highest priority among the requests that can start is compared (lower ones start only where the caller's
@@ -22,6 +29,7 @@ Pure: no I/O, no clock (the caller passes `now`). The agent's lease queue and th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -44,7 +52,8 @@ class Candidate:
     (None: it cannot start now); `best`: its best predicted rate on any GPU of the host it may use, free or not (the
     same unit as `now`); `passes` and `passed_since`: how often and since when it has been passed over;
     `run_s`: its expected run time at rate 1 (None: unknown, so it never waits for a better GPU); `better_in_s`:
-    seconds until a GPU of its best rate is expected to free (None: unknown or none)."""
+    seconds until a GPU of its best rate is expected to free (None: unknown or none); `sd`: the standard deviation
+    of its log efficiency (0: known exactly)."""
 
     id: str
     order: int
@@ -55,6 +64,7 @@ class Candidate:
     passed_since: float | None = None
     run_s: float | None = None
     better_in_s: float | None = None
+    sd: float = 0.0
 
     @property
     def efficiency(self) -> float:
@@ -88,6 +98,7 @@ class Pick:
     reason: str
     passed: tuple[str, ...] = ()
     waiting: dict[str, str] = field(default_factory=dict)
+    unsure: bool = False  # a more efficient request was within the predictions' uncertainty: serve order decided
 
 
 def choose(candidates: Sequence[Candidate], fairness: Fairness, now: float) -> Pick:
@@ -122,16 +133,30 @@ def choose(candidates: Sequence[Candidate], fairness: Fairness, now: float) -> P
     pool = [c for c in cls if c.id not in waiting] or []
     if not pool:  # every one of them would rather wait: a free GPU is never left idle for a wait
         pool, waiting = cls, {}
-    best = max(pool, key=lambda c: (round(c.efficiency, 9), -c.order))
+    best, top = _first_of_the_most_efficient(pool)
+    unsure = (f"; {top.id}'s {top.efficiency:.0%} is within the model's uncertainty of it" if top is not best
+              and round(top.efficiency, 9) > round(best.efficiency, 9) else "")
     passed = tuple(x.id for x in cls if x.order < best.order and x.id not in waiting)
     if not passed:
-        return Pick(best.id, f"first in serve order ({best.efficiency:.0%} of its best rate on the GPUs free now)",
-                    waiting=waiting)
+        return Pick(best.id, f"first in serve order ({best.efficiency:.0%} of its best rate on the GPUs free now"
+                             f"{unsure})", waiting=waiting, unsure=bool(unsure))
     ahead = min((x for x in cls if x.id in passed), key=lambda x: x.order)
     return Pick(best.id, f"comparative advantage: {best.efficiency:.0%} of its best rate on the GPUs free now, "
                          f"against {ahead.efficiency:.0%} for the request ahead of it ({ahead.id}); "
-                         f"started ahead of {len(passed)} request(s) of the same priority",
-                passed=passed, waiting=waiting)
+                         f"started ahead of {len(passed)} request(s) of the same priority{unsure}",
+                passed=passed, waiting=waiting, unsure=bool(unsure))
+
+
+def _first_of_the_most_efficient(pool: Sequence[Candidate]) -> tuple[Candidate, Candidate]:
+    """(the earliest in serve order among the candidates whose efficiency the predictions cannot tell apart from the
+    highest: a log-efficiency gap within the two candidates' combined standard deviation, exact ties when it is 0;
+    the most efficient)."""
+    top = max(pool, key=lambda c: (round(c.efficiency, 9), -c.order))
+    if top.efficiency <= 0:
+        return min(pool, key=lambda c: c.order), top
+    close = [c for c in pool if c.efficiency > 0
+             and math.log(top.efficiency / c.efficiency) <= math.hypot(top.sd, c.sd) + 1e-9]
+    return min(close, key=lambda c: c.order), top
 
 
 __all__ = ["Candidate", "Fairness", "Pick", "choose"]

@@ -24,6 +24,7 @@ the matrix gives the additive estimate instead (`ModelBundle.predict_relative`).
 from __future__ import annotations
 
 import math
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -110,6 +111,16 @@ class ThroughputMatrix:
         var = post + self.s2 / max(1, self.task_n.get(task, 0)) + self.s2 / max(1, self.model_n.get(model, 0))
         log_rate = self.task_effect[task] + self.model_effect[model] + keep * resid
         return Cell(task, model, math.exp(log_rate), math.sqrt(var), round(n), "records" if n else "shared")
+
+    def sd(self, task: str, model: str) -> float:
+        """The log-space standard deviation of the pair's rate: its cell's where the task type and the GPU model were
+        both seen, else the interactions' spread plus the GPU-model effects' (an effect never estimated is as
+        uncertain as the effects vary); 0 for an empty matrix (an artifact from before it)."""
+        cell = self.cell(task, model)
+        if cell is not None:
+            return cell.sd
+        effects = list(self.model_effect.values())
+        return math.sqrt(self.t2 + (statistics.pvariance(effects) if len(effects) > 1 else 0.0))
 
     def table(self) -> list[Cell]:
         """Every pair of a seen task type and a seen GPU model, by task then model."""

@@ -294,6 +294,7 @@ class LearnedScorer:
         self.bundle = bundle
         self.name = name
         self.min_task_records = min_task_records
+        self._sd: dict[tuple[str, str], float] = {}  # (task type, GPU model) -> uncertainty (the model is immutable)
 
     def covers(self, request: PlacementRequest) -> bool:
         """Trust the model only for task types it has seen enough of; the cold-start rule handles the rest."""
@@ -304,6 +305,22 @@ class LearnedScorer:
         figures: domain.placement.capability_prior); none for a target other than the work rate."""
         known = set(self.bundle.vocabulary.get("model", ()))
         return [self.bundle.target == "work_rate" and d.model not in known for d in devices]
+
+    def uncertainty(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
+        """Each device's log-space standard deviation of its predicted rate for the request: the throughput matrix's
+        for the (task type, GPU model) pair (learn.matrix; small where the pair has records, the interactions'
+        spread where it has none); 0 without a matrix (trees alone, or a target other than the work rate). The
+        queue tells requests' efficiencies apart by it (domain.assignment)."""
+        if self.bundle.target != "work_rate":
+            return [0.0] * len(devices)
+        out = []
+        for d in devices:
+            key = (request.task_type, d.model)
+            sd = self._sd.get(key)
+            if sd is None:
+                sd = self._sd[key] = self.bundle.matrix.sd(*key)
+            out.append(sd)
+        return out
 
     def typical_run_s(self, task_type: str) -> float | None:
         """The task type's median run time in the records (None: fewer than 3 finished leases of it)."""

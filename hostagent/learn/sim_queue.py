@@ -7,11 +7,14 @@ What it may know: the scorer's predictions and what finished jobs showed (their 
 of a job still running or waiting. A job's expected run time at rate 1 is the median, over the last finished jobs of
 its task type, of their run time times the predicted rate of the set they ran on; a busy GPU's expected end is its
 job's start plus that expected run time at its predicted rate, or, once overdue, as long again as it has run (run
-times are heavy-tailed: a job that has outlived its expectation is expected to go on).
+times are heavy-tailed: a job that has outlived its expectation is expected to go on). Each job's efficiency carries
+the deviation of its two predictions (the scorer's `uncertainty`, as the agent's placer passes it; 0 for a scorer
+that knows the table), so jobs the model cannot tell apart keep serve order.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -60,6 +63,21 @@ class QueueState:
             self.cache[key] = got
         return got
 
+    def sds(self, scorer: Scorer, request: PlacementRequest, views: Sequence[DeviceView]) -> list[float]:
+        """Each device's log-space standard deviation of the scorer's prediction (0 for a scorer that knows the
+        table): what the agent's queue reads from the active model (LearnedScorer.uncertainty)."""
+        fn = getattr(scorer, "uncertainty", None)
+        if id(scorer) != self.scorer_id:
+            self.cache.clear()
+            self.scorer_id = id(scorer)
+        if fn is None:
+            return [0.0] * len(views)
+        key = ("sd", request.task_type, request.min_memory_gib, request.precision, request.data_scale)
+        got = self.cache.get(key)
+        if got is None:
+            got = self.cache[key] = [float(x) for x in fn(request, views)]
+        return got
+
     def finished(self, task_type: str, held_s: float, rate: float) -> None:
         """A job ended: its run time at rate 1 joins its task type's history."""
         if held_s > 0 and rate > 0:
@@ -84,9 +102,16 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
         usable = [i for i in range(len(views_free)) if fits(req, i)]
         if len(usable) < req.count:
             continue
-        best = sorted((sc[i] for i in usable), reverse=True)[req.count - 1]
-        open_ = sorted((sc[i] for i in usable if free[i]), reverse=True)
-        now_rate = open_[req.count - 1] if len(open_) >= req.count else None
+        ranked = sorted(usable, key=lambda i: -sc[i])
+        at_best = ranked[req.count - 1]
+        best = sc[at_best]
+        open_ = [i for i in ranked if free[i]]
+        at_now = open_[req.count - 1] if len(open_) >= req.count else None
+        now_rate = sc[at_now] if at_now is not None else None
+        sd = 0.0
+        if at_now is not None and sc[at_now] < best:  # its efficiency: the ratio of two predictions, each uncertain
+            sds = state.sds(scorer, req, views_free)
+            sd = math.hypot(sds[at_now], sds[at_best])
         passes, since = state.passes.get(jidx, (0, None))
         run_s = state.run_s(req.task_type)
         better = None
@@ -100,7 +125,7 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
                 expected = (state.run_s(job.task_type) or 0.0) / job.rate if job.rate > 0 else 0.0
                 ends.append(expected - elapsed if elapsed < expected else elapsed)
             better = min(ends) if ends else None
-        cands.append(Candidate(str(jidx), order, req.priority, now_rate, best, passes, since, run_s, better))
+        cands.append(Candidate(str(jidx), order, req.priority, now_rate, best, passes, since, run_s, better, sd))
     decision = choose(cands, state.fairness, now)
     if decision.chosen is None:
         return None, decision

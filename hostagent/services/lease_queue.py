@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
+from collections.abc import Sequence
 
 from hostagent.domain.assignment import Candidate, choose
 from hostagent.domain.calendar import INF, Hold, earliest_window
@@ -213,6 +215,8 @@ class _Usable:
         self._free_of: dict[tuple[object, ...], list[Gpu]] = {}
         self._rates: dict[tuple[object, ...], dict[str, float] | None] = {}
         self._figures: dict[tuple[object, ...], tuple[float, float | None, dict[str, float]] | None] = {}
+        self._sds: dict[tuple[object, ...], dict[str, float]] = {}
+        self._efficiency_sd: dict[tuple[object, ...], float] = {}
         self._free = {gid for gid in m.gpus if is_free(m, gid)}
 
     def feasible(self, request: LeaseRequest) -> list[Gpu]:
@@ -245,6 +249,33 @@ class _Usable:
             rates = self.m.relative_rates(plain, gpus)
             self._rates[key] = None if rates is None else dict(zip((g.id for g in gpus), rates))
         return self._rates[key]
+
+    def sds(self, request: LeaseRequest) -> dict[str, float]:
+        """Each usable GPU's log-space standard deviation of its predicted rate for the request ({}: none given)."""
+        key = _shape(request)
+        if key not in self._sds:
+            gpus = self.feasible(request)
+            got = self.m.rate_uncertainty(dataclasses.replace(request, duration_s=None, priority=0), gpus)
+            self._sds[key] = {} if got is None else dict(zip((g.id for g in gpus), got))
+        return self._sds[key]
+
+    def efficiency_sd(self, request: LeaseRequest, by_id: dict[str, float], best: float, on: Sequence[str],
+                      count: int) -> float:
+        """The standard deviation of the log efficiency of taking the best `count` of the GPUs `on` (its rate over
+        its best on the host): the two predictions' deviations combined, 0 where they are the same GPU model's rate
+        (a ratio of one prediction to itself) or none is given."""
+        key = (_shape(request), count, tuple(on))
+        got = self._efficiency_sd.get(key)
+        if got is None:
+            ranked = sorted(on, key=lambda gid: -by_id.get(gid, 0.0))
+            if len(ranked) < count or by_id.get(ranked[count - 1], 0.0) >= best:
+                got = 0.0
+            else:
+                sds = self.sds(request)
+                at_best = sorted(by_id, key=lambda gid: -by_id[gid])[min(count, len(by_id)) - 1]
+                got = math.hypot(sds.get(ranked[count - 1], 0.0), sds.get(at_best, 0.0))
+            self._efficiency_sd[key] = got
+        return got
 
     def figures(self, request: LeaseRequest, count: int) -> tuple[float, float | None, dict[str, float]] | None:
         """For `count` GPUs of the request: its best predicted rate on the host (the count-th best of every GPU it
@@ -296,9 +327,11 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
         if got is None:
             return ready[0]  # no model says how fast it runs where: strict order
         best, now_rate, by_id = got
+        on = [g.id for g in free] if backfill is not None else [gid for gid in by_id if usable.is_free(gid)]
         if backfill is not None:  # a backfill may take only its room, not every free GPU: rate those
             open_ = sorted((by_id.get(g.id, 0.0) for g in free), reverse=True)
             now_rate = open_[count - 1] if len(open_) >= count else None
+        sd = usable.efficiency_sd(x.request, by_id, best, on, count) if now_rate is not None else 0.0
         # its expected run time on a typical GPU: what it states, else what the records show of its task type
         run_s = float(x.request.duration_s) if x.request.duration_s else m.typical_run_s(x.request.task_type)
         better = None
@@ -307,7 +340,7 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
                     if not usable.is_free(gid) and rate >= best * 0.999]
             better = min(ends) if ends else None
         n, since = m.queue_passes.get(x.id, (0, None))
-        cands.append(Candidate(x.id, rank[x.id], top, now_rate, best, n, since, run_s, better))
+        cands.append(Candidate(x.id, rank[x.id], top, now_rate, best, n, since, run_s, better, sd))
     pick = choose(cands, m.policy.fairness, now)
     for lease_id, why in pick.waiting.items():
         m.queue_notes[lease_id] = why
@@ -325,8 +358,8 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
     was_passed = m.queue_passes.pop(pick.chosen, None)
     m.queue_notes.pop(pick.chosen, None)
     x, free, count, why = by_lease[pick.chosen]
-    if not pick.passed and not pick.waiting and was_passed is None:
-        return x, free, count, why  # in its turn, nobody passed: nothing to explain
+    if not pick.passed and not pick.waiting and was_passed is None and not pick.unsure:
+        return x, free, count, why  # in its turn, nobody passed, nothing in doubt: nothing to explain
     return x, free, count, "; ".join(w for w in (why, pick.reason) if w)
 
 

@@ -150,6 +150,8 @@ class LeaseCore(Protocol):
     # each GPU's relative work rate for a request as the active model predicts it, free or not (None: no model covers
     # the request): the queue's comparative advantage (services.lease_queue)
     relative_rates: Callable[[LeaseRequest, Sequence[Gpu]], list[float] | None]
+    # each GPU's log-space standard deviation of relative_rates' prediction (None: none): efficiencies within it tie
+    rate_uncertainty: Callable[[LeaseRequest, Sequence[Gpu]], list[float] | None]
     typical_run_s: Callable[[str], float | None]  # task type -> its median run time in the model's records
     queue_passes: dict[str, tuple[int, float]]  # queued lease -> (times passed over, since when)
     queue_notes: dict[str, str]  # queued lease -> why it waits (passed over, waiting for a better GPU)

@@ -121,6 +121,8 @@ class LeaseManager:
             lambda request, gpus: None)  # the runtime sets the placer's
         self.relative_rates: Callable[[LeaseRequest, Sequence[Gpu]], list[float] | None] = (
             lambda request, gpus: None)  # the runtime sets the placer's: without it the queue keeps strict order
+        self.rate_uncertainty: Callable[[LeaseRequest, Sequence[Gpu]], list[float] | None] = (
+            lambda request, gpus: None)  # the runtime sets the placer's: without it every prediction counts as exact
         self.typical_run_s: Callable[[str], float | None] = lambda task_type: None  # the runtime sets the placer's
         self.queue_passes: dict[str, tuple[int, float]] = {}
         self.queue_notes: dict[str, str] = {}

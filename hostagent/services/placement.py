@@ -58,6 +58,7 @@ class Placer:
         # relative_rates' predictions: request -> gpu id -> (the Gpu, its Measured, the rate); cleared on a switch
         self._rates: dict[PlacementRequest, dict[str, tuple[Gpu, Measured | None, float]]] = {}
         self._last_rates: dict[PlacementRequest, tuple[Any, ...]] = {}  # the last answer per request (fast path)
+        self._last_sds: dict[PlacementRequest, tuple[tuple[Gpu, ...], list[float]]] = {}  # rate_uncertainty's
         # The topology-aware set choice (same switch < root complex < NUMA node < sockets, packing); set by
         # the topology wiring. Without it the greedy choice of domain.placement decides.
         self.topology_place: TopologyPlacer | None = None
@@ -110,6 +111,25 @@ class Placer:
         self._last_rates[preq] = (tuple(gpus), measured, tuple(out))
         return out
 
+    def rate_uncertainty(self, request: LeaseRequest, gpus: Sequence[Gpu]) -> list[float] | None:
+        """Each GPU's log-space standard deviation of relative_rates' prediction for the request (the active model's
+        throughput matrix: LearnedScorer.uncertainty); None where no model covers the request or gives none. The
+        queue treats efficiencies it cannot tell apart as equal (domain.assignment)."""
+        fn = getattr(self.scorer, "uncertainty", None)
+        preq = PlacementRequest.from_lease(request, count=1)
+        if fn is None or self.scorer is None or not self.scorer.covers(preq):
+            return None
+        key = tuple(gpus)
+        last = self._last_sds.get(preq)
+        if last is not None and last[0] == key:  # it depends on the model, the task type and the GPUs' models only
+            return list(last[1])
+        views = [self._views.view(g, free=True, measured=self._measured(g.id)) for g in gpus]
+        out = [float(x) for x in fn(preq, views)]
+        if len(self._last_sds) >= RATES_KEPT:
+            self._last_sds.clear()
+        self._last_sds[preq] = (key, out)
+        return out
+
     def typical_run_s(self, task_type: str) -> float | None:
         """The active model's median run time of the task type's finished leases (None: no model, or too few)."""
         fn = getattr(self.scorer, "typical_run_s", None)
@@ -126,6 +146,7 @@ class Placer:
         self.scorer, self.model_version = scorer, version
         self._rates.clear()
         self._last_rates.clear()
+        self._last_sds.clear()
 
     @property
     def rule(self) -> str:

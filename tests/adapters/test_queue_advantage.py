@@ -111,6 +111,40 @@ async def test_a_freed_t4_goes_to_the_request_that_gains_most_from_it(tmp_path: 
         assert note in html.unescape(await (await rig.client.get(page)).text()), page
 
 
+class Unsure(TableModel):
+    """The table model, as unsure of bert's rates as `sd` says (log-space standard deviation per prediction)."""
+
+    def __init__(self, sd: float) -> None:
+        self.sd = sd
+
+    def uncertainty(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
+        return [self.sd if request.task_type == "bert" else 0.01 for _ in devices]
+
+
+@pytest.mark.parametrize("sd", [0.5, 2.0])
+async def test_a_request_is_passed_over_only_where_the_model_tells_the_two_apart(tmp_path: Path, aiohttp_client: Any,
+                                                                               sd: float) -> None:
+    # bert would run at 10 % of its best on the freed T4, ncf at 100 %: a log gap of ln 10 = 2.3. Where the model
+    # knows bert's rates to sd 0.5 (combined 0.71) ncf goes first; to sd 2.0 (combined 2.83) the two count as equal
+    # and bert, first in serve order, keeps its turn (the placer passes the model's deviations to the queue)
+    rig = make_rig(tmp_path, scenario="demo16")
+    rig.runtime.placer.use(Unsure(sd), "v-unsure")
+    rig = await start_rig(rig, aiohttp_client)
+    fillers, bert, ncf = await full_host_and_two_queued(rig)
+    t4 = await free_a_t4(rig, fillers)
+    first, second = (ncf, bert) if sd < 2.3 / 2 ** 0.5 else (bert, ncf)
+    got = await view(rig, "vm-b" if first is ncf else "vm-a", first["id"])
+    assert got["state"] == "ACTIVE" and got["devices"][0]["gpu_id"] == t4, got
+    waiting = await view(rig, "vm-a" if first is ncf else "vm-b", second["id"])
+    assert waiting["state"] == "QUEUED"
+    if first is bert:  # nobody passed over: nothing to explain
+        assert waiting["queue"]["note"] is None and not any("comparative" in r for r in got["reasons"]), got
+        assert f"first in serve order (10% of its best rate on the GPUs free now; {ncf['id']}'s 100% is within the " \
+               "model's uncertainty of it)" in " ".join(got["reasons"]), got["reasons"]
+    else:
+        assert waiting["queue"]["note"].startswith("passed over 1 time(s)")
+
+
 @pytest.mark.parametrize("leases", [{"queue_order": "strict"}, {"fairness_max_passes": 1},
                                     {"fairness_max_delay_s": 60.0}])
 async def test_the_operator_bounds_it_or_turns_it_off(tmp_path: Path, aiohttp_client: Any,

@@ -22,6 +22,31 @@ def test_each_job_gets_its_comparative_advantage() -> None:
     assert same.chosen == "A" and same.passed == ()
 
 
+def test_efficiencies_the_predictions_cannot_tell_apart_keep_serve_order() -> None:
+    # A at 10 % of its best, B at 80 %: a log gap of ln 8 = 2.08. Known to a few per cent, B goes first; where A's
+    # efficiency rests on a pair never seen (its deviation 2.2 > 2.08), the two count as equal and A keeps its turn
+    b = Candidate("B", 1, 0, now=8.0, best=10.0, sd=0.05)
+    sure = choose([Candidate("A", 0, 0, 1.0, 10.0, sd=0.05), b], F, now=0.0)
+    assert sure.chosen == "B" and not sure.unsure and "uncertainty" not in sure.reason
+    pick = choose([Candidate("A", 0, 0, 1.0, 10.0, sd=2.2), b], F, now=0.0)
+    assert pick.chosen == "A" and pick.passed == () and pick.unsure
+    assert pick.reason == ("first in serve order (10% of its best rate on the GPUs free now; B's 80% is within the "
+                           "model's uncertainty of it)")
+    # the deviations combine (hypot): 1.5 and 1.5 make 2.12, enough; 1.4 and 1.4 make 1.98, not
+    assert choose([Candidate("A", 0, 0, 1.0, 10.0, sd=1.5), Candidate("B", 1, 0, 8.0, 10.0, sd=1.5)], F, 0.0).chosen == "A"
+    assert choose([Candidate("A", 0, 0, 1.0, 10.0, sd=1.4), Candidate("B", 1, 0, 8.0, 10.0, sd=1.4)], F, 0.0).chosen == "B"
+    # of three, the earliest of those within reach of the most efficient: C (80 %) is told apart from A (10 %) but
+    # not from B (50 %, ln 1.6 = 0.47 within 0.5): B, passing A only
+    three = [Candidate("A", 0, 0, 1.0, 10.0), Candidate("B", 1, 0, 5.0, 10.0, sd=0.4),
+             Candidate("C", 2, 0, 8.0, 10.0, sd=0.3)]
+    pick = choose(three, F, now=0.0)
+    assert pick.chosen == "B" and pick.passed == ("A",)
+    assert pick.reason.endswith("started ahead of 1 request(s) of the same priority; C's 80% is within the model's "
+                                "uncertainty of it")
+    # nobody can start on a useful GPU (every efficiency 0): serve order
+    assert choose([Candidate("A", 0, 0, 0.0, 10.0), Candidate("B", 1, 0, 0.0, 10.0, sd=1.0)], F, 0.0).chosen == "A"
+
+
 def test_the_simulator_gives_each_job_its_comparative_advantage_and_the_greedy_oracle_does_not() -> None:
     # Two GPU models with opposite speedups: "a" runs 10/s on X and 9/s on Y, "b" 1/s on X and 10/s on Y.
     table = Table({("a", "X"): 10.0, ("a", "Y"): 9.0, ("b", "X"): 1.0, ("b", "Y"): 10.0}, {"a": 0.0, "b": 0.0})

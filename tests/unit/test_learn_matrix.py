@@ -12,7 +12,7 @@ import pytest
 from hostagent.domain.placement import PlacementRequest
 from hostagent.learn import lifecycle
 from hostagent.learn.matrix import ThroughputMatrix
-from hostagent.learn.model import ModelBundle, fit
+from hostagent.learn.model import LearnedScorer, ModelBundle, fit
 from hostagent.learn.records import examples_from_records
 from tests.support.placement import FakeStore, OnlyThese, dev, gpu_rows, store_records
 
@@ -41,6 +41,30 @@ def test_a_pair_never_seen_together_gets_the_shared_effects_with_an_honest_uncer
     assert cz.sd > ax.sd  # never seen: less certain than a pair seen 30 times
     assert mx.cell("d", "X") is None and mx.cell("a", "W") is None  # an unseen task or model: no estimate here
     assert len(mx.table()) == 9
+
+
+def test_each_prediction_s_uncertainty_is_what_the_records_show_of_its_pair() -> None:
+    # 30 leases of most pairs, none of ("c", "Z"), and an interaction or two: the queue reads these deviations
+    seen = {(t, m): 30 for t in TASK for m in MODEL if (t, m) != ("c", "Z")}
+    mx = ThroughputMatrix.fit(rows(seen, interaction={("a", "Z"): 1.0, ("b", "X"): -0.8}))
+    ax, cz = mx.cell("a", "X"), mx.cell("c", "Z")
+    assert ax is not None and cz is not None
+    assert mx.sd("a", "X") == ax.sd < 0.1 and mx.sd("c", "Z") == cz.sd == pytest.approx(math.sqrt(
+        mx.t2 + mx.s2 / mx.task_n["c"] + mx.s2 / mx.model_n["Z"]))
+    # a GPU model never seen: the interactions' spread plus the GPU models' (how far its effect could be anywhere)
+    spread = sum((v - sum(mx.model_effect.values()) / 3) ** 2 for v in mx.model_effect.values()) / 3
+    assert mx.sd("a", "W") == pytest.approx(math.sqrt(mx.t2 + spread)) and mx.sd("a", "W") > cz.sd
+    assert ThroughputMatrix().sd("a", "X") == 0.0  # no matrix (an artifact from before it): nothing to say
+    # the scorer gives them per device, for a work-rate model; none for another target
+    truth = {("a", "X"): 100.0, ("a", "Y"): 10.0, ("b", "X"): 50.0, ("b", "Y"): 5.0, ("c", "X"): 20.0, ("c", "Y"): 2.0}
+    recs = [r for r in store_records(300, truth=truth) if not (r["task_type"] == "b" and r["devices"][0]["model"] == "Y")]
+    bundle = fit(examples_from_records(recs, gpu_rows()))
+    scorer = LearnedScorer(bundle)
+    got = scorer.uncertainty(PlacementRequest(task_type="b"), [dev("g0", "X"), dev("g1", "Y"), dev("g9", "Q")])
+    assert got == [bundle.matrix.sd("b", "X"), bundle.matrix.sd("b", "Y"), bundle.matrix.sd("b", "Q")]
+    assert got[0] < got[1] < got[2]  # seen, never together, a model never seen
+    bundle.target = "utilization"
+    assert LearnedScorer(bundle).uncertainty(PlacementRequest(task_type="b"), [dev("g0", "X")]) == [0.0]
 
 
 def test_interactions_are_kept_where_the_records_show_them_and_shrunk_where_they_are_few() -> None:
