@@ -259,14 +259,16 @@ class _Usable:
             self._sds[key] = {} if got is None else dict(zip((g.id for g in gpus), got))
         return self._sds[key]
 
-    def efficiency_sd(self, request: LeaseRequest, by_id: dict[str, float], best: float, on: Sequence[str],
-                      count: int) -> float:
-        """The standard deviation of the log efficiency of taking the best `count` of the GPUs `on` (its rate over
-        its best on the host): the two predictions' deviations combined, 0 where they are the same GPU model's rate
-        (a ratio of one prediction to itself) or none is given."""
-        key = (_shape(request), count, tuple(on))
+    def efficiency_sd(self, request: LeaseRequest, by_id: dict[str, float], best: float, count: int,
+                      on: Sequence[str] | None = None) -> float:
+        """The standard deviation of the log efficiency of taking the best `count` of the GPUs `on` (default: the
+        free ones it may use) over its best rate on the host: the two predictions' deviations combined, 0 where
+        they are the same GPU model's rate (a ratio of one prediction to itself) or none is given."""
+        key = (_shape(request), count, None if on is None else tuple(on))
         got = self._efficiency_sd.get(key)
         if got is None:
+            if on is None:
+                on = [g.id for g in self.free(request)]
             ranked = sorted(on, key=lambda gid: -by_id.get(gid, 0.0))
             if len(ranked) < count or by_id.get(ranked[count - 1], 0.0) >= best:
                 got = 0.0
@@ -327,11 +329,13 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
         if got is None:
             return ready[0]  # no model says how fast it runs where: strict order
         best, now_rate, by_id = got
-        on = [g.id for g in free] if backfill is not None else [gid for gid in by_id if usable.is_free(gid)]
         if backfill is not None:  # a backfill may take only its room, not every free GPU: rate those
             open_ = sorted((by_id.get(g.id, 0.0) for g in free), reverse=True)
             now_rate = open_[count - 1] if len(open_) >= count else None
-        sd = usable.efficiency_sd(x.request, by_id, best, on, count) if now_rate is not None else 0.0
+        sd = 0.0
+        if now_rate is not None and now_rate < best:  # a ratio of two predictions: how sure the model is of it
+            room = [g.id for g in free] if backfill is not None else None
+            sd = usable.efficiency_sd(x.request, by_id, best, count, room)
         # its expected run time on a typical GPU: what it states, else what the records show of its task type
         run_s = float(x.request.duration_s) if x.request.duration_s else m.typical_run_s(x.request.task_type)
         better = None
