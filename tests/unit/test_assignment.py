@@ -116,3 +116,24 @@ def test_priorities_are_never_inverted() -> None:
     waiting_high = Candidate("H", 0, 5, now=None, best=10.0)
     assert choose([waiting_high, low_but_perfect], F, now=0.0).chosen == "L"
     assert choose([], F, now=0.0).chosen is None
+
+
+def test_every_decision_says_why_in_words_and_counts_whom_it_passed() -> None:
+    # (what the lease's reasons and the queue's notes show; found by mutation testing: each line fails on a mutant)
+    assert choose([Candidate("A", 0, 0, None, 10.0)], F, 0.0).reason == "no queued request can start now"
+    assert choose([Candidate("A", 0, 0, 1.0, 10.0)], F, 0.0).reason == "first in serve order"
+    strict = choose([Candidate("A", 0, 0, 1.0, 10.0), Candidate("B", 1, 0, 9.0, 10.0)], Fairness(enabled=False), 0.0)
+    assert strict.reason == "first in serve order (strict order)"
+    # served in turn: it passes every request ahead of it in serve order, not itself; the reason says how long only
+    # when it knows since when
+    due = Candidate("C", 2, 0, now=1.0, best=10.0, passes=3)
+    pick = choose([Candidate("A", 0, 0, 9.0, 10.0), Candidate("B", 1, 0, 9.0, 10.0), due], F, now=0.0)
+    assert pick.chosen == "C" and pick.passed == ("A", "B")
+    assert pick.reason == "served in turn: passed over 3 time(s) (fairness bound: 3 times or 100 s)"
+    # a request that cannot start and is due by time (passed over once, 150 s ago) holds the others back
+    late = Candidate("A", 0, 0, now=None, best=10.0, passes=1, passed_since=0.0)
+    assert choose([late, Candidate("B", 1, 0, 10.0, 10.0)], F, now=150.0).chosen is None
+    # a request that gains nothing on the GPUs free now (efficiency 0) is never the one compared against: no division
+    # by its zero, and it is passed over by one that gains
+    zero = choose([Candidate("A", 0, 0, 0.0, 10.0, sd=0.5), Candidate("B", 1, 0, 5.0, 10.0, sd=0.5)], F, 0.0)
+    assert zero.chosen == "B" and zero.passed == ("A",)
