@@ -430,6 +430,11 @@ def targets(groups: Sequence[dict[str, Any]], heterogeneous: bool, spread: float
     return out
 
 
+def _opt(x: float | None, spec: str) -> str:
+    """A figure that may be missing ("-")."""
+    return "-" if x is None else format(x, spec)
+
+
 def format_report(out: dict[str, Any]) -> str:
     """Readable tables, one per load, then the targets."""
     meta = out["meta"]
@@ -444,18 +449,17 @@ def format_report(out: dict[str, Any]) -> str:
             f"{'regret':>8}{'mem':>4}{'/m-orc':>8}{'/simple':>8}{'wait/ff':>8}  {'paired /m-oracle':<18}"
             f"{'paired /simple':<16}")
 
-    def f(x: float | None, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
     for g in out["loads"]:
         jobs = "/".join(str(n) for n in g["evaluated_jobs"])
         lines += ["", f"load {g['load']}: {g['traces']} trace(s), {jobs} evaluated jobs each"
                   + (f", {g['dropped_traces']} trace(s) left out (not run by every policy)" if g["dropped_traces"]
                      else "") + f"; best simple rule: {g['best_simple'] or '-'}", head]
         for r in g["policies"]:
-            lines.append(f"{r['policy']:<16}{r['traces']:>3}{r['mean_jct_s']:>11.0f}{f(r['mean_jct_ci95_s'], '.0f'):>8}"
+            lines.append(f"{r['policy']:<16}{r['traces']:>3}{r['mean_jct_s']:>11.0f}"
+                         f"{_opt(r['mean_jct_ci95_s'], '.0f'):>8}"
                          f"{r['p99_jct_s']:>10.0f}{r['p99_wait_s']:>11.0f}{r['mean_regret']:>8.4f}"
-                         f"{r['memory_violations']:>4}{f(r['jct_vs_matching_oracle'], '.3f'):>8}"
-                         f"{f(r['jct_vs_best_simple'], '.3f'):>8}{f(r['p99_wait_vs_first_fit'], '.3f'):>8}  "
+                         f"{r['memory_violations']:>4}{_opt(r['jct_vs_matching_oracle'], '.3f'):>8}"
+                         f"{_opt(r['jct_vs_best_simple'], '.3f'):>8}{_opt(r['p99_wait_vs_first_fit'], '.3f'):>8}  "
                          f"{_fmt_ci(r['paired_vs_matching_oracle']):<18}{_fmt_ci(r['paired_vs_best_simple']):<16}")
     lines += ["", "targets (model):"]
     for t in out["targets"]:
@@ -463,13 +467,9 @@ def format_report(out: dict[str, Any]) -> str:
         lines.append(f"  load {t['load']}: {t['target']}: {verdict} ({t['detail']})")
     return "\n".join(lines)
 
-
-
 def format_markdown(out: dict[str, Any]) -> str:
     """The per-load tables as docs/placement.md's "Results" shows them (one Markdown table, every load), then the
     targets as a list: what the report says, in the form the docs paste."""
-    def f(x: float | None, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
     lines = ["| load | policy | mean JCT s ± 95 % CI | p99 JCT s | p99 wait s | mean regret | mem. viol. | "
              "JCT / m-oracle | JCT / best simple | p99 wait / first-fit | paired JCT / m-oracle |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -481,8 +481,8 @@ def format_markdown(out: dict[str, Any]) -> str:
             ci = f" ± {r['mean_jct_ci95_s']:.0f}" if r["mean_jct_ci95_s"] is not None else ""
             lines.append(f"| {g['load'] if i == 0 else ''} | {name} | {r['mean_jct_s']:.0f}{ci} | {r['p99_jct_s']:.0f} | "
                          f"{r['p99_wait_s']:.0f} | {r['mean_regret']:.4f} | {r['memory_violations']} | "
-                         f"{f(r['jct_vs_matching_oracle'], '.3f')} | {f(r['jct_vs_best_simple'], '.3f')} | "
-                         f"{f(r['p99_wait_vs_first_fit'], '.3f')} | {_fmt_ci(r['paired_vs_matching_oracle'])} |")
+                         f"{_opt(r['jct_vs_matching_oracle'], '.3f')} | {_opt(r['jct_vs_best_simple'], '.3f')} | "
+                         f"{_opt(r['p99_wait_vs_first_fit'], '.3f')} | {_fmt_ci(r['paired_vs_matching_oracle'])} |")
     lines += ["", "Targets (`model`):", ""]
     for t in out["targets"]:
         verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "**not met**")

@@ -50,12 +50,8 @@ class QueueState:
 
     def scores(self, scorer: Scorer, request: PlacementRequest, views: Sequence[DeviceView]) -> list[float]:
         """The scorer's prediction for every device of the host (free or not), cached per scorer and request."""
-        if id(scorer) != self.scorer_id:
-            self.cache.clear()
-            self.scorer_id = id(scorer)
-        # as the agent's queue does (services.lease_queue._Usable.rates): GPUs are compared by the model's figure
-        # for what the work is, not its size, length or priority, which move every GPU's prediction alike
-        key = (request.task_type, request.min_memory_gib, request.precision, request.data_scale)
+        self._for(scorer)
+        key = _work(request)
         got = self.cache.get(key)
         if got is None:
             plain = replace(request, count=1, priority=0, duration_s=None)
@@ -67,16 +63,20 @@ class QueueState:
         """Each device's log-space standard deviation of the scorer's prediction (0 for a scorer that knows the
         table): what the agent's queue reads from the active model (LearnedScorer.uncertainty)."""
         fn = getattr(scorer, "uncertainty", None)
-        if id(scorer) != self.scorer_id:
-            self.cache.clear()
-            self.scorer_id = id(scorer)
+        self._for(scorer)
         if fn is None:
             return [0.0] * len(views)
-        key = ("sd", request.task_type, request.min_memory_gib, request.precision, request.data_scale)
+        key = ("sd", *_work(request))
         got = self.cache.get(key)
         if got is None:
             got = self.cache[key] = [float(x) for x in fn(request, views)]
         return got
+
+    def _for(self, scorer: Scorer) -> None:
+        """Predictions are kept per scorer: a new one (a retrained model) forgets them."""
+        if id(scorer) != self.scorer_id:
+            self.cache.clear()
+            self.scorer_id = id(scorer)
 
     def finished(self, task_type: str, held_s: float, rate: float) -> None:
         """A job ended: its run time at rate 1 joins its task type's history."""
@@ -87,6 +87,13 @@ class QueueState:
         """Expected run time at rate 1 of a job of this task type (None before any finished)."""
         got = self.runs.get(task_type)
         return statistics.median(got) if got else None
+
+
+def _work(request: PlacementRequest) -> tuple[object, ...]:
+    """What a prediction depends on: as the agent's queue does (services.lease_queue._Usable.rates), GPUs are compared
+    by the model's figure for what the work is, not its size, length or priority, which move every GPU's prediction
+    alike."""
+    return (request.task_type, request.min_memory_gib, request.precision, request.data_scale)
 
 
 def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], views_free: Sequence[DeviceView],

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from hostagent.domain.assignment import Candidate, choose
 from hostagent.domain.calendar import INF, Hold, earliest_window
@@ -216,7 +216,6 @@ class _Usable:
         self._rates: dict[tuple[object, ...], dict[str, float] | None] = {}
         self._figures: dict[tuple[object, ...], tuple[float, float | None, dict[str, float]] | None] = {}
         self._sds: dict[tuple[object, ...], dict[str, float]] = {}
-        self._efficiency_sd: dict[tuple[object, ...], float] = {}
         self._free = {gid for gid in m.gpus if is_free(m, gid)}
 
     def feasible(self, request: LeaseRequest) -> list[Gpu]:
@@ -259,41 +258,28 @@ class _Usable:
             self._sds[key] = {} if got is None else dict(zip((g.id for g in gpus), got))
         return self._sds[key]
 
-    def efficiency_sd(self, request: LeaseRequest, by_id: dict[str, float], best: float, count: int,
-                      on: Sequence[str] | None = None) -> float:
-        """The standard deviation of the log efficiency of taking the best `count` of the GPUs `on` (default: the
-        free ones it may use) over its best rate on the host: the two predictions' deviations combined, 0 where
-        they are the same GPU model's rate (a ratio of one prediction to itself) or none is given."""
-        key = (_shape(request), count, None if on is None else tuple(on))
-        got = self._efficiency_sd.get(key)
-        if got is None:
-            if on is None:
-                on = [g.id for g in self.free(request)]
-            ranked = sorted(on, key=lambda gid: -by_id.get(gid, 0.0))
-            if len(ranked) < count or by_id.get(ranked[count - 1], 0.0) >= best:
-                got = 0.0
-            else:
-                sds = self.sds(request)
-                at_best = sorted(by_id, key=lambda gid: -by_id[gid])[min(count, len(by_id)) - 1]
-                got = math.hypot(sds.get(ranked[count - 1], 0.0), sds.get(at_best, 0.0))
-            self._efficiency_sd[key] = got
-        return got
-
-    def figures(self, request: LeaseRequest, count: int) -> tuple[float, float | None, dict[str, float]] | None:
-        """For `count` GPUs of the request: its best predicted rate on the host (the count-th best of every GPU it
-        may use), the rate of the best set free now (None: too few free) and the rates by GPU; None without a
-        model that covers it."""
+    def figures(self, request: LeaseRequest, count: int) -> tuple[str, str | None, dict[str, float]] | None:
+        """For `count` GPUs of the request: the GPU whose rate is its best on the host (the count-th best of every
+        GPU it may use), the one whose rate is that of the best set free now (None: too few free) and the rates by
+        GPU; None without a model that covers it."""
         key = (_shape(request), count)
         if key not in self._figures:
             by_id = self.rates(request)
             if by_id is None or not by_id or count < 1:
                 self._figures[key] = None
             else:
-                ranked = sorted(by_id.values(), reverse=True)
-                open_ = sorted((r for gid, r in by_id.items() if gid in self._free), reverse=True)
-                self._figures[key] = (ranked[min(count, len(ranked)) - 1],
-                                      open_[count - 1] if len(open_) >= count else None, by_id)
+                at_best = _kth(by_id, by_id, min(count, len(by_id)))
+                assert at_best is not None
+                self._figures[key] = (at_best, _kth((gid for gid in by_id if gid in self._free), by_id, count),
+                                      by_id)
         return self._figures[key]
+
+
+def _kth(gids: Iterable[str], by_id: dict[str, float], count: int) -> str | None:
+    """Of these GPUs, the one whose predicted rate is the `count`-th best (a set of `count` runs at the rate of its
+    slowest); None when there are fewer."""
+    ranked = sorted(gids, key=lambda gid: -by_id.get(gid, 0.0))
+    return ranked[count - 1] if len(ranked) >= count else None
 
 
 def _shape(request: LeaseRequest) -> tuple[object, ...]:
@@ -328,14 +314,15 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
         got = usable.figures(x.request, count)
         if got is None:
             return ready[0]  # no model says how fast it runs where: strict order
-        best, now_rate, by_id = got
+        at_best, at_now, by_id = got
         if backfill is not None:  # a backfill may take only its room, not every free GPU: rate those
-            open_ = sorted((by_id.get(g.id, 0.0) for g in free), reverse=True)
-            now_rate = open_[count - 1] if len(open_) >= count else None
+            at_now = _kth((g.id for g in free), by_id, count)
+        best = by_id[at_best]
+        now_rate = by_id.get(at_now, 0.0) if at_now is not None else None
         sd = 0.0
-        if now_rate is not None and now_rate < best:  # a ratio of two predictions: how sure the model is of it
-            room = [g.id for g in free] if backfill is not None else None
-            sd = usable.efficiency_sd(x.request, by_id, best, count, room)
+        if at_now is not None and now_rate is not None and now_rate < best:  # a ratio of two predictions
+            sds = usable.sds(x.request)
+            sd = math.hypot(sds.get(at_now, 0.0), sds.get(at_best, 0.0))
         # its expected run time on a typical GPU: what it states, else what the records show of its task type
         run_s = float(x.request.duration_s) if x.request.duration_s else m.typical_run_s(x.request.task_type)
         better = None
