@@ -17,14 +17,20 @@ upserts the few rollup rows that make. The host's rows in ``(after, top]`` of a 
 (one writer per host), so the chain covers the rows past the watermark exactly; anything else past it (a spool
 replay, a write that skipped duplicates, a write kept no longer) breaks the chain, and the server folds from the
 watermark as above. ``hostagent bench fleet``: the server's fold was the store path's largest cost over a raw insert.
+
+A write is handed to the roller only after its transaction has committed, so a step can come between the two: it
+would see the rows without their chain and fold them on the server (correct, but the cost the chain saves). The
+writer marks that window (:meth:`FreshWrites.writing`), and a step that finds no chain while a write is in it
+defers once (it returns ``(0, True)`` having done nothing) and the roller waits for the window to close.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,9 +102,35 @@ class FreshWrites:
     def __init__(self, cap: int = STEP_ROWS) -> None:
         self.cap = cap
         self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)
         self._writes: collections.deque[Fresh] = collections.deque()
         self._n = 0
+        self._open = 0  # writes between their start and handing their samples over (or not)
         self.used = 0  # samples folded from memory so far
+        self.deferred = 0  # steps that waited for a write in that window
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Mark a sample write from its start until its samples are handed over with :meth:`add`, or not."""
+        with self._lock:
+            self._open += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open -= 1
+                self._written.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a write is between its start and handing its samples over."""
+        with self._lock:
+            return self._open > 0
+
+    def wait_written(self, timeout: float) -> bool:
+        """Wait until no write is in that window; False when ``timeout`` came first."""
+        with self._lock:
+            return self._written.wait_for(lambda: self._open == 0, timeout)
 
     def add(self, write: Fresh) -> None:
         with self._lock:
@@ -136,12 +168,14 @@ class FreshWrites:
 
 
 def roll_up_step(conn: Connection, host_id: str, *, now: float, limit: int = STEP_ROWS,
-                 fresh: FreshWrites | None = None) -> tuple[int, bool]:
+                 fresh: FreshWrites | None = None, defer: bool = False) -> tuple[int, bool]:
     """Fold pending samples of ``host_id`` (at most ``limit``) into the rollups and move the watermark past them;
     returns how many, and whether more are pending. Run it inside one transaction (the caller's ``begin()``).
 
     With ``fresh``, a chain of fresh writes that begins at the watermark is folded from memory instead of from the
-    raw rows (see the module's notes)."""
+    raw rows (see the module's notes). With ``defer`` too, a step that finds no chain while a write is still
+    handing its samples over does nothing and returns ``(0, True)``: wait (``fresh.wait_written``) and step again
+    without ``defer``."""
     low = watermark(conn, host_id, lock=True)  # MySQL: a second agent on the same host id waits here
     if fresh is not None:
         chain = fresh.chain(low, limit)
@@ -157,6 +191,9 @@ def roll_up_step(conn: Connection, host_id: str, *, now: float, limit: int = STE
             fresh.used += len(samples)
             # more past the chain: the next write's chain, or rows only the server can fold (a replay)
             return len(samples), _run(conn, "bounds", host_id=host_id, low=top).one()[0] is not None
+        if defer and fresh.busy:
+            fresh.deferred += 1
+            return 0, True
     bounds: Any = _run(conn, "bounds", host_id=host_id, low=low).one()
     first, last = bounds
     if first is None:

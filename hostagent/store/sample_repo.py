@@ -120,7 +120,7 @@ class SampleRepo(StoreCore):
             if check_refs:
                 self._require_gpus({s.gpu_id for s in batch}, field="samples.gpu_id")
                 self._require_leases({s.lease_id for s in batch}, field="samples.lease_id")
-        with self._wlock:
+        with self._wlock, self._fresh.writing():
             self._staged = None
             payload = batch if isinstance(batch, list) else list(batch)
             result = self._write("samples", payload, set_aside=set_aside)
@@ -224,11 +224,17 @@ class SampleRepo(StoreCore):
         return total
 
     def _roll_up_steps(self) -> int | None:
-        total = 0
+        total, deferred = 0, False
         try:
             while True:
                 with self._roller_conn.begin() as conn:
-                    n, more = roll_up_step(conn, self.host_id, now=self._clock(), fresh=self._fresh)
+                    n, more = roll_up_step(conn, self.host_id, now=self._clock(), fresh=self._fresh,
+                                           defer=not deferred)
+                if more and not n:  # a write is handing its samples over: fold them from memory once it has
+                    deferred = True
+                    self._fresh.wait_written(self.io_timeout)
+                    continue
+                deferred = False
                 total += n
                 self.figures["samples_rolled_up"] += n
                 self.figures["samples_rolled_up_in_memory"] = self._fresh.used
