@@ -19,6 +19,12 @@ load and policy, over the traces that every policy ran:
   at lower loads it is no worse than the best simple rule; at every load its p99 queue wait is at most 20 % above
   ``first-fit``'s. Each is stated met / not met with the figures, for the policies present.
 
+``model-warm`` (run only when named in ``--policies``) is the learned policy on a host with a past: before each
+trace, ``model`` runs a history trace on the same host (generated at the same load and size with trace seed
+``HISTORY_SEED + s``, or the one ``--history-trace`` names), and the trace starts with the store holding its records
+and its model. Beside ``model`` it shows what the cold start costs; it is not one of the "non-oracle policies" that
+``model`` must beat (it is the same learner).
+
 Usage: ``python -m hostagent.learn.evaluate --throughputs T.csv --host H.csv (--traces N --jobs J
 [--loads 0.7,0.85,0.95] [--trace-seed S] [--data DIR] | --trace-files a.csv,b.csv) [--policies a,b] [--seeds K]
 [--warmup-jobs W] [--jobs-parallel P] [--save-runs F.jsonl] [--load-runs F.jsonl,...] [--progress] [--json]``.
@@ -37,7 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +51,7 @@ from hostagent.domain.errors import InvalidInput
 from hostagent.domain.placement import Exploration
 from hostagent.learn import datasets
 from hostagent.learn.simulate import (
+    LEARNED,
     POLICIES,
     add_run_options,
     Job,
@@ -61,6 +68,7 @@ from hostagent.learn.simulate import (
 SIMPLE_RULES = ("random", "first-fit", "best-fit-memory", "fastest-model")
 ORACLES = ("oracle", "matching-oracle", "noisy-oracle")
 DEFAULT_LOADS = (0.7, 0.85, 0.95)
+HISTORY_SEED = 1_000_000  # `model-warm`'s history of trace seed s is generated with trace seed HISTORY_SEED + s
 HIGH_LOAD = 0.85  # from this offered load on, the "lowest JCT, within 5 % of matching-oracle" targets apply
 SPREAD_HETEROGENEOUS = 1.25  # speedups "differ by task type" when some pair of models' speedup varies this much
 # two-sided 95 % Student t quantiles by degrees of freedom, for when scipy is missing (normal beyond 30)
@@ -156,6 +164,7 @@ class TraceSpec:
     load: float
     name: str
     jobs: list[Job]
+    history: list[Job] = field(default_factory=list)  # what `model-warm` runs first (see simulate.run_policy)
 
 
 def jobs_from_rows(rows: Sequence[dict[str, object]]) -> list[Job]:
@@ -178,16 +187,17 @@ def offered_load(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job]) -> f
 
 
 def generated_traces(data: Path, table_csv: Path, host_csv: Path, table: Table, host: Sequence[SimGpu],
-                     loads: Sequence[float], traces: int, jobs: int, trace_seed: int) -> list[TraceSpec]:
-    """`traces` Philly-derived traces per load, trace seeds trace_seed .. trace_seed + traces - 1."""
+                     loads: Sequence[float], traces: int, jobs: int, trace_seed: int, *,
+                     history: bool = False) -> list[TraceSpec]:
+    """`traces` Philly-derived traces per load, trace seeds trace_seed .. trace_seed + traces - 1. With ``history``
+    each has one for `model-warm` too: the same load and size, trace seed ``HISTORY_SEED + s`` (never evaluated)."""
     trows, hrows = datasets.read_csv(table_csv), datasets.read_csv(host_csv)
-    out = []
-    for load in loads:
-        for s in range(trace_seed, trace_seed + traces):
-            rows = datasets.philly_trace(data, trows, hrows, jobs=jobs, load=load, seed=s)
-            kept, _ = check_inputs(table, host, jobs_from_rows(rows))
-            out.append(TraceSpec(load, f"philly seed {s}", kept))
-    return out
+
+    def make(load: float, seed: int) -> list[Job]:
+        rows = datasets.philly_trace(data, trows, hrows, jobs=jobs, load=load, seed=seed)
+        return check_inputs(table, host, jobs_from_rows(rows))[0]
+    return [TraceSpec(load, f"philly seed {s}", make(load, s), make(load, HISTORY_SEED + s) if history else [])
+            for load in loads for s in range(trace_seed, trace_seed + traces)]
 
 
 def file_traces(paths: Sequence[str], table: Table, host: Sequence[SimGpu]) -> list[TraceSpec]:
@@ -216,6 +226,7 @@ class Task:
     retrain_every: int
     min_records: int
     epsilon: float
+    history: list[Job] = field(default_factory=list)
 
 
 def run_task(task: Task) -> dict[str, Any]:
@@ -223,7 +234,7 @@ def run_task(task: Task) -> dict[str, Any]:
     t0 = time.perf_counter()
     fig = run_policy(task.policy, task.table, task.host, task.jobs, seed=task.seed, warmup_jobs=task.warmup_jobs,
                      retrain_every=task.retrain_every, min_records=task.min_records,
-                     exploration=Exploration(epsilon=task.epsilon))
+                     exploration=Exploration(epsilon=task.epsilon), history=task.history)
     return {"load": task.load, "trace": task.trace, **summarise(task.policy, task.seed, fig, task.jobs,
                                                                  task.warmup_jobs),
             "jobs": len(task.jobs), "evaluated_jobs": len(task.jobs) - task.warmup_jobs,
@@ -261,7 +272,8 @@ def worker_pool(processes: int) -> Any:
 def run_tasks(tasks: Sequence[Task], processes: int, *, progress: bool = False,
               save: Path | None = None) -> list[dict[str, Any]]:
     """Run the tasks, `processes` at a time (in this process when 1); the slow `model` runs are started first."""
-    order = sorted(tasks, key=lambda t: (t.policy != "model", t.load, t.trace, t.policy, t.seed))
+    order = sorted(tasks, key=lambda t: (t.policy not in LEARNED, t.policy != "model-warm", t.load, t.trace,
+                                         t.policy, t.seed))
     out: list[dict[str, Any]] = []
 
     def done(run: dict[str, Any]) -> None:
@@ -386,7 +398,7 @@ def targets(groups: Sequence[dict[str, Any]], heterogeneous: bool, spread: float
         jct = model["mean_jct_s"]
         best = g["best_simple"]
         if load >= HIGH_LOAD - 1e-9:
-            others = {p: r["mean_jct_s"] for p, r in rows.items() if p not in ORACLES and p != "model"}
+            others = {p: r["mean_jct_s"] for p, r in rows.items() if p not in ORACLES and p not in LEARNED}
             if others:
                 rival = min(others, key=lambda p: others[p])
                 add(load, "lowest mean JCT of the non-oracle policies", jct < others[rival],
@@ -531,15 +543,23 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             raise InvalidInput(f"--jobs {args.jobs} leaves no job after --warmup-jobs {args.warmup_jobs}",
                                field="jobs")
         specs = generated_traces(datasets.data_dir(args.data), Path(args.throughputs), Path(args.host), table, host,
-                                 loads, args.traces, args.jobs, args.trace_seed)
+                                 loads, args.traces, args.jobs, args.trace_seed,
+                                 history="model-warm" in policies and not args.history_trace)
     else:
         specs = file_traces([p for p in (args.trace_files or "").split(",") if p.strip()], table, host)
+    if "model-warm" in policies and args.history_trace:
+        history = check_inputs(table, host, load_trace(args.history_trace))[0]
+        specs = [replace(s, history=history) for s in specs]
+    elif "model-warm" in policies and specs and not specs[0].history:
+        raise InvalidInput("model-warm with --trace-files needs --history-trace: the trace whose records its store "
+                           "starts with", field="history_trace")
     for s in specs:
         if args.warmup_jobs >= len(s.jobs):
             raise InvalidInput(f"{s.name}: --warmup-jobs {args.warmup_jobs} leaves no job to evaluate "
                                f"({len(s.jobs)} jobs)", field="warmup_jobs")
     tasks = [Task(s.load, s.name, p, seed, table, host, s.jobs, args.warmup_jobs, args.retrain_every,
-                  args.min_records, args.epsilon) for s in specs for p in policies for seed in range(args.seeds)]
+                  args.min_records, args.epsilon, s.history if p == "model-warm" else [])
+             for s in specs for p in policies for seed in range(args.seeds)]
     save = Path(args.save_runs) if args.save_runs else None
     runs += run_tasks(tasks, args.jobs_parallel, progress=args.progress, save=save)
     # a run loaded and run again (same load, trace, policy, seed) counts once: the latest
@@ -557,7 +577,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                      "capacity_best": headroom[1] if headroom else None,
                      "policies": policies, "seeds": args.seeds, "warmup_jobs": args.warmup_jobs,
                      "traces": args.traces, "jobs": args.jobs if args.traces is not None else None,
-                     "trace_seed": args.trace_seed, "trace_files": args.trace_files}}
+                     "trace_seed": args.trace_seed, "trace_files": args.trace_files,
+                     "history": (None if "model-warm" not in policies else args.history_trace
+                                 or f"generated, trace seed {HISTORY_SEED} + the trace's")}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

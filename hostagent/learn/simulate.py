@@ -5,6 +5,8 @@ set choice the agent uses); policies differ only in the `Scorer` they pass. The 
 with no model, writes every lease and its usage samples through the real usage store (a temporary SQLite file),
 trains from ``training_records()`` with the real lifecycle once ``min_records`` jobs have finished (or the warm-up
 jobs, if fewer), and retrains each time its records double, at most every ``retrain_every`` completions. It never reads the throughput table.
+``model-warm`` is the same on a host with a past: its store starts with the records (and model) of a history trace
+that ``model`` ran first on the same host.
 
 Ground truth: a job's run time on a set of n devices is ``work / (n * min_i thr(job_type, model_i) * health_i)``
 (synchronous data parallel: the slowest device paces the step). Under the simple rules and the greedy `oracle`
@@ -14,12 +16,13 @@ could start, the one `domain.assignment.choose` picks (comparative advantage wit
 `learn/sim_queue.py` builds its candidates as `services.lease_queue` does), then placed by the same `place()`.
 
 Usage: ``python -m hostagent.learn.simulate --throughputs T.csv --host H.csv --trace R.csv [--seeds N]
-[--policies a,b] [--warmup-jobs N] [--json]``.
+[--policies a,b] [--warmup-jobs N] [--history-trace H.csv] [--json]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import heapq
 import itertools
@@ -51,9 +54,14 @@ from hostagent.domain.placement import (
 )
 
 POLICIES = ("random", "first-fit", "best-fit-memory", "fastest-model", "model", "oracle", "matching-oracle",
-            "noisy-oracle")
+            "noisy-oracle", "model-warm")
+# what "all policies" runs: `model-warm` runs the learned policy twice per trace (its history, then the trace), so
+# it is run only when asked for
+DEFAULT_POLICIES = tuple(p for p in POLICIES if p != "model-warm")
+# the learned policy: `model` starts with an empty store, `model-warm` with the records of a history trace
+LEARNED = frozenset({"model", "model-warm"})
 # the queue-aware assignment (domain.assignment) decides
-QUEUE_AWARE = frozenset({"model", "matching-oracle", "noisy-oracle"})
+QUEUE_AWARE = frozenset({"model", "model-warm", "matching-oracle", "noisy-oracle"})
 EPOCH = 1_600_000_000.0  # simulated clock origin (2020-09-13): the store refuses timestamps before 2000
 SAMPLES_PER_LEASE = 3
 WORK_RATE_NOISE = 0.03  # a guest's own throughput counter is a little noisy (log-normal sigma)
@@ -267,17 +275,21 @@ class StoreRecorder:
         } for i, g in enumerate(host)])
         self.rng = random.Random(seed * 7919 + 1)
         self.min_records = min_records
+        self.epoch = EPOCH  # the simulated clock's origin for the trace being recorded
+        self.trace_no = 0  # how many traces were recorded before this one
         self.trainings: list[dict[str, Any]] = []
         self.active: tuple[str, ModelBundle] | None = None
 
     def finished(self, job: Job, start: float, end: float, gpu_ids: Sequence[str], per_gpu_rate: float,
                  request: PlacementRequest, reasons: Sequence[str]) -> None:
         """Record the lease and the usage samples its guest would have sent (two writes, as the agent's mirror does)."""
-        self.now = EPOCH + end
-        lease_id = f"sim-{job.index}"
+        epoch = self.epoch
+        self.now = epoch + end
+        n = self.trace_no
+        lease_id = f"sim{n or ''}-{job.index}"
         self.store.insert_lease({
-            "id": lease_id, "domain_uuid": f"00000000-0000-4000-8000-{job.index:012d}", "state": "RELEASED",
-            "created_at": EPOCH + job.arrival_s, "granted_at": EPOCH + start, "ended_at": EPOCH + end,
+            "id": lease_id, "domain_uuid": f"00000000-0000-4000-{0x8000 + n:04x}-{job.index:012d}", "state": "RELEASED",
+            "created_at": epoch + job.arrival_s, "granted_at": epoch + start, "ended_at": epoch + end,
             "end_reason": "released by guest", "granted_gpus": len(gpu_ids),
             "request": {"gpus": request.count, "task_type": request.task_type, "priority": request.priority,
                         "min_memory_gib": request.min_memory_gib, "numa_policy": request.numa_policy},
@@ -285,12 +297,19 @@ class StoreRecorder:
         })
         samples = []
         for k in range(SAMPLES_PER_LEASE):
-            ts = EPOCH + start + (end - start) * (k + 1) / (SAMPLES_PER_LEASE + 1)
+            ts = epoch + start + (end - start) * (k + 1) / (SAMPLES_PER_LEASE + 1)
             for g in gpu_ids:
                 samples.append({"gpu_id": g, "ts": ts, "lease_id": lease_id, "source": "guest",
                                 "util_pct": min(100.0, max(0.0, self.rng.gauss(90.0, 5.0))),
                                 "work_rate": per_gpu_rate * math.exp(self.rng.gauss(0.0, WORK_RATE_NOISE))})
         self.store.add_samples(samples)
+
+    def next_trace(self, after_s: float) -> None:
+        """Record the next trace after this one: its clock starts a day after ``after_s`` (this trace's last end),
+        its leases get ids of their own. The store keeps every record so far, as an agent's store does."""
+        self.epoch += after_s + 86_400.0
+        self.now = self.epoch
+        self.trace_no += 1
 
     def retrain(self) -> Scorer | None:
         """Train from the store's records; return the active scorer (None while the cold-start rule must decide)."""
@@ -300,7 +319,7 @@ class StoreRecorder:
         if self.active is None:
             self.active = lifecycle.active_bundle(self.store)
         res = lifecycle.train(self.store, min_records=self.min_records, now=self.now, current=self.active)
-        self.trainings.append({"at": self.now - EPOCH, **res.to_dict()})
+        self.trainings.append({"at": self.now - self.epoch, **res.to_dict()})
         if res.decision == "promoted" and res.bundle is not None and res.version is not None:
             self.active = (res.version, res.bundle)  # the bytes just saved and activated in the store
         if self.active is None:
@@ -340,10 +359,44 @@ def _set_rate(table: Table, job: Job, gpus: Sequence[SimGpu]) -> float:
 def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job], *, seed: int,
                warmup_jobs: int, retrain_every: int, min_records: int, workdir: Path | None = None,
                exploration: Exploration = Exploration(), warmup_epsilon: float = 0.3,
-               fairness: Fairness = Fairness()) -> RunFigures:
-    """Simulate one policy over the trace and return its figures."""
+               fairness: Fairness = Fairness(), history: Sequence[Job] = ()) -> RunFigures:
+    """Simulate one policy over the trace and return its figures.
+
+    ``model-warm`` first runs ``model`` over ``history`` (another trace on the same host), then this trace with the
+    same store: what the learned policy does on a host with a past, rather than on its first day. Only this trace's
+    jobs are in the figures (and in ``trainings``, only the trainings during it)."""
     if policy not in POLICIES:
         raise InvalidInput(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}", field="policies")
+    if policy == "model-warm" and not history:
+        raise InvalidInput("model-warm needs a history trace: the store starts with its records",
+                           field="history_trace")
+    if policy not in LEARNED:
+        return _run(policy, table, host, jobs, seed=seed, retrain_every=retrain_every, first_training=0,
+                    exploration=exploration, warmup_epsilon=warmup_epsilon, fairness=fairness, recorder=None)
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hostagent-sim-")))
+        recorder = StoreRecorder(host, workdir, seed=seed, min_records=min_records)
+        stack.callback(recorder.close)
+        # the first training once min_records jobs have finished (or the warm-up's, if sooner)
+        first = min(warmup_jobs, min_records)
+        if policy == "model-warm":
+            past = _run("model", table, host, history, seed=seed + 1_000_003, retrain_every=retrain_every,
+                        first_training=first, exploration=exploration, warmup_epsilon=warmup_epsilon,
+                        fairness=fairness, recorder=recorder)
+            recorder.next_trace(past.last_end)
+            recorder.trainings.clear()
+            first = -len(history)  # trains at once on the history's records, then as their count grows
+        return _run(policy, table, host, jobs, seed=seed, retrain_every=retrain_every, first_training=first,
+                    exploration=exploration, warmup_epsilon=warmup_epsilon, fairness=fairness, recorder=recorder)
+
+
+def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job], *, seed: int,
+         retrain_every: int, first_training: int, exploration: Exploration, warmup_epsilon: float,
+         fairness: Fairness, recorder: StoreRecorder | None) -> RunFigures:
+    """One trace under one policy. With a ``recorder`` (the learned policies) every finished job is recorded and
+    the model retrained: first after ``first_training`` completions; a negative one means a store that already
+    holds that many records, trained on before the first job."""
     rng = random.Random(seed)
     rules = rule_scorers(table, host, random.Random(seed * 31 + 7), noise_rng=random.Random(seed * 31 + 11))
     by_id = {g.gpu_id: g for g in host}
@@ -354,14 +407,13 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
     free = [True] * len(host)
     index = {g.gpu_id: i for i, g in enumerate(host)}
     fig = RunFigures(first_arrival=jobs[0].arrival_s if jobs else 0.0)
-    recorder: StoreRecorder | None = None
-    scorer: Scorer | None = None if policy == "model" else rules[policy]
-    tmp: tempfile.TemporaryDirectory[str] | None = None
-    if policy == "model":
-        if workdir is None:
-            tmp = tempfile.TemporaryDirectory(prefix="hostagent-sim-")
-            workdir = Path(tmp.name)
-        recorder = StoreRecorder(host, workdir, seed=seed, min_records=min_records)
+    scorer: Scorer | None = None if policy in LEARNED else rules[policy]
+    # the learned policy trains as soon as it has first_training finished jobs, then each time its records double,
+    # at most every retrain_every completions: a young model improves fast
+    completed, next_train = 0, first_training
+    if recorder is not None and first_training < 0:
+        scorer = recorder.retrain()
+        completed, next_train = -first_training, -first_training + min(retrain_every, -first_training)
     # (end, seq, job index, gpu ids, start, request, reasons)
     running: list[tuple[float, int, int, tuple[str, ...], float, PlacementRequest, tuple[str, ...]]] = []
     queue: deque[Job] = deque()
@@ -371,10 +423,6 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
 
     def fits(request: PlacementRequest, i: int) -> bool:
         return host[i].memory_gib + 1e-9 >= request.min_memory_gib
-    completed = 0
-    # the learned policy trains as soon as it has min_records finished jobs (or at the warm-up's end, if sooner),
-    # then each time its records double, at most every retrain_every completions: a young model improves fast
-    next_train = min(warmup_jobs, min_records)
     seq = 0
     try:
         while arrivals or queue or running:
@@ -418,7 +466,7 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
                 request = _request(table, job)
                 need = request.min_memory_gib
                 ex = exploration if scorer is not None else replace(exploration, epsilon=warmup_epsilon)
-                decision = place(request, views, scorer=scorer, exploration=ex if policy == "model" else None,
+                decision = place(request, views, scorer=scorer, exploration=ex if policy in LEARNED else None,
                                  rng=rng)
                 if not decision.chosen:
                     break  # the job to start waits for enough eligible devices to free up
@@ -445,10 +493,7 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
                 seq += 1
     finally:
         if recorder is not None:
-            fig.trainings = recorder.trainings
-            recorder.close()
-        if tmp is not None:
-            tmp.cleanup()
+            fig.trainings = list(recorder.trainings)
     return fig
 
 
@@ -479,10 +524,14 @@ def summarise(policy: str, seed: int, fig: RunFigures, jobs: Sequence[Job], warm
 
 
 def simulate(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job], *, seeds: int = 3,
-             policies: Sequence[str] = POLICIES, warmup_jobs: int = 300, retrain_every: int = 500,
-             min_records: int = 100, exploration: Exploration = Exploration()) -> dict[str, Any]:
-    """Run every policy with every seed; return ``{"results": [...], "meta": {...}}``."""
+             policies: Sequence[str] = DEFAULT_POLICIES, warmup_jobs: int = 300, retrain_every: int = 500,
+             min_records: int = 100, exploration: Exploration = Exploration(),
+             history: Sequence[Job] = ()) -> dict[str, Any]:
+    """Run every policy with every seed; return ``{"results": [...], "meta": {...}}``. ``history``: the trace
+    ``model-warm`` runs first (see run_policy)."""
     jobs, notes = check_inputs(table, host, jobs)
+    if history:
+        history, _ = check_inputs(table, host, history)
     if warmup_jobs >= len(jobs):
         raise InvalidInput(f"--warmup-jobs {warmup_jobs} leaves no job to evaluate ({len(jobs)} jobs)",
                            field="warmup_jobs")
@@ -491,7 +540,8 @@ def simulate(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job], *, seeds
         for policy in policies:
             t0 = time.perf_counter()
             fig = run_policy(policy, table, host, jobs, seed=seed, warmup_jobs=warmup_jobs,
-                             retrain_every=retrain_every, min_records=min_records, exploration=exploration)
+                             retrain_every=retrain_every, min_records=min_records, exploration=exploration,
+                             history=history)
             results.append(summarise(policy, seed, fig, jobs, warmup_jobs))
             extra.append({"policy": policy, "seed": seed, "rules": fig.rules, "wall_s": time.perf_counter() - t0,
                           "trainings": [{k: v for k, v in tr.items() if k != "metrics"}
@@ -541,8 +591,9 @@ def add_run_options(ap: argparse.ArgumentParser, *, seeds: int, seeds_help: str,
     ap.add_argument("--host", required=True, help="CSV gpu_id,gpu_model,memory_gib,numa_node[,health_factor]")
     trace()
     ap.add_argument("--seeds", type=int, default=seeds, help=seeds_help)
-    ap.add_argument("--policies", default=",".join(POLICIES),
-                    help=f"comma-separated, of {', '.join(POLICIES)} (default all)")
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                    help=f"comma-separated, of {', '.join(POLICIES)} (default all but model-warm, which runs the "
+                         "learned policy twice per trace)")
     ap.add_argument("--warmup-jobs", type=int, default=300,
                     help="jobs left out of the figures (default 300); the first training comes after "
                          "min(warmup, min-records) jobs")
@@ -550,6 +601,8 @@ def add_run_options(ap: argparse.ArgumentParser, *, seeds: int, seeds_help: str,
                     help="most completed jobs between retrainings (it retrains when its records double, up to this)")
     ap.add_argument("--min-records", type=int, default=100, help="records before the first model may be trained")
     ap.add_argument("--epsilon", type=float, default=Exploration().epsilon, help="exploration rate once trained")
+    ap.add_argument("--history-trace", help="model-warm: a trace (CSV, as --trace) that `model` runs first on the same "
+                                            "host; the trace under evaluation starts with its records in the store")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -567,9 +620,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise InvalidInput(f"unknown policy {unknown[0]!r}; choose from {', '.join(POLICIES)}", field="policies")
         if args.seeds < 1:
             raise InvalidInput("--seeds must be >= 1", field="seeds")
+        if "model-warm" in policies and not args.history_trace:
+            raise InvalidInput("model-warm needs --history-trace: the trace whose records its store starts with",
+                               field="history_trace")
         out = simulate(load_table(args.throughputs), load_host(args.host), load_trace(args.trace), seeds=args.seeds,
                        policies=policies, warmup_jobs=args.warmup_jobs, retrain_every=args.retrain_every,
-                       min_records=args.min_records, exploration=Exploration(epsilon=args.epsilon))
+                       min_records=args.min_records, exploration=Exploration(epsilon=args.epsilon),
+                       history=load_trace(args.history_trace) if args.history_trace else ())
     except InvalidInput as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

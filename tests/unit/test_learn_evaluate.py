@@ -245,6 +245,48 @@ def test_noisy_oracle_is_an_oracle_and_its_gap_is_shown_beside_the_models() -> N
     assert detail.startswith("1.200x") and "noisy-oracle 1.000x, paired 1.000 ± " in detail
 
 
+def test_model_warm_is_the_learned_policy_not_a_rival_of_model() -> None:
+    runs = [_run(t, "matching-oracle", 100.0) for t in ("t1", "t2")]
+    runs += [_run(t, "model-warm", 101.0) for t in ("t1", "t2")]  # the same learner with a past: not a rival
+    runs += [_run(t, "model", 110.0) for t in ("t1", "t2")]
+    runs += [_run(t, "first-fit", 300.0) for t in ("t1", "t2")]
+    [g] = evaluate.aggregate(runs)
+    assert [r["policy"] for r in g["policies"]] == ["first-fit", "model", "matching-oracle", "model-warm"]
+    got = {t["target"]: t for t in evaluate.targets([g], heterogeneous=True, spread=100.0)}
+    assert got["lowest mean JCT of the non-oracle policies"]["met"] is True
+    assert got["lowest mean JCT of the non-oracle policies"]["detail"] == "model 110 s vs first-fit 300 s"
+
+
+def test_model_warm_runs_each_trace_after_a_history_trace_of_its_own(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    table, host, data = _inputs(tmp_path)
+    base = ["--throughputs", str(table), "--host", str(host), "--data", str(data)]
+    assert evaluate.main(base + ["--traces", "2", "--jobs", "120", "--loads", "0.9", "--warmup-jobs", "20",
+                                 "--policies", "first-fit,model-warm", "--min-records", "20",
+                                 "--jobs-parallel", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    warm = sorted((r for r in out["runs"] if r["policy"] == "model-warm"), key=lambda r: r["trace"])
+    assert [r["trace"] for r in warm] == ["philly seed 0", "philly seed 1"] and all(r["evaluated_jobs"] == 100
+                                                                                     for r in warm)
+    # each trace's history is a trace of its own (seed HISTORY_SEED + s), never one of the evaluated traces
+    trows, hrows = datasets.read_csv(table), datasets.read_csv(host)
+    specs = evaluate.generated_traces(data, table, host, simulate.load_table(table), simulate.load_host(host), [0.9],
+                                      2, 120, 0, history=True)
+    assert all(s.history and s.history != s.jobs for s in specs) and specs[0].history != specs[1].history
+    again = evaluate.jobs_from_rows(datasets.philly_trace(data, trows, hrows, jobs=120, load=0.9,
+                                                          seed=evaluate.HISTORY_SEED + 1))
+    assert [j.arrival_s for j in specs[1].history] == [j.arrival_s for j in again][:len(specs[1].history)]
+    # trace files need the history named; a single history file serves every trace
+    datasets.write_csv(tmp_path / "r.csv", datasets.philly_trace(data, trows, hrows, jobs=60, load=0.9, seed=3))
+    files = base + ["--trace-files", str(tmp_path / "r.csv"), "--policies", "model-warm", "--warmup-jobs", "10",
+                    "--min-records", "20", "--jobs-parallel", "1", "--json"]
+    assert evaluate.main(files) == 2
+    assert "model-warm with --trace-files needs --history-trace" in capsys.readouterr().err
+    assert evaluate.main(files + ["--history-trace", str(tmp_path / "r.csv")]) == 0
+    [run] = json.loads(capsys.readouterr().out)["runs"]
+    assert run["policy"] == "model-warm" and run["evaluated_jobs"] > 0
+
+
 def test_each_worker_runs_its_native_thread_pools_one_thread_each() -> None:
     # the harness runs a worker per CPU; a worker whose trees started a thread per CPU as well ran 30 times slower
     from threadpoolctl import threadpool_info

@@ -44,10 +44,34 @@ def test_oracle_and_trained_model_pick_the_fast_device_first_fit_does_not(tmp_pa
     assert out["mean_regret"] == 0.0 and out["mean_jct_s"] == pytest.approx(10.0)
 
 
+def test_model_warm_starts_with_the_records_and_model_of_its_history(tmp_path: Path) -> None:
+    history, jobs = _sparse_jobs(120), _sparse_jobs(40)
+    with pytest.raises(InvalidInput, match="model-warm needs a history trace"):
+        run_policy("model-warm", TABLE, HOST, jobs, seed=0, warmup_jobs=0, retrain_every=1000, min_records=40)
+    cold = run_policy("model", TABLE, HOST, jobs, seed=0, warmup_jobs=40, retrain_every=1000, min_records=40)
+    assert "model" not in cold.rules and cold.rules["cold-start"] > 0  # its first training comes after the 40th job
+    warm = run_policy("model-warm", TABLE, HOST, jobs, seed=0, warmup_jobs=0, retrain_every=1000, min_records=40,
+                      workdir=tmp_path, history=history)
+    # trained on the history's records before the trace's first job (the trace's own clock: at 0 s), so no
+    # decision of the trace is the cold-start rule's, and every one is right (no device is within 20 % to explore)
+    assert warm.trainings[0]["at"] == 0.0 and warm.trainings[0]["decision"] == "promoted"
+    assert "cold-start" not in warm.rules and warm.rules.get("model", 0) == len(jobs)
+    assert max(warm.regret.values()) == 0.0 and all(v == pytest.approx(10.0) for v in warm.jct.values())
+    assert set(warm.jct) == {j.index for j in jobs}  # the figures are the trace's jobs only
+    # one store holds both traces' leases, each under an id of its own, the trace's clock after the history's
+    import sqlite3
+    with sqlite3.connect(tmp_path / "usage.db") as db:
+        rows = db.execute("SELECT id, created_at FROM leases").fetchall()
+    ids = {r[0] for r in rows}
+    assert len(rows) == 160 and {f"sim-{i}" for i in range(120)} <= ids and {f"sim1-{i}" for i in range(40)} <= ids
+    last_history = max(float(c) for i, c in rows if i.startswith("sim-"))
+    assert min(float(c) for i, c in rows if i.startswith("sim1-")) > last_history + 86_000
+
+
 def test_memory_need_is_a_hard_filter_for_every_policy() -> None:
     jobs = [Job(i, 50.0 * i, "big", 50.0, 1) for i in range(30)]
     for policy in simulate.POLICIES:
-        if policy == "model":
+        if policy in simulate.LEARNED:
             continue
         fig = run_policy(policy, TABLE, HOST, jobs, seed=1, warmup_jobs=0, retrain_every=100, min_records=10)
         assert fig.memory_violations == 0
@@ -79,6 +103,14 @@ def test_cli_reads_the_three_csvs_and_prints_json(tmp_path: Path, capsys: pytest
     oracle = [r for r in out["results"] if r["policy"] == "oracle"]
     assert all(r["mean_jct_s"] == pytest.approx(10.0) and r["mean_regret"] == 0.0 for r in oracle)
     assert simulate.main(["--throughputs", str(tmp_path / "missing.csv"), "--host", "h", "--trace", "r"]) == 2
+    # model-warm needs the trace whose records its store starts with; given it, it is right from the first job
+    warm = ["--throughputs", str(tmp_path / "t.csv"), "--host", str(tmp_path / "h.csv"), "--trace",
+            str(tmp_path / "r.csv"), "--seeds", "1", "--policies", "model-warm", "--warmup-jobs", "0", "--json"]
+    capsys.readouterr()
+    assert simulate.main(warm) == 2 and "model-warm needs --history-trace" in capsys.readouterr().err
+    assert simulate.main(warm + ["--history-trace", str(tmp_path / "r.csv"), "--min-records", "20"]) == 0
+    [run] = json.loads(capsys.readouterr().out)["results"]
+    assert run["policy"] == "model-warm" and run["mean_regret"] == 0.0 and run["mean_jct_s"] == pytest.approx(10.0)
 
 
 def test_generators_from_a_small_copy_of_the_data(tmp_path: Path) -> None:
