@@ -388,8 +388,10 @@ def test_a_step_between_a_writes_commit_and_its_hand_over_waits_and_folds_it_fro
         assert not fresh.wait_written(0.05)  # the window is still open
         stepper = threading.Thread(target=store.roll_up)  # the store's own steps wait on the window
         stepper.start()
-        stepper.join(0.2)
-        assert stepper.is_alive() and fresh.deferred == 2
+        deadline = time.monotonic() + 10
+        while fresh.deferred < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fresh.deferred == 2 and stepper.is_alive()  # it deferred, and waits for the window
         go_on.set()
         stepper.join(10)
     finally:
