@@ -372,7 +372,8 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
                            field="history_trace")
     if policy not in LEARNED:
         return _run(policy, table, host, jobs, seed=seed, retrain_every=retrain_every, first_training=0,
-                    exploration=exploration, warmup_epsilon=warmup_epsilon, fairness=fairness, recorder=None)
+                    exploration=exploration, warmup_epsilon=warmup_epsilon, fairness=fairness, recorder=None,
+                    done_before=0)
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hostagent-sim-")))
@@ -380,23 +381,25 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
         stack.callback(recorder.close)
         # the first training once min_records jobs have finished (or the warm-up's, if sooner)
         first = min(warmup_jobs, min_records)
+        done_before = 0
         if policy == "model-warm":
             past = _run("model", table, host, history, seed=seed + 1_000_003, retrain_every=retrain_every,
                         first_training=first, exploration=exploration, warmup_epsilon=warmup_epsilon,
-                        fairness=fairness, recorder=recorder)
+                        fairness=fairness, recorder=recorder, done_before=0)
             recorder.next_trace(past.last_end)
             recorder.trainings.clear()
-            first = -len(history)  # trains at once on the history's records, then as their count grows
+            done_before = len(history)
         return _run(policy, table, host, jobs, seed=seed, retrain_every=retrain_every, first_training=first,
-                    exploration=exploration, warmup_epsilon=warmup_epsilon, fairness=fairness, recorder=recorder)
+                    exploration=exploration, warmup_epsilon=warmup_epsilon, fairness=fairness, recorder=recorder,
+                    done_before=done_before)
 
 
 def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job], *, seed: int,
          retrain_every: int, first_training: int, exploration: Exploration, warmup_epsilon: float,
-         fairness: Fairness, recorder: StoreRecorder | None) -> RunFigures:
+         fairness: Fairness, recorder: StoreRecorder | None, done_before: int) -> RunFigures:
     """One trace under one policy. With a ``recorder`` (the learned policies) every finished job is recorded and
-    the model retrained: first after ``first_training`` completions; a negative one means a store that already
-    holds that many records, trained on before the first job."""
+    the model retrained: first after ``first_training`` completions, or, when the store already holds the records
+    of ``done_before`` jobs, at once before the first job."""
     rng = random.Random(seed)
     rules = rule_scorers(table, host, random.Random(seed * 31 + 7), noise_rng=random.Random(seed * 31 + 11))
     by_id = {g.gpu_id: g for g in host}
@@ -410,10 +413,10 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
     scorer: Scorer | None = None if policy in LEARNED else rules[policy]
     # the learned policy trains as soon as it has first_training finished jobs, then each time its records double,
     # at most every retrain_every completions: a young model improves fast
-    completed, next_train = 0, first_training
-    if recorder is not None and first_training < 0:
+    completed, next_train = done_before, first_training
+    if recorder is not None and done_before > 0:
         scorer = recorder.retrain()
-        completed, next_train = -first_training, -first_training + min(retrain_every, -first_training)
+        next_train = done_before + min(retrain_every, done_before)
     # (end, seq, job index, gpu ids, start, request, reasons)
     running: list[tuple[float, int, int, tuple[str, ...], float, PlacementRequest, tuple[str, ...]]] = []
     queue: deque[Job] = deque()
