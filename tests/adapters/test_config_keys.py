@@ -371,10 +371,14 @@ async def state_files(v: Variant) -> list[str]:
 
 
 async def addresses_answering(v: Variant) -> tuple[bool, bool]:
-    """Whether 127.0.0.1 and 127.0.0.2 take a connection on the served port."""
+    """Whether 127.0.0.1 and 127.0.0.2 take a connection on the served port, from this agent: its server has a
+    socket on the address (another test's server may hold the same port number on the other address) and answers."""
     await v.served()
+    bound = {a[0] for a in v._runners[0].addresses}
 
     async def answers(host: str) -> bool:
+        if host not in bound:
+            return False
         try:
             return await raw(v.port, get_request("/healthz"), wait_s=5, host=host) == 200
         except OSError:
