@@ -6,7 +6,9 @@ with no model, writes every lease and its usage samples through the real usage s
 trains from ``training_records()`` with the real lifecycle once ``min_records`` jobs have finished (or the warm-up
 jobs, if fewer), and retrains each time its records double, at most every ``retrain_every`` completions. It never reads the throughput table.
 ``model-warm`` is the same on a host with a past: its store starts with the records (and model) of a history trace
-that ``model`` ran first on the same host.
+that ``model`` ran first on the same host. ``matching-oracle-cold`` is the ceiling of any learner with ``model``'s first
+day: it serves the trace as ``model`` does until ``model`` would first train (serve order, the cold-start rule, the
+warm-up exploration: the same decisions), then knows the table as ``matching-oracle`` does (and explores no more).
 
 Ground truth: a job's run time on a set of n devices is ``work / (n * min_i thr(job_type, model_i) * health_i)``
 (synchronous data parallel: the slowest device paces the step). Under the simple rules and the greedy `oracle`
@@ -54,14 +56,17 @@ from hostagent.domain.placement import (
 )
 
 POLICIES = ("random", "first-fit", "best-fit-memory", "fastest-model", "model", "oracle", "matching-oracle",
-            "noisy-oracle", "model-warm")
+            "noisy-oracle", "matching-oracle-cold", "model-warm")
 # what "all policies" runs: `model-warm` runs the learned policy twice per trace (its history, then the trace), so
 # it is run only when asked for
 DEFAULT_POLICIES = tuple(p for p in POLICIES if p != "model-warm")
 # the learned policy: `model` starts with an empty store, `model-warm` with the records of a history trace
 LEARNED = frozenset({"model", "model-warm"})
 # the queue-aware assignment (domain.assignment) decides
-QUEUE_AWARE = frozenset({"model", "model-warm", "matching-oracle", "noisy-oracle"})
+QUEUE_AWARE = frozenset({"model", "model-warm", "matching-oracle", "noisy-oracle", "matching-oracle-cold"})
+# `matching-oracle` with `model`'s first day: what the cold start costs a learner that learns the table exactly and
+# at once, the moment `model` first trains
+COLD_ORACLE = "matching-oracle-cold"
 EPOCH = 1_600_000_000.0  # simulated clock origin (2020-09-13): the store refuses timestamps before 2000
 SAMPLES_PER_LEASE = 3
 WORK_RATE_NOISE = 0.03  # a guest's own throughput counter is a little noisy (log-normal sigma)
@@ -370,8 +375,11 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
     if policy == "model-warm" and not history:
         raise InvalidInput("model-warm needs a history trace: the store starts with its records",
                            field="history_trace")
+    # the first training once min_records jobs have finished (or the warm-up's, if sooner)
+    first = min(warmup_jobs, min_records)
     if policy not in LEARNED:
-        return _run(policy, table, host, jobs, seed=seed, retrain_every=retrain_every, first_training=0,
+        return _run(policy, table, host, jobs, seed=seed, retrain_every=retrain_every,
+                    first_training=first if policy == COLD_ORACLE else 0,
                     exploration=exploration, warmup_epsilon=warmup_epsilon, fairness=fairness, recorder=None,
                     done_before=0)
     with contextlib.ExitStack() as stack:
@@ -379,8 +387,6 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hostagent-sim-")))
         recorder = StoreRecorder(host, workdir, seed=seed, min_records=min_records)
         stack.callback(recorder.close)
-        # the first training once min_records jobs have finished (or the warm-up's, if sooner)
-        first = min(warmup_jobs, min_records)
         done_before = 0
         if policy == "model-warm":
             past = _run("model", table, host, history, seed=seed + 1_000_003, retrain_every=retrain_every,
@@ -399,7 +405,8 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
          fairness: Fairness, recorder: StoreRecorder | None, done_before: int) -> RunFigures:
     """One trace under one policy. With a ``recorder`` (the learned policies) every finished job is recorded and
     the model retrained: first after ``first_training`` completions, or, when the store already holds the records
-    of ``done_before`` jobs, at once before the first job."""
+    of ``done_before`` jobs, at once before the first job. `matching-oracle-cold` decides as the learned policy's
+    cold start until ``first_training`` completions, then with the table."""
     rng = random.Random(seed)
     rules = rule_scorers(table, host, random.Random(seed * 31 + 7), noise_rng=random.Random(seed * 31 + 11))
     by_id = {g.gpu_id: g for g in host}
@@ -410,7 +417,10 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
     free = [True] * len(host)
     index = {g.gpu_id: i for i, g in enumerate(host)}
     fig = RunFigures(first_arrival=jobs[0].arrival_s if jobs else 0.0)
-    scorer: Scorer | None = None if policy in LEARNED else rules[policy]
+    cold = policy == COLD_ORACLE
+    scorer: Scorer | None = None if policy in LEARNED or cold else rules[policy]
+    if cold and first_training <= 0:
+        scorer = rules["matching-oracle"]
     # the learned policy trains as soon as it has first_training finished jobs, then each time its records double,
     # at most every retrain_every completions: a young model improves fast
     completed, next_train = done_before, first_training
@@ -444,6 +454,8 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
                     qstate.finished(was.task_type, end - start, was.rate)
                 completed += 1
                 fig.last_end = max(fig.last_end, end)
+                if cold and scorer is None and completed >= first_training:
+                    scorer = rules["matching-oracle"]
                 if recorder is not None:
                     job = jobs[jidx]
                     recorder.finished(job, start, end, gpu_ids,
@@ -469,8 +481,8 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
                 request = _request(table, job)
                 need = request.min_memory_gib
                 ex = exploration if scorer is not None else replace(exploration, epsilon=warmup_epsilon)
-                decision = place(request, views, scorer=scorer, exploration=ex if policy in LEARNED else None,
-                                 rng=rng)
+                explores = policy in LEARNED or (cold and scorer is None)
+                decision = place(request, views, scorer=scorer, exploration=ex if explores else None, rng=rng)
                 if not decision.chosen:
                     break  # the job to start waits for enough eligible devices to free up
                 queue.remove(job)

@@ -245,6 +245,18 @@ def test_noisy_oracle_is_an_oracle_and_its_gap_is_shown_beside_the_models() -> N
     assert detail.startswith("1.200x") and "noisy-oracle 1.000x, paired 1.000 ± " in detail
 
 
+def test_matching_oracle_cold_is_an_oracle_whose_gap_the_5_per_cent_target_states() -> None:
+    runs = [_run(t, "matching-oracle", 100.0) for t in ("t1", "t2")]
+    runs += [_run(t, "matching-oracle-cold", 108.0) for t in ("t1", "t2")]  # beats model: not a rival
+    runs += [_run(t, "model", 112.0) for t in ("t1", "t2")]
+    runs += [_run(t, "first-fit", 300.0) for t in ("t1", "t2")]
+    [g] = evaluate.aggregate(runs)
+    got = {t["target"]: t for t in evaluate.targets([g], heterogeneous=True, spread=100.0)}
+    assert got["lowest mean JCT of the non-oracle policies"]["detail"] == "model 112 s vs first-fit 300 s"
+    assert got["within 5 % of matching-oracle"]["detail"].endswith(
+        "; matching-oracle-cold (model's first day, then the table) 1.080x")
+
+
 def test_model_warm_is_the_learned_policy_not_a_rival_of_model() -> None:
     runs = [_run(t, "matching-oracle", 100.0) for t in ("t1", "t2")]
     runs += [_run(t, "model-warm", 101.0) for t in ("t1", "t2")]  # the same learner with a past: not a rival

@@ -68,6 +68,25 @@ def test_model_warm_starts_with_the_records_and_model_of_its_history(tmp_path: P
     assert min(float(c) for i, c in rows if i.startswith("sim1-")) > last_history + 86_000
 
 
+def test_matching_oracle_cold_decides_as_models_first_day_then_knows_the_table(tmp_path: Path) -> None:
+    jobs = _sparse_jobs(80)
+    kw = dict(seed=3, warmup_jobs=60, retrain_every=1000, min_records=40)
+    model = run_policy("model", TABLE, HOST, jobs, workdir=tmp_path, **kw)
+    cold = run_policy("matching-oracle-cold", TABLE, HOST, jobs, **kw)
+    first = [j.index for j in jobs if j.index < 40]  # before model's first training (after the 40th completion)
+    # the same decisions as model's cold start: serve order, the cold-start rule, the warm-up's exploration
+    assert [cold.jct[i] for i in first] == [model.jct[i] for i in first]
+    assert [cold.regret[i] for i in first] == [model.regret[i] for i in first]
+    assert max(cold.regret[i] for i in first) == pytest.approx(0.9)  # the cold start is blind to the job type
+    # from then on it knows the table and explores no more: every decision is right
+    assert all(cold.regret[i] == 0.0 and cold.jct[i] == pytest.approx(10.0) for i in range(40, 80))
+    assert cold.rules["cold-start"] + cold.rules.get("explore", 0) == 40 and sum(cold.rules.values()) == 80
+    # with no cold start (no warm-up, no records needed) it is matching-oracle itself
+    assert run_policy("matching-oracle-cold", TABLE, HOST, jobs, seed=3, warmup_jobs=0, retrain_every=1000,
+                      min_records=0).jct == run_policy("matching-oracle", TABLE, HOST, jobs, **kw).jct
+    assert "matching-oracle-cold" in simulate.QUEUE_AWARE and "matching-oracle-cold" not in simulate.LEARNED
+
+
 def test_memory_need_is_a_hard_filter_for_every_policy() -> None:
     jobs = [Job(i, 50.0 * i, "big", 50.0, 1) for i in range(30)]
     for policy in simulate.POLICIES:
