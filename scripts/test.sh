@@ -8,4 +8,7 @@ cd "$repo"
 bash scripts/deps.sh test
 mkdir -p artifacts
 export PYTHONASYNCIODEBUG=1
+# The suite starts the agent and the CLI as subprocesses a few hundred times: let them reuse compiled bytecode (an
+# environment that sets PYTHONDONTWRITEBYTECODE has every start compile hostagent again, ~0.2 s each).
+unset PYTHONDONTWRITEBYTECODE
 exec .venv/bin/python -m pytest -p no:cacheprovider -n "${HOSTAGENT_TEST_WORKERS:-auto}" "$@"
