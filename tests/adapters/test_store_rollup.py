@@ -407,3 +407,12 @@ def test_a_step_between_a_writes_commit_and_its_hand_over_waits_and_folds_it_fro
         with store.engine.begin() as conn:
             n, more = roll_up_step(conn, store.host_id, now=NOW, fresh=fresh, defer=True)
     assert n > 0 and not more and fresh.deferred == 2
+    # with one in the window, a step that is not asked to defer (the default) folds on the server at once too
+    with store._rlock:
+        store.write_samples(first_of_each(random_samples(random.Random(49), 50)), check_refs=True)
+        fresh.folded(10**12)
+        with fresh.writing(), store.engine.begin() as conn:
+            assert fresh.busy
+            n, more = roll_up_step(conn, store.host_id, now=NOW, fresh=fresh)
+    assert n > 0 and not more and fresh.deferred == 2
+    assert store.rollup_pending() == 0
