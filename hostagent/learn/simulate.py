@@ -417,10 +417,9 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
     free = [True] * len(host)
     index = {g.gpu_id: i for i, g in enumerate(host)}
     fig = RunFigures(first_arrival=jobs[0].arrival_s if jobs else 0.0)
-    cold = policy == COLD_ORACLE
-    scorer: Scorer | None = None if policy in LEARNED or cold else rules[policy]
-    if cold and first_training <= 0:
-        scorer = rules["matching-oracle"]
+    cold = policy == COLD_ORACLE  # the learned policy's cold start until first_training completions, then the table
+    scorer: Scorer | None = (None if policy in LEARNED or (cold and first_training > 0)
+                             else rules["matching-oracle" if cold else policy])
     # the learned policy trains as soon as it has first_training finished jobs, then each time its records double,
     # at most every retrain_every completions: a young model improves fast
     completed, next_train = done_before, first_training
