@@ -26,6 +26,9 @@ class CompiledForest:
         self.feature, self.threshold, self.missing_left = feature, threshold, missing_left
         self.left, self.right, self.value, self.roots = left, right, value, roots
         self.depth, self.baseline = depth, baseline
+        # a node's children side by side, right then left: a walk steps to child[2 * node + went_left]
+        self.child = np.empty(2 * len(left), dtype=np.intp)
+        self.child[0::2], self.child[1::2] = right, left
 
     @classmethod
     def build(cls, estimator: Any, probe: np.ndarray | None = None) -> CompiledForest | None:
@@ -85,20 +88,25 @@ class CompiledForest:
         return X
 
     def predict(self, X: np.ndarray) -> np.ndarray:
-        """Raw predictions for the rows of X (same as the estimator's predict)."""
-        n = X.shape[0]
+        """Raw predictions for the rows of X (same as the estimator's predict).
+
+        Every (row, tree) walk steps down together, one level per step, through flat `take`s (a row's feature is
+        at row * n_features + feature in the flattened X); the walks stop early once all have reached a leaf."""
+        n, width = X.shape
+        flat = np.ascontiguousarray(X, dtype=np.float64).ravel()
+        start = (np.arange(n, dtype=np.intp) * width)[:, None]
         idx = np.broadcast_to(self.roots, (n, len(self.roots))).copy()
-        rows = np.arange(n)[:, None]
-        for _ in range(self.depth):
-            x = X[rows, self.feature[idx]]
+        nan = np.isnan(flat)
+        missing = nan if nan.any() else None
+        for level in range(self.depth):
+            at = start + self.feature.take(idx)
             # the estimator's rule: NaN follows the node's missing direction, else x <= threshold goes left
-            go_left = x <= self.threshold[idx]
-            nan = np.isnan(x)
-            if nan.any():
-                go_left[nan] = self.missing_left[idx[nan]]
-            nxt = np.where(go_left, self.left[idx], self.right[idx])
-            if np.array_equal(nxt, idx):
+            go_left = flat.take(at) <= self.threshold.take(idx)
+            if missing is not None:
+                go_left |= missing.take(at) & self.missing_left.take(idx)
+            nxt = self.child.take(2 * idx + go_left)
+            if level % 3 == 2 and np.array_equal(nxt, idx):
                 break  # every walk has reached its leaf (leaves point at themselves)
             idx = nxt
-        out: np.ndarray = self.value[idx].sum(axis=1) + self.baseline
+        out: np.ndarray = self.value.take(idx).sum(axis=1) + self.baseline
         return out
