@@ -380,11 +380,16 @@ def _within_block(topology: Topology, pool: Sequence[str], count: int, scores: M
     while len(chosen) < count:
         best = max(scores.get(x, 0.0) for x in rest)
 
-        def key(g: str) -> tuple[Any, ...]:
+        def near(g: str) -> tuple[int, int]:
             far = max((topology.distance(g, c) for c in chosen), default=Level.NVLINK)
-            good = 0 if scores.get(g, 0.0) >= best - tolerance else 1
-            return (int(far), good, packer.rank(objective, [*chosen, g]), -scores.get(g, 0.0), topology.place(g).address)
-        pick = min(rest, key=key)
+            return int(far), 0 if scores.get(g, 0.0) >= best - tolerance else 1
+
+        def key(g: str) -> tuple[Any, ...]:
+            return packer.rank(objective, [*chosen, g]), -scores.get(g, 0.0), topology.place(g).address
+        # (closeness, quality) first; the objective's figure, the costly part, only among the closest and best
+        first = {g: near(g) for g in rest}
+        top = min(first.values())
+        pick = min((g for g in rest if first[g] == top), key=key)
         chosen.append(pick)
         rest.remove(pick)
     return chosen
