@@ -151,11 +151,11 @@ def _first_of_the_most_efficient(pool: Sequence[Candidate]) -> tuple[Candidate, 
     """(the earliest in serve order among the candidates whose efficiency the predictions cannot tell apart from the
     highest: a log-efficiency gap within the two candidates' combined standard deviation, exact ties when it is 0;
     the most efficient)."""
-    top = max(pool, key=lambda c: (round(c.efficiency, 9), -c.order))
-    if top.efficiency <= 0:
+    eff = [(c, c.efficiency) for c in pool]  # each worked out once
+    top, most = max(eff, key=lambda ce: (round(ce[1], 9), -ce[0].order))
+    if most <= 0:
         return min(pool, key=lambda c: c.order), top
-    close = [c for c in pool if c.efficiency > 0
-             and math.log(top.efficiency / c.efficiency) <= math.hypot(top.sd, c.sd) + 1e-9]
+    close = [c for c, e in eff if e > 0 and math.log(most / e) <= math.hypot(top.sd, c.sd) + 1e-9]
     return min(close, key=lambda c: c.order), top
 
 

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Sequence
 
 from hostagent.domain.assignment import Candidate, choose
 from hostagent.domain.calendar import INF, Hold, earliest_window
@@ -207,15 +207,18 @@ def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None
 class _Usable:
     """One decision's memo of which GPUs could serve a request, which of them are free, and their predicted rates:
     queued requests come in few shapes, so each shape is filtered and predicted once per decision, not once per
-    queued lease (and the placer keeps the predictions across decisions)."""
+    queued lease. Across decisions the manager keeps each shape's predictions ranked (`m.queue_shapes`), used again
+    while the placer answers with the same predictions (Placer.relative_rates returns the very object it returned
+    before when neither the model, the GPUs nor their probes changed)."""
 
     def __init__(self, m: LeaseCore) -> None:
         self.m = m
         self._feasible: dict[tuple[object, ...], list[Gpu]] = {}
         self._free_of: dict[tuple[object, ...], list[Gpu]] = {}
-        self._rates: dict[tuple[object, ...], dict[str, float] | None] = {}
-        self._figures: dict[tuple[object, ...], tuple[float, float | None, dict[str, float]] | None] = {}
+        self._rates: dict[tuple[object, ...], Ranked | None] = {}
+        self._figures: dict[tuple[object, ...], tuple[str, str | None, dict[str, float]] | None] = {}
         self._sds: dict[tuple[object, ...], dict[str, float]] = {}
+        self._better: dict[tuple[object, ...], float | None] = {}
         self._free = {gid for gid in m.gpus if is_free(m, gid)}
 
     def feasible(self, request: LeaseRequest) -> list[Gpu]:
@@ -235,28 +238,64 @@ class _Usable:
     def is_free(self, gpu_id: str) -> bool:
         return gpu_id in self._free
 
+    def ranked(self, request: LeaseRequest) -> Ranked | None:
+        """The request shape's predicted relative rate on each usable GPU, best first (None: no model covers it)."""
+        key = _shape(request)
+        if key in self._rates:
+            return self._rates[key]
+        gpus = tuple(self.feasible(request))
+        kept = self.m.queue_shapes.get(key)
+        # a request's length and priority move every GPU's prediction alike: the queue compares GPUs by the
+        # model's figure for what the work is (task type, precision, data scale, memory), so the queued
+        # requests fall into few shapes and each is predicted once per model (Placer.relative_rates keeps them)
+        # (its size and terms do not matter: the placer predicts each GPU for a request of one)
+        plain = kept.plain if kept is not None else dataclasses.replace(request, duration_s=None, priority=0)
+        rates = self.m.relative_rates(plain, gpus)
+        if rates is None:
+            got = None
+        elif kept is not None and rates is kept.rates and kept.gpus == gpus:
+            got = kept  # the same predictions for the same GPUs: ranked as before
+        else:
+            if len(self.m.queue_shapes) >= SHAPES_KEPT:
+                self.m.queue_shapes.clear()
+            got = self.m.queue_shapes[key] = Ranked(plain, gpus, rates)
+        self._rates[key] = got
+        return got
+
     def rates(self, request: LeaseRequest) -> dict[str, float] | None:
         """Each usable GPU's predicted relative rate for the request (None: no model covers it)."""
-        key = _shape(request)
-        if key not in self._rates:
-            gpus = self.feasible(request)
-            # a request's length and priority move every GPU's prediction alike: the queue compares GPUs by the
-            # model's figure for what the work is (task type, precision, data scale, memory), so the queued
-            # requests fall into few shapes and each is predicted once per model (Placer.relative_rates keeps them)
-            # (its size and terms do not matter: the placer predicts each GPU for a request of one)
-            plain = dataclasses.replace(request, duration_s=None, priority=0)
-            rates = self.m.relative_rates(plain, gpus)
-            self._rates[key] = None if rates is None else dict(zip((g.id for g in gpus), rates))
-        return self._rates[key]
+        got = self.ranked(request)
+        return None if got is None else got.by_id
 
     def sds(self, request: LeaseRequest) -> dict[str, float]:
         """Each usable GPU's log-space standard deviation of its predicted rate for the request ({}: none given)."""
         key = _shape(request)
         if key not in self._sds:
-            gpus = self.feasible(request)
-            got = self.m.rate_uncertainty(dataclasses.replace(request, duration_s=None, priority=0), gpus)
-            self._sds[key] = {} if got is None else dict(zip((g.id for g in gpus), got))
+            got = self.ranked(request)
+            gpus = self.feasible(request) if got is None else got.gpus
+            plain = dataclasses.replace(request, duration_s=None, priority=0) if got is None else got.plain
+            sds = self.m.rate_uncertainty(plain, gpus)
+            if sds is None:
+                self._sds[key] = {}
+            elif got is not None and sds is got.sds_of:
+                self._sds[key] = got.sds
+            else:
+                self._sds[key] = dict(zip((g.id for g in gpus), sds))
+                if got is not None:
+                    got.sds_of, got.sds = sds, self._sds[key]
         return self._sds[key]
+
+    def better_in(self, request: LeaseRequest, now: float) -> float | None:
+        """Seconds until a busy GPU of the request's best predicted rate is expected to free (None: none is busy)."""
+        key = _shape(request)
+        if key not in self._better:
+            got = self.ranked(request)
+            best = got.by_id[got.order[0]] if got is not None and got.order else None
+            ends = [] if got is None or best is None else [
+                busy_until(self.m, gid, now) - now for gid, rate in got.by_id.items()
+                if gid not in self._free and rate >= best * 0.999]
+            self._better[key] = min(ends) if ends else None
+        return self._better[key]
 
     def figures(self, request: LeaseRequest, count: int) -> tuple[str, str | None, dict[str, float]] | None:
         """For `count` GPUs of the request: the GPU whose rate is its best on the host (the count-th best of every
@@ -264,21 +303,54 @@ class _Usable:
         GPU; None without a model that covers it."""
         key = (_shape(request), count)
         if key not in self._figures:
-            by_id = self.rates(request)
-            if by_id is None or not by_id or count < 1:
+            got = self.ranked(request)
+            if got is None or not got.order or count < 1:
                 self._figures[key] = None
             else:
-                at_best = _kth(by_id, by_id, min(count, len(by_id)))
-                assert at_best is not None
-                self._figures[key] = (at_best, _kth((gid for gid in by_id if gid in self._free), by_id, count),
-                                      by_id)
+                at_best = got.order[min(count, len(got.order)) - 1]
+                self._figures[key] = (at_best, _kth_free(got.order, self._free, count), got.by_id)
         return self._figures[key]
+
+
+SHAPES_KEPT = 512  # request shapes whose ranked predictions the queue keeps across decisions (cleared when full)
+
+
+class Ranked:
+    """A request shape's predictions as the queue keeps them across decisions: the request asked for (its length and
+    priority cleared), the GPUs asked about, the placer's answer as it came (compared by identity) and the rates
+    by GPU, best first (ties in the GPUs' order); the uncertainties likewise, once asked for."""
+
+    __slots__ = ("plain", "gpus", "rates", "by_id", "order", "sds_of", "sds")
+
+    def __init__(self, plain: LeaseRequest, gpus: tuple[Gpu, ...], rates: Sequence[float]) -> None:
+        self.plain, self.gpus, self.rates = plain, gpus, rates
+        self.by_id = dict(zip((g.id for g in gpus), rates))
+        self.order = _best_first(self.by_id, self.by_id)
+        self.sds_of: Sequence[float] | None = None
+        self.sds: dict[str, float] = {}
+
+
+def _best_first(gids: Iterable[str], by_id: dict[str, float]) -> list[str]:
+    """These GPUs, the highest predicted rate first (a stable sort: ties keep their order)."""
+    return sorted(gids, key=lambda gid: -by_id.get(gid, 0.0))
+
+
+def _kth_free(order: Sequence[str], free: Container[str], count: int) -> str | None:
+    """Of the GPUs ranked best first, the `count`-th free one: a set of `count` runs at the rate of its slowest
+    (None: fewer are free)."""
+    seen = 0
+    for gid in order:
+        if gid in free:
+            seen += 1
+            if seen == count:
+                return gid
+    return None
 
 
 def _kth(gids: Iterable[str], by_id: dict[str, float], count: int) -> str | None:
     """Of these GPUs, the one whose predicted rate is the `count`-th best (a set of `count` runs at the rate of its
     slowest); None when there are fewer."""
-    ranked = sorted(gids, key=lambda gid: -by_id.get(gid, 0.0))
+    ranked = _best_first(gids, by_id)
     return ranked[count - 1] if len(ranked) >= count else None
 
 
@@ -327,9 +399,7 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
         run_s = float(x.request.duration_s) if x.request.duration_s else m.typical_run_s(x.request.task_type)
         better = None
         if count == 1 and run_s and now_rate is not None and best > now_rate:
-            ends = [busy_until(m, gid, now) - now for gid, rate in by_id.items()
-                    if not usable.is_free(gid) and rate >= best * 0.999]
-            better = min(ends) if ends else None
+            better = usable.better_in(x.request, now)
         n, since = m.queue_passes.get(x.id, (0, None))
         cands.append(Candidate(x.id, rank[x.id], top, now_rate, best, n, since, run_s, better, sd))
     pick = choose(cands, m.policy.fairness, now)

@@ -149,12 +149,13 @@ class LeaseCore(Protocol):
     predict_rates: Callable[[LeaseRequest, Sequence[Gpu]], tuple[list[float], str] | None]
     # each GPU's relative work rate for a request as the active model predicts it, free or not (None: no model covers
     # the request): the queue's comparative advantage (services.lease_queue)
-    relative_rates: Callable[[LeaseRequest, Sequence[Gpu]], list[float] | None]
+    relative_rates: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None]
     # each GPU's log-space standard deviation of relative_rates' prediction (None: none): efficiencies within it tie
-    rate_uncertainty: Callable[[LeaseRequest, Sequence[Gpu]], list[float] | None]
+    rate_uncertainty: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None]
     typical_run_s: Callable[[str], float | None]  # task type -> its median run time in the model's records
     queue_passes: dict[str, tuple[int, float]]  # queued lease -> (times passed over, since when)
     queue_notes: dict[str, str]  # queued lease -> why it waits (passed over, waiting for a better GPU)
+    queue_shapes: dict[tuple[object, ...], Any]  # request shape -> its ranked predictions (lease_queue.Ranked)
     consolidation: dict[str, dict[str, Any]]  # queued lease -> the moves that would free a block (consolidate.py)
     grant_seconds: deque[float]  # how long the latest grants took to bind and attach (a booking's lead time)
 

@@ -119,13 +119,14 @@ class LeaseManager:
         self.scaling: Callable[[str], Scaling | None] = lambda task_type: None
         self.predict_rates: Callable[[LeaseRequest, Sequence[Gpu]], tuple[list[float], str] | None] = (
             lambda request, gpus: None)  # the runtime sets the placer's
-        self.relative_rates: Callable[[LeaseRequest, Sequence[Gpu]], list[float] | None] = (
+        self.relative_rates: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None] = (
             lambda request, gpus: None)  # the runtime sets the placer's: without it the queue keeps strict order
-        self.rate_uncertainty: Callable[[LeaseRequest, Sequence[Gpu]], list[float] | None] = (
+        self.rate_uncertainty: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None] = (
             lambda request, gpus: None)  # the runtime sets the placer's: without it every prediction counts as exact
         self.typical_run_s: Callable[[str], float | None] = lambda task_type: None  # the runtime sets the placer's
         self.queue_passes: dict[str, tuple[int, float]] = {}
         self.queue_notes: dict[str, str] = {}
+        self.queue_shapes: dict[tuple[object, ...], Any] = {}
         self.consolidation: dict[str, dict[str, Any]] = {}  # queued lease -> the moves that would free a block for it
         self.grant_seconds: collections.deque[float] = collections.deque(maxlen=20)
         self.ledger = Ledger()

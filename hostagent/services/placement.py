@@ -58,7 +58,7 @@ class Placer:
         # relative_rates' predictions: request -> gpu id -> (the Gpu, its Measured, the rate); cleared on a switch
         self._rates: dict[PlacementRequest, dict[str, tuple[Gpu, Measured | None, float]]] = {}
         self._last_rates: dict[PlacementRequest, tuple[Any, ...]] = {}  # the last answer per request (fast path)
-        self._last_sds: dict[PlacementRequest, tuple[tuple[Gpu, ...], list[float]]] = {}  # rate_uncertainty's
+        self._last_sds: dict[PlacementRequest, tuple[tuple[Gpu, ...], tuple[float, ...]]] = {}  # rate_uncertainty's
         # The topology-aware set choice (same switch < root complex < NUMA node < sockets, packing); set by
         # the topology wiring. Without it the greedy choice of domain.placement decides.
         self.topology_place: TopologyPlacer | None = None
@@ -74,9 +74,11 @@ class Placer:
         views = [self._views.view(g, free=True, measured=self._measured(g.id)) for g in gpus]
         return [float(x) for x in bundle.predict_rates(preq, views)], self.model_version or "unnamed"
 
-    def relative_rates(self, request: LeaseRequest, gpus: Sequence[Gpu]) -> list[float] | None:
+    def relative_rates(self, request: LeaseRequest, gpus: Sequence[Gpu]) -> tuple[float, ...] | None:
         """Each GPU's relative work rate for the request as the active model predicts it, busy or not (one batched
-        prediction; the queue compares them: services.lease_queue); None where no model covers the request."""
+        prediction; the queue compares them: services.lease_queue); None where no model covers the request. Asked
+        again with the same GPUs and probes, it returns the very tuple it returned before (the queue keeps what it
+        derived from it while it does)."""
         preq = PlacementRequest.from_lease(request, count=1)
         if self.scorer is None or not self.scorer.covers(preq):
             return None
@@ -86,7 +88,7 @@ class Placer:
         measured = tuple(map(self._measured, [g.id for g in gpus]))
         last = self._last_rates.get(preq)
         if last is not None and last[0] == tuple(gpus) and last[1] == measured:  # the same GPUs, probes: as before
-            return list(last[2])
+            return last[2]  # type: ignore[no-any-return]
         known = self._rates.get(preq)
         if known is None:
             if len(self._rates) >= RATES_KEPT:
@@ -108,13 +110,15 @@ class Placer:
             for i, rate in zip(missed, self.scorer.score(preq, views)):
                 known[gpus[i].id] = (gpus[i], measured[i], float(rate))
                 out[i] = float(rate)
-        self._last_rates[preq] = (tuple(gpus), measured, tuple(out))
-        return out
+        answer = tuple(out)
+        self._last_rates[preq] = (tuple(gpus), measured, answer)
+        return answer
 
-    def rate_uncertainty(self, request: LeaseRequest, gpus: Sequence[Gpu]) -> list[float] | None:
+    def rate_uncertainty(self, request: LeaseRequest, gpus: Sequence[Gpu]) -> tuple[float, ...] | None:
         """Each GPU's log-space standard deviation of relative_rates' prediction for the request (the active model's
         throughput matrix: LearnedScorer.uncertainty); None where no model covers the request or gives none. The
-        queue treats efficiencies it cannot tell apart as equal (domain.assignment)."""
+        queue treats efficiencies it cannot tell apart as equal (domain.assignment). Asked again with the same GPUs,
+        it returns the very tuple it returned before."""
         fn = getattr(self.scorer, "uncertainty", None)
         preq = PlacementRequest.from_lease(request, count=1)
         if fn is None or self.scorer is None or not self.scorer.covers(preq):
@@ -122,9 +126,9 @@ class Placer:
         key = tuple(gpus)
         last = self._last_sds.get(preq)
         if last is not None and last[0] == key:  # it depends on the model, the task type and the GPUs' models only
-            return list(last[1])
+            return last[1]
         views = [self._views.view(g, free=True, measured=self._measured(g.id)) for g in gpus]
-        out = [float(x) for x in fn(preq, views)]
+        out = tuple(float(x) for x in fn(preq, views))
         if len(self._last_sds) >= RATES_KEPT:
             self._last_sds.clear()
         self._last_sds[preq] = (key, out)
