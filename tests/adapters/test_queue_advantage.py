@@ -5,6 +5,7 @@ are set through the configuration as an operator sets them."""
 
 from __future__ import annotations
 
+import dataclasses
 import html
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from hostagent.domain.capabilities import Measured
 from hostagent.domain.lease import LeaseRequest, LeaseState
 from hostagent.domain.placement import DeviceView, PlacementRequest
+from hostagent.services import lease_queue
 from tests.support.agent import AgentRig, Clock, make_rig, operator_login, start_rig
 from tests.support.waits import until
 
@@ -197,14 +199,46 @@ def test_the_placer_predicts_each_request_and_gpu_once_per_model_and_probe(tmp_p
     gpus = list(m.gpus.values())
     bert = LeaseRequest(task_type="bert")
     first = placer.relative_rates(bert, gpus)
-    assert model.scored == 16 and placer.relative_rates(bert, gpus) == first and model.scored == 16
+    # asked again with nothing changed: the very same answer (the queue keeps its ranking of it while it is)
+    assert model.scored == 16 and placer.relative_rates(bert, gpus) is first and model.scored == 16
     assert placer.relative_rates(bert, gpus[:4]) == first[:4] and model.scored == 16  # a subset: no new prediction
     assert placer.relative_rates(LeaseRequest(task_type="ncf"), gpus) is not None and model.scored == 32
+    first = placer.relative_rates(bert, gpus)  # (after the subset, made again from what it kept)
+    assert model.scored == 32 and placer.relative_rates(bert, gpus) is first
     m.measured[gpus[0].id] = Measured()  # a new probe's figures for one GPU: only that one is predicted again
-    assert placer.relative_rates(bert, gpus) == first and model.scored == 33
+    probed = placer.relative_rates(bert, gpus)
+    assert probed == first and probed is not first and model.scored == 33
     placer.use(model, "v-count-2")  # a model switch forgets every prediction
-    placer.relative_rates(bert, gpus)
+    assert placer.relative_rates(bert, gpus) is not probed
     assert model.scored == 49
+
+
+def test_the_queue_ranks_a_request_shape_again_only_when_the_placer_answers_anew(tmp_path: Path) -> None:
+    # the queue keeps each shape's ranking across decisions while the placer hands back the very same tuple (its
+    # promise when neither the model, the GPUs nor their probes changed); a new tuple, even an equal one, is ranked
+    # again, so a model switch or a probe is followed at the next decision
+    rig = make_rig(tmp_path, scenario="demo16")
+    m = rig.runtime.manager
+    gpus = list(m.gpus.values())
+    answer = {"now": tuple(float(i) for i in range(len(gpus)))}
+    asked: list[int] = []
+    m.relative_rates = lambda request, g: asked.append(len(g)) or answer["now"]
+    bert = LeaseRequest(task_type="bert", duration_s=600, priority=2)
+    first = lease_queue._Usable(m).ranked(bert)
+    assert first is not None and first.order[0] == gpus[-1].id and first.order[-1] == gpus[0].id
+    assert first.plain.duration_s is None and first.plain.priority == 0
+    longer = dataclasses.replace(bert, duration_s=7200)  # the same shape: its ranking is kept
+    assert lease_queue._Usable(m).ranked(longer) is first and asked == [len(gpus)] * 2
+    answer["now"] = tuple(reversed(answer["now"]))  # the placer answers anew: ranked again
+    second = lease_queue._Usable(m).ranked(bert)
+    assert second is not first and second.order[0] == gpus[0].id
+    answer["now"] = tuple(list(answer["now"]))  # equal figures, a new tuple: ranked again all the same
+    assert lease_queue._Usable(m).ranked(bert) is not second
+    usable = lease_queue._Usable(m)  # within one decision the placer is asked once per shape
+    usable.ranked(bert), usable.ranked(longer), usable.figures(bert, 1), usable.figures(bert, 2)
+    assert len(asked) == 5
+    answer["now"] = None  # type: ignore[assignment]  # no model covers it any more: strict order for it
+    assert lease_queue._Usable(m).ranked(bert) is None
 
 
 @pytest.mark.parametrize("stated", [600, 1200, None])
