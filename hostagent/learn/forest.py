@@ -91,22 +91,36 @@ class CompiledForest:
         """Raw predictions for the rows of X (same as the estimator's predict).
 
         Every (row, tree) walk steps down together, one level per step, through flat `take`s (a row's feature is
-        at row * n_features + feature in the flattened X); the walks stop early once all have reached a leaf."""
+        at row * n_features + feature in the flattened X). Every third level the walks that reached their leaf
+        (leaves point at themselves) are set aside, so the deep levels step only the few walks still going."""
         n, width = X.shape
+        trees = len(self.roots)
         flat = np.ascontiguousarray(X, dtype=np.float64).ravel()
-        start = (np.arange(n, dtype=np.intp) * width)[:, None]
-        idx = np.broadcast_to(self.roots, (n, len(self.roots))).copy()
         nan = np.isnan(flat)
         missing = nan if nan.any() else None
+        node = np.tile(self.roots, n)  # walk i: row i // trees, tree i % trees
+        start = np.repeat(np.arange(n, dtype=np.intp) * width, trees)
+        walk = np.arange(n * trees)
+        leaf = np.empty(n * trees, dtype=np.intp)
         for level in range(self.depth):
-            at = start + self.feature.take(idx)
+            at = start + self.feature.take(node)
             # the estimator's rule: NaN follows the node's missing direction, else x <= threshold goes left
-            go_left = flat.take(at) <= self.threshold.take(idx)
+            go_left = flat.take(at) <= self.threshold.take(node)
             if missing is not None:
-                go_left |= missing.take(at) & self.missing_left.take(idx)
-            nxt = self.child.take(2 * idx + go_left)
-            if level % 3 == 2 and np.array_equal(nxt, idx):
-                break  # every walk has reached its leaf (leaves point at themselves)
-            idx = nxt
-        out: np.ndarray = self.value.take(idx).sum(axis=1) + self.baseline
+                go_left |= missing.take(at) & self.missing_left.take(node)
+            nxt = self.child.take(2 * node + go_left)
+            if level % 3 == 2:
+                moved = nxt != node
+                if not moved.any():
+                    break  # every walk has reached its leaf
+                if len(node) > _COMPACT_ABOVE:
+                    done = ~moved
+                    leaf[walk[done]] = node[done]
+                    walk, start, nxt = walk[moved], start[moved], nxt[moved]
+            node = nxt
+        leaf[walk] = node
+        out: np.ndarray = self.value.take(leaf).reshape(n, trees).sum(axis=1) + self.baseline
         return out
+
+
+_COMPACT_ABOVE = 256  # walks still going below which setting the finished ones aside costs more than it saves

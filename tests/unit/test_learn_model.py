@@ -68,14 +68,17 @@ def test_artifact_with_untrusted_types_is_refused() -> None:
         ModelBundle.from_bytes(sio.dumps({"format": 99}))
 
 
-def test_flattened_trees_match_the_estimator_including_missing_values() -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 40, 500])  # few walks (none set aside) to many (set aside as they end)
+@pytest.mark.parametrize("missing", [0.0, 0.3])  # no NaN in X (its route skipped) or many
+def test_flattened_trees_match_the_estimator_including_missing_values(rows: int, missing: float) -> None:
     bundle = _bundle()
     forest = bundle.forest
     assert forest is not None
     rng = np.random.default_rng(7)
-    X = forest.probe_rows(bundle.estimator.n_features_in_, n=500, seed=3)
-    X[rng.random(X.shape) < 0.3] = np.nan
+    X = forest.probe_rows(bundle.estimator.n_features_in_, n=rows, seed=3)
+    X = np.where(np.isnan(X), 0.5, X) if not missing else np.where(rng.random(X.shape) < missing, np.nan, X)
     np.testing.assert_allclose(forest.predict(X), bundle.estimator.predict(X), rtol=1e-12, atol=1e-12)
+    assert forest.predict(X[:0]).shape == (0,)
 
 
 def test_flattening_refuses_what_it_cannot_reproduce() -> None:
