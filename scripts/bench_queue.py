@@ -114,7 +114,7 @@ class Bench:
         m.place = placer
         m.scaling, m.predict_rates = placer.scaling, placer.predict_rates
         m.relative_rates = placer.relative_rates
-        m.rate_uncertainty = placer.rate_uncertainty
+        m.rate_uncertainty, m.rates_token = placer.rate_uncertainty, placer.rates_token
         probe = {g.id: self.rng.uniform(0.9, 1.05) for g in gpus}
         placer.topology_place = make_topology_place(
             m, Topology.from_gpus(gpus), scorer=lambda: placer.scorer, probe_score=probe.get,
@@ -222,26 +222,34 @@ def run(b: Bench, decisions: int, before: Callable[[], None] | None = None) -> d
             "place": place_s / total if total else 0.0, "idle": idle}
 
 
-def census(b: Bench, decisions: int) -> tuple[float, float]:
-    """(untimed) mean number of queued leases asked for predicted rates per decision, and the share of decisions
-    that started a lease ahead of another of its priority (comparative advantage)."""
-    asked, ahead = 0, 0
-    real = b.m.relative_rates
+def census(b: Bench, decisions: int) -> tuple[float, float, float]:
+    """(untimed) per decision: the mean number of queued leases compared (domain.assignment.choose's candidates),
+    of request shapes the placer was asked to predict, and the share of decisions that started a lease ahead of
+    another of its priority (comparative advantage)."""
+    compared, asked, ahead = 0, 0, 0
+    real_rates, real_choose = b.m.relative_rates, lease_queue.choose
 
-    def counting(request: LeaseRequest, gpus: object) -> list[float] | None:
+    def counting(request: LeaseRequest, gpus: object) -> object:
         nonlocal asked
         asked += bool(gpus)
-        return real(request, gpus)  # type: ignore[arg-type]
+        return real_rates(request, gpus)  # type: ignore[arg-type]
 
-    b.m.relative_rates = counting
+    def candidates(cands: list[object], *args: object) -> object:
+        nonlocal compared
+        compared += len(cands)
+        return real_choose(cands, *args)  # type: ignore[arg-type]
+
+    b.m.relative_rates = counting  # type: ignore[assignment]
+    lease_queue.choose = candidates  # type: ignore[assignment]
     try:
         for _ in range(decisions):
             pick = lease_queue._next_grant(b.m)
             ahead += bool(pick and pick[3] and "comparative advantage" in pick[3])
             b.step(pick[0] if pick else None)
     finally:
-        b.m.relative_rates = real
-    return asked / decisions, ahead / decisions
+        b.m.relative_rates = real_rates
+        lease_queue.choose = real_choose
+    return compared / decisions, asked / decisions, ahead / decisions
 
 
 def main() -> int:
@@ -282,10 +290,10 @@ def main() -> int:
                 print(f"{size:>4} {qname:<5} {name:<21} {r['p50']:>7.3f} {r['p99']:>7.3f} {r['cpu50']:>7.3f} "
                       f"{r['cpu99']:>7.3f} {r['place']:>5.0%} {tgt:>10}" + (f"  ({r['idle']} granted nothing)"
                                                                            if r["idle"] else ""))
-            asked, ahead = census(b, 300)
-            notes.append(f"{size} GPUs, {qname} priority: {asked:.1f} queued leases compared per decision, "
-                         f"{ahead:.0%} of decisions started a lease ahead of its turn; {len(b.placer._rates)} "
-                         "predictions cached")
+            compared, asked, ahead = census(b, 300)
+            notes.append(f"{size} GPUs, {qname} priority: {compared:.1f} queued leases compared per decision, "
+                         f"{asked:.1f} request shapes asked of the placer, {ahead:.0%} of decisions started a lease "
+                         f"ahead of its turn; {len(b.placer._rates)} predictions cached")
     for line in notes:
         print(line)
     print(f"targets: p99 <= 1 ms at 16 GPUs, <= 3 ms at 64 GPUs (advantage rows); wall {time.perf_counter() - t_start:.0f} s")

@@ -207,9 +207,10 @@ def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None
 class _Usable:
     """One decision's memo of which GPUs could serve a request, which of them are free, and their predicted rates:
     queued requests come in few shapes, so each shape is filtered and predicted once per decision, not once per
-    queued lease. Across decisions the manager keeps each shape's predictions ranked (`m.queue_shapes`), used again
-    while the placer answers with the same predictions (Placer.relative_rates returns the very object it returned
-    before when neither the model, the GPUs nor their probes changed)."""
+    queued lease. Across decisions the manager keeps each shape's predictions ranked (`m.queue_shapes`): used as
+    they are while the placer's token (`m.rates_token`: the model, every GPU's probe figures) is unchanged, asked
+    for again otherwise, and ranked again only when the placer answers anew (Placer.relative_rates returns the very
+    tuple it returned before when neither the model, the GPUs nor their probes changed)."""
 
     def __init__(self, m: LeaseCore) -> None:
         self.m = m
@@ -220,6 +221,8 @@ class _Usable:
         self._sds: dict[tuple[object, ...], dict[str, float]] = {}
         self._better: dict[tuple[object, ...], float | None] = {}
         self._free = {gid for gid in m.gpus if is_free(m, gid)}
+        token = m.rates_token()  # once per decision: what every shape's predictions depend on
+        self._token = None if token is None else (m.relative_rates, m.rate_uncertainty, token)
 
     def feasible(self, request: LeaseRequest) -> list[Gpu]:
         key = (request.min_memory_gib, request.vendor, request.model, request.requires)
@@ -249,6 +252,9 @@ class _Usable:
         # model's figure for what the work is (task type, precision, data scale, memory), so the queued
         # requests fall into few shapes and each is predicted once per model (Placer.relative_rates keeps them)
         # (its size and terms do not matter: the placer predicts each GPU for a request of one)
+        if kept is not None and self._token is not None and kept.token == self._token and kept.gpus == gpus:
+            self._rates[key] = kept  # nothing they depend on changed: as they were
+            return kept
         plain = kept.plain if kept is not None else dataclasses.replace(request, duration_s=None, priority=0)
         rates = self.m.relative_rates(plain, gpus)
         if rates is None:
@@ -259,6 +265,8 @@ class _Usable:
             if len(self.m.queue_shapes) >= SHAPES_KEPT:
                 self.m.queue_shapes.clear()
             got = self.m.queue_shapes[key] = Ranked(plain, gpus, rates)
+        if got is not None:
+            got.token = self._token
         self._rates[key] = got
         return got
 
@@ -274,6 +282,9 @@ class _Usable:
             got = self.ranked(request)
             gpus = self.feasible(request) if got is None else got.gpus
             plain = dataclasses.replace(request, duration_s=None, priority=0) if got is None else got.plain
+            if got is not None and got.sds_of is not None and got.sds_token == self._token is not None:
+                self._sds[key] = got.sds  # asked under the same token: as it was
+                return got.sds
             sds = self.m.rate_uncertainty(plain, gpus)
             if sds is None:
                 self._sds[key] = {}
@@ -283,6 +294,8 @@ class _Usable:
                 self._sds[key] = dict(zip((g.id for g in gpus), sds))
                 if got is not None:
                     got.sds_of, got.sds = sds, self._sds[key]
+            if got is not None and sds is not None:
+                got.sds_token = self._token
         return self._sds[key]
 
     def better_in(self, request: LeaseRequest, now: float) -> float | None:
@@ -318,9 +331,10 @@ SHAPES_KEPT = 512  # request shapes whose ranked predictions the queue keeps acr
 class Ranked:
     """A request shape's predictions as the queue keeps them across decisions: the request asked for (its length and
     priority cleared), the GPUs asked about, the placer's answer as it came (compared by identity) and the rates
-    by GPU, best first (ties in the GPUs' order); the uncertainties likewise, once asked for."""
+    by GPU, best first (ties in the GPUs' order); the uncertainties likewise, once asked for; the placer's token
+    each was last asked under."""
 
-    __slots__ = ("plain", "gpus", "rates", "by_id", "order", "sds_of", "sds")
+    __slots__ = ("plain", "gpus", "rates", "by_id", "order", "sds_of", "sds", "token", "sds_token")
 
     def __init__(self, plain: LeaseRequest, gpus: tuple[Gpu, ...], rates: Sequence[float]) -> None:
         self.plain, self.gpus, self.rates = plain, gpus, rates
@@ -328,6 +342,8 @@ class Ranked:
         self.order = _best_first(self.by_id, self.by_id)
         self.sds_of: Sequence[float] | None = None
         self.sds: dict[str, float] = {}
+        self.token: object = None
+        self.sds_token: object = None
 
 
 def _best_first(gids: Iterable[str], by_id: dict[str, float]) -> list[str]:

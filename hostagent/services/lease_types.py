@@ -153,6 +153,8 @@ class LeaseCore(Protocol):
     # each GPU's log-space standard deviation of relative_rates' prediction (None: none): efficiencies within it tie
     rate_uncertainty: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None]
     typical_run_s: Callable[[str], float | None]  # task type -> its median run time in the model's records
+    # equal while relative_rates and rate_uncertainty answer the same for the same request and GPUs (None: unknown)
+    rates_token: Callable[[], object]
     queue_passes: dict[str, tuple[int, float]]  # queued lease -> (times passed over, since when)
     queue_notes: dict[str, str]  # queued lease -> why it waits (passed over, waiting for a better GPU)
     queue_shapes: dict[tuple[object, ...], Any]  # request shape -> its ranked predictions (lease_queue.Ranked)

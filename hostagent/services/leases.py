@@ -124,6 +124,9 @@ class LeaseManager:
         self.rate_uncertainty: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None] = (
             lambda request, gpus: None)  # the runtime sets the placer's: without it every prediction counts as exact
         self.typical_run_s: Callable[[str], float | None] = lambda task_type: None  # the runtime sets the placer's
+        # what relative_rates' answers depend on besides the request and GPUs (None: unknown, the queue asks again
+        # at every decision); the runtime sets the placer's
+        self.rates_token: Callable[[], object] = lambda: None
         self.queue_passes: dict[str, tuple[int, float]] = {}
         self.queue_notes: dict[str, str] = {}
         self.queue_shapes: dict[tuple[object, ...], Any] = {}

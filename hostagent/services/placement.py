@@ -52,6 +52,7 @@ class Placer:
         self.distance = distance
         self.scorer: Scorer | None = None
         self.model_version: str | None = None
+        self._switches = 0  # models handed to `use` (rates_token)
         self.default_numa_policy = default_numa_policy
         self.last_decisions: list[dict[str, Any]] = []  # recent decisions for the dashboard (bounded)
         self._views = DeviceViews()
@@ -145,9 +146,17 @@ class Placer:
         totals = getattr(getattr(self.scorer, "bundle", None), "scaling", {}).get(task_type)
         return Scaling(task_type, totals) if totals else None
 
+    def rates_token(self) -> tuple[object, ...]:
+        """What relative_rates' and rate_uncertainty's answers depend on besides the request and the GPUs asked
+        about: the model in use (a count of switches) and each GPU's latest probe figures. While it compares equal,
+        so do their answers for the same request and GPUs (the queue asks once per decision, not once per request
+        shape)."""
+        return self._switches, tuple(map(self._measured, [g.id for g in self._gpus()]))
+
     def use(self, scorer: Scorer | None, version: str | None) -> None:
         """Switch to a newly trained (or rolled back) model."""
         self.scorer, self.model_version = scorer, version
+        self._switches += 1
         self._rates.clear()
         self._last_rates.clear()
         self._last_sds.clear()

@@ -223,6 +223,7 @@ def test_the_queue_ranks_a_request_shape_again_only_when_the_placer_answers_anew
     answer = {"now": tuple(float(i) for i in range(len(gpus)))}
     asked: list[int] = []
     m.relative_rates = lambda request, g: asked.append(len(g)) or answer["now"]
+    m.rates_token = lambda: None  # no token: asked at every decision
     bert = LeaseRequest(task_type="bert", duration_s=600, priority=2)
     first = lease_queue._Usable(m).ranked(bert)
     assert first is not None and first.order[0] == gpus[-1].id and first.order[-1] == gpus[0].id
@@ -239,6 +240,36 @@ def test_the_queue_ranks_a_request_shape_again_only_when_the_placer_answers_anew
     assert len(asked) == 5
     answer["now"] = None  # type: ignore[assignment]  # no model covers it any more: strict order for it
     assert lease_queue._Usable(m).ranked(bert) is None
+
+
+def test_the_queue_asks_the_placer_again_only_when_its_token_changes(tmp_path: Path) -> None:
+    # the placer's token (the model, every GPU's probe figures) is read once per decision; while it is unchanged
+    # the queue uses each shape's kept predictions without asking; a model switch or a new probe changes it
+    rig = make_rig(tmp_path, scenario="demo16")
+    placer, m = rig.runtime.placer, rig.runtime.manager
+    model = Counting()
+    placer.use(model, "v-a")
+    gpus = list(m.gpus.values())
+    bert, ncf = LeaseRequest(task_type="bert"), LeaseRequest(task_type="ncf")
+    first = lease_queue._Usable(m)
+    assert first.ranked(bert) is not None and first.sds(bert) is not None and first.ranked(ncf) is not None
+    assert model.scored == 32
+    asked: list[str] = []
+    real = placer.relative_rates
+    m.relative_rates = lambda request, g: asked.append(request.task_type) or real(request, g)
+    kept = lease_queue._Usable(m).ranked(bert)  # a new function answers: asked once, its answer the same tuple
+    assert asked == ["bert"] and kept is m.queue_shapes[lease_queue._shape(bert)]
+    for _ in range(3):
+        usable = lease_queue._Usable(m)
+        assert usable.ranked(bert) is kept and usable.figures(bert, 1) is not None
+    assert asked == ["bert"] and model.scored == 32  # three decisions, nothing asked
+    m.measured[gpus[3].id] = Measured()  # a new probe's figures: the token changes, asked again (one GPU scored)
+    assert lease_queue._Usable(m).ranked(bert) is not kept and asked == ["bert", "bert"] and model.scored == 33
+    placer.use(model, "v-b")  # a model switch: asked again, every GPU scored
+    lease_queue._Usable(m).ranked(bert)
+    assert asked == ["bert"] * 3 and model.scored == 49
+    assert placer.rates_token() == placer.rates_token() and lease_queue._Usable(m).ranked(bert) is not None
+    assert asked == ["bert"] * 3
 
 
 @pytest.mark.parametrize("stated", [600, 1200, None])
