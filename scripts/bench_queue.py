@@ -14,8 +14,9 @@ the clock moves 10 s, and the lease granted leaves the queue for a new one at it
 Figures: (a) ``leases.queue_order = advantage``, predictions cached (steady state); (b) the first decision after
 a model switch (a new bundle and scorer handed to ``placer.use`` before each timed decision: every cache of the
 model cold); (c) strict serve order (``Fairness(enabled=False)``), the baseline.
-Wall time and this thread's CPU time are both printed (a loaded machine inflates the first), with the placer's
-share of the wall time. Targets: p99 <= 1 ms (16 GPUs) and <= 3 ms (64 GPUs). Prints figures; asserts nothing.
+The three rows take turns in ten rounds (a slow spell of a shared machine falls on each alike), each share after
+some untimed decisions. Wall time and this thread's CPU time are both printed (a loaded machine inflates the
+first), with the placer's share of the wall time. Targets: p99 <= 1 ms (16 GPUs) and <= 3 ms (64 GPUs). Prints figures; asserts nothing.
 
     python scripts/bench_queue.py [--decisions 1000] [--profile]
 """
@@ -51,6 +52,7 @@ from hostagent.domain.topology import Topology  # noqa: E402
 from hostagent.learn.features import FeatureEncoder  # noqa: E402
 from hostagent.learn.model import LearnedScorer, ModelBundle, fit  # noqa: E402
 from hostagent.learn.records import examples_from_records  # noqa: E402
+from hostagent.runtime import settle_heap  # noqa: E402
 from hostagent.services import lease_queue  # noqa: E402
 from hostagent.services.leases import LeaseManager, LeasePolicy  # noqa: E402
 from hostagent.services.placement import Placer  # noqa: E402
@@ -64,6 +66,8 @@ TASKS = [f"task{i}" for i in range(8)]
 QUEUE = 50
 NOW0 = 1.8e9
 TARGETS = {16: 1.0, 64: 3.0}
+ROUNDS = 10  # the rows take turns in this many rounds
+WARM_UP = 400  # untimed decisions per row (in each round its share) before the timed ones
 
 
 def records(n: int, rng: random.Random) -> list[dict[str, object]]:
@@ -192,10 +196,27 @@ def pct(xs: list[float], q: float) -> float:
     return xs[int(q * (len(xs) - 1))] * 1e3
 
 
-def run(b: Bench, decisions: int, before: Callable[[], None] | None = None) -> dict[str, float]:
-    """`decisions` timed decisions: p50/p99 wall and CPU (this thread's) ms, the placer's share of the wall time,
-    and how many granted nothing."""
-    wall, cpu, place_s, idle = [], [], 0.0, 0
+class Samples:
+    """One row's timed decisions, gathered over the rounds."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.place_s = 0.0
+        self.idle = 0
+
+    def figures(self) -> dict[str, float]:
+        """p50/p99 wall and CPU (this thread's) ms, the placer's share of the wall time, how many granted nothing."""
+        total = sum(self.wall)
+        wall, cpu = sorted(self.wall), sorted(self.cpu)
+        return {"p50": pct(wall, 0.5), "p99": pct(wall, 0.99), "cpu50": pct(cpu, 0.5), "cpu99": pct(cpu, 0.99),
+                "place": self.place_s / total if total else 0.0, "idle": self.idle}
+
+
+def run(b: Bench, decisions: int, before: Callable[[], None] | None = None,
+        into: Samples | None = None) -> Samples:
+    """`decisions` timed decisions, added to `into` (a new Samples when None)."""
+    got = into if into is not None else Samples()
     gc.collect()
     for _ in range(decisions):
         if before is not None:
@@ -210,16 +231,12 @@ def run(b: Bench, decisions: int, before: Callable[[], None] | None = None) -> d
             except Conflict:  # no acceptable set (claim's Conflict): it keeps waiting
                 pass
         t2, c2 = time.perf_counter(), time.thread_time()
-        wall.append(t2 - t0)
-        cpu.append(c2 - c0)
-        place_s += t2 - t1
-        idle += pick is None
+        got.wall.append(t2 - t0)
+        got.cpu.append(c2 - c0)
+        got.place_s += t2 - t1
+        got.idle += pick is None
         b.step(pick[0] if pick else None)
-    total = sum(wall)
-    wall.sort()
-    cpu.sort()
-    return {"p50": pct(wall, 0.5), "p99": pct(wall, 0.99), "cpu50": pct(cpu, 0.5), "cpu99": pct(cpu, 0.99),
-            "place": place_s / total if total else 0.0, "idle": idle}
+    return got
 
 
 def census(b: Bench, decisions: int) -> tuple[float, float, float]:
@@ -268,7 +285,7 @@ def main() -> int:
     cold_n = max(100, n // 4)
     print(f"model: {bundle.trained_on} records, {len(bundle.estimator._predictors)} trees, fit {fit_s:.2f} s, "
           f"flattened trees {'on' if loaded.forest is not None else 'OFF (estimator.predict)'}; queue of {QUEUE}; "
-          f"{n} timed decisions per row ({cold_n} for the cold rows) after 200 untimed")
+          f"{n} timed decisions per row ({cold_n} for the cold rows), the rows in turn over {ROUNDS} rounds")
     print(f"{'gpus':>4} {'queue':<5} {'policy':<21} {'p50_ms':>7} {'p99_ms':>7} {'cpu_p50':>7} {'cpu_p99':>7} "
           f"{'place':>5} {'target_p99':>10}")
     notes = []
@@ -282,10 +299,20 @@ def main() -> int:
                 ("advantage, warm", None, LeasePolicy(), n),
                 ("advantage, cold model", b.fresh_model, LeasePolicy(), cold_n),
             ]
-            for name, before, policy, count in rows:
-                b.m.policy = policy
-                run(b, 200 if before is None else 20, before)  # warm up (fills the prediction cache: warm row)
-                r = run(b, count, before)
+            # the rows take turns, ROUNDS rounds of a share each, so that a slow spell of a shared machine falls on
+            # every row alike; before each share some untimed decisions (after a cold share, the model in use is
+            # the last cold one: its predictions are made there, untimed, before a warm share is timed)
+            samples = {name: Samples() for name, *_ in rows}
+            settle_heap()  # as the agent does once started (agent.gc_freeze, on by default)
+            for _ in range(ROUNDS):
+                for name, before, policy, count in rows:
+                    b.m.policy = policy
+                    run(b, WARM_UP // ROUNDS if before is None else 2, before)
+                    run(b, count // ROUNDS, before, into=samples[name])
+                    if before is not None:
+                        settle_heap()  # and after each model switch (services.model_follow's after_switch)
+            for name, *_ in rows:
+                r = samples[name].figures()
                 tgt = f"{TARGETS[size]:.1f}" if name.startswith("advantage") else ""
                 print(f"{size:>4} {qname:<5} {name:<21} {r['p50']:>7.3f} {r['p99']:>7.3f} {r['cpu50']:>7.3f} "
                       f"{r['cpu99']:>7.3f} {r['place']:>5.0%} {tgt:>10}" + (f"  ({r['idle']} granted nothing)"
