@@ -90,7 +90,7 @@ class QueueState:
 
 
 def _work(request: PlacementRequest) -> tuple[object, ...]:
-    """What a prediction depends on: as the agent's queue does (services.lease_queue._Usable.rates), GPUs are compared
+    """What a prediction depends on: as the agent's queue does (services.lease_queue._Usable.ranked), GPUs are compared
     by the model's figure for what the work is, not its size, length or priority, which move every GPU's prediction
     alike."""
     return (request.task_type, request.min_memory_gib, request.precision, request.data_scale)

@@ -238,9 +238,6 @@ class _Usable:
             got = self._free_of[key] = [g for g in self.feasible(request) if g.id in self._free]
         return list(got)
 
-    def is_free(self, gpu_id: str) -> bool:
-        return gpu_id in self._free
-
     def ranked(self, request: LeaseRequest) -> Ranked | None:
         """The request shape's predicted relative rate on each usable GPU, best first (None: no model covers it)."""
         key = _shape(request)
@@ -269,11 +266,6 @@ class _Usable:
             got.token = self._token
         self._rates[key] = got
         return got
-
-    def rates(self, request: LeaseRequest) -> dict[str, float] | None:
-        """Each usable GPU's predicted relative rate for the request (None: no model covers it)."""
-        got = self.ranked(request)
-        return None if got is None else got.by_id
 
     def sds(self, request: LeaseRequest) -> dict[str, float]:
         """Each usable GPU's log-space standard deviation of its predicted rate for the request ({}: none given)."""
