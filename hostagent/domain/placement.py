@@ -105,15 +105,27 @@ class DeviceViews:
     replaces one is noticed by identity, as is a new probe's `Measured`."""
 
     def __init__(self) -> None:
-        self._fields: dict[str, tuple[Gpu, bool, Measured | None, dict[str, Any]]] = {}
+        # gpu id -> (the Gpu, nvlink, its Measured, its fields, its views by (free, quarantined, probe score))
+        self._fields: dict[str, tuple[Gpu, bool, Measured | None, dict[str, Any],
+                                      dict[tuple[bool, bool, float | None], DeviceView]]] = {}
 
     def view(self, gpu: Gpu, *, free: bool, quarantined: bool = False, probe_score: float | None = None,
              nvlink: bool = False, measured: Measured | None = None) -> DeviceView:
-        """The GPU's view at this decision."""
+        """The GPU's view at this decision (a view is immutable: the same one serves every decision that sees the
+        GPU alike, free or not, quarantined or not, with the same probe score)."""
         hit = self._fields.get(gpu.id)
         if hit is None or hit[0] is not gpu or hit[1] != nvlink or hit[2] is not measured:
-            hit = self._fields[gpu.id] = (gpu, nvlink, measured, _gpu_fields(gpu, nvlink, measured))
-        return DeviceView(**hit[3], free=free, quarantined=quarantined, probe_score=probe_score)
+            hit = self._fields[gpu.id] = (gpu, nvlink, measured, _gpu_fields(gpu, nvlink, measured), {})
+        key = (free, quarantined, probe_score)
+        got = hit[4].get(key)
+        if got is None:
+            if len(hit[4]) >= _VIEWS_PER_GPU:  # probe scores drift: keep a few
+                hit[4].clear()
+            got = hit[4][key] = DeviceView(**hit[3], free=free, quarantined=quarantined, probe_score=probe_score)
+        return got
+
+
+_VIEWS_PER_GPU = 8  # views kept per GPU (free or not, quarantined or not, the latest probe scores)
 
 
 @dataclass(frozen=True, slots=True)
