@@ -53,8 +53,10 @@ from hostagent.domain.errors import InvalidInput
 from hostagent.domain.placement import Exploration
 from hostagent.learn import datasets
 from hostagent.learn.simulate import (
+    COLD_ORACLE,
     LEARNED,
     POLICIES,
+    WARM,
     add_run_options,
     Job,
     SimGpu,
@@ -68,7 +70,7 @@ from hostagent.learn.simulate import (
 )
 
 SIMPLE_RULES = ("random", "first-fit", "best-fit-memory", "fastest-model")
-ORACLES = ("oracle", "matching-oracle", "noisy-oracle", "matching-oracle-cold")
+ORACLES = ("oracle", "matching-oracle", "noisy-oracle", COLD_ORACLE)
 DEFAULT_LOADS = (0.7, 0.85, 0.95)
 HISTORY_SEED = 1_000_000  # `model-warm`'s history of trace seed s is generated with trace seed HISTORY_SEED + s
 HIGH_LOAD = 0.85  # from this offered load on, the "lowest JCT, within 5 % of matching-oracle" targets apply
@@ -274,7 +276,7 @@ def worker_pool(processes: int) -> Any:
 def run_tasks(tasks: Sequence[Task], processes: int, *, progress: bool = False,
               save: Path | None = None) -> list[dict[str, Any]]:
     """Run the tasks, `processes` at a time (in this process when 1); the slow `model` runs are started first."""
-    order = sorted(tasks, key=lambda t: (t.policy not in LEARNED, t.policy != "model-warm", t.load, t.trace,
+    order = sorted(tasks, key=lambda t: (t.policy not in LEARNED, t.policy != WARM, t.load, t.trace,
                                          t.policy, t.seed))
     out: list[dict[str, Any]] = []
 
@@ -413,7 +415,7 @@ def targets(groups: Sequence[dict[str, Any]], heterogeneous: bool, spread: float
                 floor = (f"; noisy-oracle {noisy['jct_vs_matching_oracle']:.3f}x, paired "
                          f"{_fmt_ci(noisy['paired_vs_matching_oracle'])}") if noisy is not None else ""
                 # how far model's first day alone puts a learner that then knows the table exactly behind it
-                cold = rows.get("matching-oracle-cold")
+                cold = rows.get(COLD_ORACLE)
                 if cold is not None:
                     floor += (f"; matching-oracle-cold (model's first day, then the table) "
                               f"{cold['jct_vs_matching_oracle']:.3f}x")
@@ -552,13 +554,13 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                                field="jobs")
         specs = generated_traces(datasets.data_dir(args.data), Path(args.throughputs), Path(args.host), table, host,
                                  loads, args.traces, args.jobs, args.trace_seed,
-                                 history="model-warm" in policies and not args.history_trace)
+                                 history=WARM in policies and not args.history_trace)
     else:
         specs = file_traces([p for p in (args.trace_files or "").split(",") if p.strip()], table, host)
-    if "model-warm" in policies and args.history_trace:
+    if WARM in policies and args.history_trace:
         history = check_inputs(table, host, load_trace(args.history_trace))[0]
         specs = [replace(s, history=history) for s in specs]
-    elif "model-warm" in policies and specs and not specs[0].history:
+    elif WARM in policies and specs and not specs[0].history:
         raise InvalidInput("model-warm with --trace-files needs --history-trace: the trace whose records its store "
                            "starts with", field="history_trace")
     for s in specs:
@@ -566,7 +568,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             raise InvalidInput(f"{s.name}: --warmup-jobs {args.warmup_jobs} leaves no job to evaluate "
                                f"({len(s.jobs)} jobs)", field="warmup_jobs")
     tasks = [Task(s.load, s.name, p, seed, table, host, s.jobs, args.warmup_jobs, args.retrain_every,
-                  args.min_records, args.epsilon, s.history if p == "model-warm" else [])
+                  args.min_records, args.epsilon, s.history if p == WARM else [])
              for s in specs for p in policies for seed in range(args.seeds)]
     save = Path(args.save_runs) if args.save_runs else None
     runs += run_tasks(tasks, args.jobs_parallel, progress=args.progress, save=save)
@@ -586,7 +588,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                      "policies": policies, "seeds": args.seeds, "warmup_jobs": args.warmup_jobs,
                      "traces": args.traces, "jobs": args.jobs if args.traces is not None else None,
                      "trace_seed": args.trace_seed, "trace_files": args.trace_files,
-                     "history": (None if "model-warm" not in policies else args.history_trace
+                     "history": (None if WARM not in policies else args.history_trace
                                  or f"generated, trace seed {HISTORY_SEED} + the trace's")}}
 
 

@@ -55,18 +55,20 @@ from hostagent.domain.placement import (
     place,
 )
 
-POLICIES = ("random", "first-fit", "best-fit-memory", "fastest-model", "model", "oracle", "matching-oracle",
-            "noisy-oracle", "matching-oracle-cold", "model-warm")
-# what "all policies" runs: `model-warm` runs the learned policy twice per trace (its history, then the trace), so
-# it is run only when asked for
-DEFAULT_POLICIES = tuple(p for p in POLICIES if p != "model-warm")
-# the learned policy: `model` starts with an empty store, `model-warm` with the records of a history trace
-LEARNED = frozenset({"model", "model-warm"})
-# the queue-aware assignment (domain.assignment) decides
-QUEUE_AWARE = frozenset({"model", "model-warm", "matching-oracle", "noisy-oracle", "matching-oracle-cold"})
 # `matching-oracle` with `model`'s first day: what the cold start costs a learner that learns the table exactly and
 # at once, the moment `model` first trains
 COLD_ORACLE = "matching-oracle-cold"
+# the learned policy with a past: `model` run first on a history trace, then on the trace with that store and model
+WARM = "model-warm"
+POLICIES = ("random", "first-fit", "best-fit-memory", "fastest-model", "model", "oracle", "matching-oracle",
+            "noisy-oracle", COLD_ORACLE, WARM)
+# what "all policies" runs: `model-warm` runs the learned policy twice per trace (its history, then the trace), so
+# it is run only when asked for
+DEFAULT_POLICIES = tuple(p for p in POLICIES if p != WARM)
+# the learned policy: `model` starts with an empty store, `model-warm` with the records of a history trace
+LEARNED = frozenset({"model", WARM})
+# the queue-aware assignment (domain.assignment) decides
+QUEUE_AWARE = frozenset({"model", WARM, "matching-oracle", "noisy-oracle", COLD_ORACLE})
 EPOCH = 1_600_000_000.0  # simulated clock origin (2020-09-13): the store refuses timestamps before 2000
 SAMPLES_PER_LEASE = 3
 WORK_RATE_NOISE = 0.03  # a guest's own throughput counter is a little noisy (log-normal sigma)
@@ -372,7 +374,7 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
     jobs are in the figures (and in ``trainings``, only the trainings during it)."""
     if policy not in POLICIES:
         raise InvalidInput(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}", field="policies")
-    if policy == "model-warm" and not history:
+    if policy == WARM and not history:
         raise InvalidInput("model-warm needs a history trace: the store starts with its records",
                            field="history_trace")
     # the first training once min_records jobs have finished (or the warm-up's, if sooner)
@@ -388,7 +390,7 @@ def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence
         recorder = StoreRecorder(host, workdir, seed=seed, min_records=min_records)
         stack.callback(recorder.close)
         done_before = 0
-        if policy == "model-warm":
+        if policy == WARM:
             past = _run("model", table, host, history, seed=seed + 1_000_003, retrain_every=retrain_every,
                         first_training=first, exploration=exploration, warmup_epsilon=warmup_epsilon,
                         fairness=fairness, recorder=recorder, done_before=0)
@@ -634,7 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise InvalidInput(f"unknown policy {unknown[0]!r}; choose from {', '.join(POLICIES)}", field="policies")
         if args.seeds < 1:
             raise InvalidInput("--seeds must be >= 1", field="seeds")
-        if "model-warm" in policies and not args.history_trace:
+        if WARM in policies and not args.history_trace:
             raise InvalidInput("model-warm needs --history-trace: the trace whose records its store starts with",
                                field="history_trace")
         out = simulate(load_table(args.throughputs), load_host(args.host), load_trace(args.trace), seeds=args.seeds,
