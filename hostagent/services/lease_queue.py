@@ -290,17 +290,21 @@ class _Usable:
                 got.sds_token = self._token
         return self._sds[key]
 
-    def better_in(self, request: LeaseRequest, now: float) -> float | None:
-        """Seconds until a busy GPU of the request's best predicted rate is expected to free (None: none is busy)."""
+    def better_in(self, request: LeaseRequest, by_id: dict[str, float], best: float, now: float) -> float | None:
+        """Seconds until a busy GPU of the request's best predicted rate (`best`, of its rates `by_id`) is expected
+        to free (None: none is busy); one answer per request shape and decision."""
         key = _shape(request)
         if key not in self._better:
-            got = self.ranked(request)
-            best = got.by_id[got.order[0]] if got is not None and got.order else None
-            ends = [] if got is None or best is None else [
-                busy_until(self.m, gid, now) - now for gid, rate in got.by_id.items()
-                if gid not in self._free and rate >= best * 0.999]
+            ends = [busy_until(self.m, gid, now) - now for gid, rate in by_id.items()
+                    if gid not in self._free and rate >= best * 0.999]
             self._better[key] = min(ends) if ends else None
         return self._better[key]
+
+    def kth_of(self, request: LeaseRequest, gpus: Iterable[Gpu], count: int) -> str | None:
+        """Of these GPUs (a backfill's room), the one whose predicted rate for the request is the `count`-th best:
+        a set of `count` of them runs at its rate (None: fewer, or no model covers the request)."""
+        got = self.ranked(request)
+        return None if got is None else _kth_free(got.order, {g.id for g in gpus}, count)
 
     def figures(self, request: LeaseRequest, count: int) -> tuple[str, str | None, dict[str, float]] | None:
         """For `count` GPUs of the request: the GPU whose rate is its best on the host (the count-th best of every
@@ -331,16 +335,12 @@ class Ranked:
     def __init__(self, plain: LeaseRequest, gpus: tuple[Gpu, ...], rates: Sequence[float]) -> None:
         self.plain, self.gpus, self.rates = plain, gpus, rates
         self.by_id = dict(zip((g.id for g in gpus), rates))
-        self.order = _best_first(self.by_id, self.by_id)
+        by_id = self.by_id
+        self.order = sorted(by_id, key=lambda gid: -by_id[gid])  # best first; a stable sort: ties in the GPUs' order
         self.sds_of: Sequence[float] | None = None
         self.sds: dict[str, float] = {}
         self.token: object = None
         self.sds_token: object = None
-
-
-def _best_first(gids: Iterable[str], by_id: dict[str, float]) -> list[str]:
-    """These GPUs, the highest predicted rate first (a stable sort: ties keep their order)."""
-    return sorted(gids, key=lambda gid: -by_id.get(gid, 0.0))
 
 
 def _kth_free(order: Sequence[str], free: Container[str], count: int) -> str | None:
@@ -353,13 +353,6 @@ def _kth_free(order: Sequence[str], free: Container[str], count: int) -> str | N
             if seen == count:
                 return gid
     return None
-
-
-def _kth(gids: Iterable[str], by_id: dict[str, float], count: int) -> str | None:
-    """Of these GPUs, the one whose predicted rate is the `count`-th best (a set of `count` runs at the rate of its
-    slowest); None when there are fewer."""
-    ranked = _best_first(gids, by_id)
-    return ranked[count - 1] if len(ranked) >= count else None
 
 
 def _shape(request: LeaseRequest) -> tuple[object, ...]:
@@ -396,7 +389,7 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
             return ready[0]  # no model says how fast it runs where: strict order
         at_best, at_now, by_id = got
         if backfill is not None:  # a backfill may take only its room, not every free GPU: rate those
-            at_now = _kth((g.id for g in free), by_id, count)
+            at_now = usable.kth_of(x.request, free, count)
         best = by_id[at_best]
         now_rate = by_id.get(at_now, 0.0) if at_now is not None else None
         sd = 0.0
@@ -407,7 +400,7 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
         run_s = float(x.request.duration_s) if x.request.duration_s else m.typical_run_s(x.request.task_type)
         better = None
         if count == 1 and run_s and now_rate is not None and best > now_rate:
-            better = usable.better_in(x.request, now)
+            better = usable.better_in(x.request, by_id, best, now)
         n, since = m.queue_passes.get(x.id, (0, None))
         cands.append(Candidate(x.id, rank[x.id], top, now_rate, best, n, since, run_s, better, sd))
     pick = choose(cands, m.policy.fairness, now)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from hostagent.domain.capabilities import Measured
-from hostagent.domain.lease import LeaseRequest, LeaseState
+from hostagent.domain.lease import LeaseDevice, LeaseRequest, LeaseState, new_lease
 from hostagent.domain.placement import DeviceView, PlacementRequest
 from hostagent.services import lease_queue
 from tests.support.agent import AgentRig, Clock, make_rig, operator_login, start_rig
@@ -270,6 +270,40 @@ def test_the_queue_asks_the_placer_again_only_when_its_token_changes(tmp_path: P
     assert asked == ["bert"] * 3 and model.scored == 49
     assert placer.rates_token() == placer.rates_token() and lease_queue._Usable(m).ranked(bert) is not None
     assert asked == ["bert"] * 3
+
+
+def _hold(m: Any, gpu: Any, ends: float) -> None:
+    """An ACTIVE lease of vm-h on the GPU, expected to end at `ends` (what busy_until reads)."""
+    lease = new_lease(f"l-hold-{gpu.id}", "uuid-h", "vm-h", LeaseRequest(task_type="filler"), ends - 3600)
+    device = LeaseDevice(gpu.id, tuple(str(f.address) for f in gpu.functions), ("nvidia",), 0)
+    lease = lease.transition(S.BINDING, devices=(device,), granted_gpus=1, expires_at=ends)
+    m.leases[lease.id] = lease.transition(S.ATTACHING).transition(S.ACTIVE, granted_at=ends - 3600)
+    m.claims[gpu.id] = lease.id
+
+
+def test_the_wait_for_a_better_gpu_and_a_backfills_rate_are_worked_out_per_request(tmp_path: Path) -> None:
+    # bert's best GPU is an A100, ncf's a T4: each request's wait is for its own best card, in the same decision
+    rig = make_rig(tmp_path, scenario="demo16")
+    m = rig.runtime.manager
+    rig.runtime.placer.use(TableModel(), "v-table")
+    now = m.clock()
+    by_model = {k: [g for g in m.gpus.values() if k in g.model] for k in ("A100", "V100", "RTX 6000", "T4")}
+    _hold(m, by_model["A100"][0], now + 300)
+    _hold(m, by_model["T4"][0], now + 900)
+    _hold(m, by_model["V100"][0], now + 60)  # sooner, but not bert's best: no wait for it
+    usable = lease_queue._Usable(m)
+    bert, ncf = LeaseRequest(task_type="bert"), LeaseRequest(task_type="ncf")
+    for request, wait in ((bert, 300), (ncf, 900)):
+        got = usable.ranked(request)
+        assert got is not None
+        assert usable.better_in(request, got.by_id, got.by_id[got.order[0]], now) == pytest.approx(wait)
+    # a backfill may take only its room: its rate is that of the count-th best GPU there
+    room = [by_model["T4"][1], by_model["V100"][1], by_model["A100"][1], by_model["RTX 6000"][0]]
+    assert [usable.kth_of(bert, room, n) for n in (1, 2, 3, 4, 5)] == [
+        by_model["A100"][1].id, by_model["V100"][1].id, by_model["RTX 6000"][0].id, by_model["T4"][1].id, None]
+    assert usable.kth_of(ncf, room, 1) == by_model["T4"][1].id
+    m.relative_rates = lambda request, gpus: None  # no model covers it: no figure
+    assert lease_queue._Usable(m).kth_of(bert, room, 1) is None
 
 
 @pytest.mark.parametrize("stated", [600, 1200, None])
