@@ -291,16 +291,22 @@ def test_the_wait_for_a_better_gpu_and_a_backfills_rate_are_worked_out_per_reque
     _hold(m, by_model["A100"][0], now + 300)
     _hold(m, by_model["T4"][0], now + 900)
     _hold(m, by_model["V100"][0], now + 60)  # sooner, but not bert's best: no wait for it
+    m.claims[by_model["A100"][1].id] = "probe-1"  # claimed by no lease (a probe): dated the default duration on
     usable = lease_queue._Usable(m)
     bert, ncf = LeaseRequest(task_type="bert"), LeaseRequest(task_type="ncf")
     for request, wait in ((bert, 300), (ncf, 900)):
         got = usable.ranked(request)
         assert got is not None
         assert usable.better_in(request, got.by_id, got.by_id[got.order[0]], now) == pytest.approx(wait)
+    del m.claims[by_model["A100"][1].id], m.claims[by_model["T4"][0].id]  # every T4 free: nothing to wait for
+    later = lease_queue._Usable(m)
+    got = later.ranked(ncf)
+    assert got is not None and later.better_in(ncf, got.by_id, 9.0, now) is None
+    assert later.better_in(bert, later.ranked(bert).by_id, 10.0, now) == pytest.approx(300)  # type: ignore[union-attr]
     # a backfill may take only its room: its rate is that of the count-th best GPU there
-    room = [by_model["T4"][1], by_model["V100"][1], by_model["A100"][1], by_model["RTX 6000"][0]]
+    room = [by_model["T4"][1], by_model["V100"][1], by_model["A100"][2], by_model["RTX 6000"][0]]
     assert [usable.kth_of(bert, room, n) for n in (1, 2, 3, 4, 5)] == [
-        by_model["A100"][1].id, by_model["V100"][1].id, by_model["RTX 6000"][0].id, by_model["T4"][1].id, None]
+        by_model["A100"][2].id, by_model["V100"][1].id, by_model["RTX 6000"][0].id, by_model["T4"][1].id, None]
     assert usable.kth_of(ncf, room, 1) == by_model["T4"][1].id
     m.relative_rates = lambda request, gpus: None  # no model covers it: no figure
     assert lease_queue._Usable(m).kth_of(bert, room, 1) is None

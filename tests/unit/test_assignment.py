@@ -45,6 +45,12 @@ def test_efficiencies_the_predictions_cannot_tell_apart_keep_serve_order() -> No
                                 "uncertainty of it")
     # nobody can start on a useful GPU (every efficiency 0): serve order
     assert choose([Candidate("A", 0, 0, 0.0, 10.0), Candidate("B", 1, 0, 0.0, 10.0, sd=1.0)], F, 0.0).chosen == "A"
+    # two equally efficient (to 1e-9): the earlier of them is the one the others are measured against. C (80 %) is
+    # told apart from A (exact), though B (unsure, 0.5) would not tell it apart: A, passing C
+    for a_now in (10.0, 10.0 - 4e-9):
+        tied = [Candidate("C", 0, 0, 8.0, 10.0), Candidate("A", 1, 0, a_now, 10.0),
+                Candidate("B", 2, 0, 10.0, 10.0, sd=0.5)]
+        assert choose(tied, F, now=0.0).chosen == "A", a_now
 
 
 def test_the_simulator_gives_each_job_its_comparative_advantage_and_the_greedy_oracle_does_not() -> None:
