@@ -268,27 +268,28 @@ class _Usable:
         return got
 
     def sds(self, request: LeaseRequest) -> dict[str, float]:
-        """Each usable GPU's log-space standard deviation of its predicted rate for the request ({}: none given)."""
+        """Each usable GPU's log-space standard deviation of its predicted rate for the request ({}: none given, or
+        no model covers the request); asked of the placer once per shape while its token is unchanged."""
         key = _shape(request)
-        if key not in self._sds:
-            got = self.ranked(request)
-            gpus = self.feasible(request) if got is None else got.gpus
-            plain = dataclasses.replace(request, duration_s=None, priority=0) if got is None else got.plain
-            if got is not None and got.sds_of is not None and got.sds_token == self._token is not None:
-                self._sds[key] = got.sds  # asked under the same token: as it was
-                return got.sds
-            sds = self.m.rate_uncertainty(plain, gpus)
+        if key in self._sds:
+            return self._sds[key]
+        got = self.ranked(request)
+        if got is None:
+            out: dict[str, float] = {}
+        elif got.sds_of is not None and got.sds_token == self._token is not None:
+            out = got.sds  # asked under the same token: as it was
+        else:
+            sds = self.m.rate_uncertainty(got.plain, got.gpus)
             if sds is None:
-                self._sds[key] = {}
-            elif got is not None and sds is got.sds_of:
-                self._sds[key] = got.sds
+                out = {}
+            elif sds is got.sds_of:  # the same answer: as it was
+                out = got.sds
             else:
-                self._sds[key] = dict(zip((g.id for g in gpus), sds))
-                if got is not None:
-                    got.sds_of, got.sds = sds, self._sds[key]
-            if got is not None and sds is not None:
-                got.sds_token = self._token
-        return self._sds[key]
+                out = got.sds = dict(zip((g.id for g in got.gpus), sds))
+                got.sds_of = sds
+            got.sds_token = self._token if sds is not None else None
+        self._sds[key] = out
+        return out
 
     def better_in(self, request: LeaseRequest, by_id: dict[str, float], best: float, now: float) -> float | None:
         """Seconds until a busy GPU of the request's best predicted rate (`best`, of its rates `by_id`) is expected

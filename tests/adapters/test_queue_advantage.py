@@ -272,6 +272,25 @@ def test_the_queue_asks_the_placer_again_only_when_its_token_changes(tmp_path: P
     assert asked == ["bert"] * 3
 
 
+def test_each_request_shape_has_its_own_uncertainty_asked_once_per_token(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, scenario="demo16")
+    placer, m = rig.runtime.placer, rig.runtime.manager
+    placer.use(Unsure(0.5), "v-unsure")
+    asked: list[str] = []
+    real = m.rate_uncertainty
+    m.rate_uncertainty = lambda request, gpus: asked.append(request.task_type) or real(request, gpus)
+    bert, ncf = LeaseRequest(task_type="bert"), LeaseRequest(task_type="ncf")
+    usable = lease_queue._Usable(m)
+    assert set(usable.sds(bert).values()) == {0.5} and set(usable.sds(ncf).values()) == {0.01}
+    assert len(usable.sds(bert)) == len(m.gpus) and asked == ["bert", "ncf"]
+    again = lease_queue._Usable(m)  # the next decision, nothing changed: as they were, not asked
+    assert again.sds(bert) == usable.sds(bert) and again.sds(ncf) == usable.sds(ncf) and asked == ["bert", "ncf"]
+    placer.use(Unsure(0.2), "v-unsure-2")  # a model switch: asked again, the new model's figures
+    assert set(lease_queue._Usable(m).sds(bert).values()) == {0.2} and asked == ["bert", "ncf", "bert"]
+    m.relative_rates = lambda request, gpus: None  # no model covers it: no deviations
+    assert lease_queue._Usable(m).sds(bert) == {}
+
+
 def _hold(m: Any, gpu: Any, ends: float) -> None:
     """An ACTIVE lease of vm-h on the GPU, expected to end at `ends` (what busy_until reads)."""
     lease = new_lease(f"l-hold-{gpu.id}", "uuid-h", "vm-h", LeaseRequest(task_type="filler"), ends - 3600)
