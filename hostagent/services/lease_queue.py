@@ -282,12 +282,10 @@ class _Usable:
             sds = self.m.rate_uncertainty(got.plain, got.gpus)
             if sds is None:
                 out = {}
-            elif sds is got.sds_of:  # the same answer: as it was
-                out = got.sds
             else:
-                out = got.sds = dict(zip((g.id for g in got.gpus), sds))
-                got.sds_of = sds
-            got.sds_token = self._token if sds is not None else None
+                if sds is not got.sds_of:  # a new answer (the same one: as it was)
+                    got.sds, got.sds_of = dict(zip((g.id for g in got.gpus), sds)), sds
+                out, got.sds_token = got.sds, self._token
         self._sds[key] = out
         return out
 
@@ -310,11 +308,12 @@ class _Usable:
     def figures(self, request: LeaseRequest, count: int) -> tuple[str, str | None, dict[str, float]] | None:
         """For `count` GPUs of the request: the GPU whose rate is its best on the host (the count-th best of every
         GPU it may use), the one whose rate is that of the best set free now (None: too few free) and the rates by
-        GPU; None without a model that covers it."""
+        GPU; None without a model that covers it. Asked only of a request that could start now: it has a usable GPU,
+        and `count` is at least one."""
         key = (_shape(request), count)
         if key not in self._figures:
             got = self.ranked(request)
-            if got is None or not got.order or count < 1:
+            if got is None:
                 self._figures[key] = None
             else:
                 at_best = got.order[min(count, len(got.order)) - 1]

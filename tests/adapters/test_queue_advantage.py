@@ -285,8 +285,20 @@ def test_each_request_shape_has_its_own_uncertainty_asked_once_per_token(tmp_pat
     assert len(usable.sds(bert)) == len(m.gpus) and asked == ["bert", "ncf"]
     again = lease_queue._Usable(m)  # the next decision, nothing changed: as they were, not asked
     assert again.sds(bert) == usable.sds(bert) and again.sds(ncf) == usable.sds(ncf) and asked == ["bert", "ncf"]
+    # the token changes (a probe of a GPU too small for the request) while the placer's answers stay the very same:
+    # asked again, the same figures
+    big = LeaseRequest(task_type="bert", min_memory_gib=30)
+    first = lease_queue._Usable(m).sds(big)
+    assert set(first.values()) == {0.5} and len(first) == 8 and asked[-1] == "bert"
+    m.measured[next(g.id for g in m.gpus.values() if "T4" in g.model)] = Measured()
+    n = len(asked)
+    assert lease_queue._Usable(m).sds(big) == first and len(asked) == n + 1
+    m.rate_uncertainty = lambda request, gpus: [0.3] * len(gpus)  # a new answer under a new token: the new figures
+    assert set(lease_queue._Usable(m).sds(bert).values()) == {0.3}
+    m.rate_uncertainty = lambda request, gpus: asked.append(request.task_type) or real(request, gpus)
     placer.use(Unsure(0.2), "v-unsure-2")  # a model switch: asked again, the new model's figures
-    assert set(lease_queue._Usable(m).sds(bert).values()) == {0.2} and asked == ["bert", "ncf", "bert"]
+    n = len(asked)
+    assert set(lease_queue._Usable(m).sds(bert).values()) == {0.2} and len(asked) == n + 1
     m.relative_rates = lambda request, gpus: None  # no model covers it: no deviations
     assert lease_queue._Usable(m).sds(bert) == {}
 
@@ -327,8 +339,11 @@ def test_the_wait_for_a_better_gpu_and_a_backfills_rate_are_worked_out_per_reque
     assert [usable.kth_of(bert, room, n) for n in (1, 2, 3, 4, 5)] == [
         by_model["A100"][2].id, by_model["V100"][1].id, by_model["RTX 6000"][0].id, by_model["T4"][1].id, None]
     assert usable.kth_of(ncf, room, 1) == by_model["T4"][1].id
+    # for a set of k, the best it could ever have runs at the k-th best GPU's rate (4 A100s, 4 V100s, 4 RTX 6000s)
+    ranks = [usable.figures(bert, k) for k in (1, 4, 5, 9)]
+    assert [m.gpus[f[0]].model.split()[1] for f in ranks if f] == ["[A100", "[A100", "[Tesla", "[Quadro"]
     m.relative_rates = lambda request, gpus: None  # no model covers it: no figure
-    assert lease_queue._Usable(m).kth_of(bert, room, 1) is None
+    assert lease_queue._Usable(m).kth_of(bert, room, 1) is None and lease_queue._Usable(m).figures(bert, 1) is None
 
 
 @pytest.mark.parametrize("stated", [600, 1200, None])
