@@ -12,6 +12,7 @@ import pytest
 from hostagent.domain.errors import Conflict
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import LeaseRequest
+from hostagent.domain.capabilities import Measured
 from hostagent.domain.placement import DeviceView, DeviceViews, Exploration, PlacementRequest
 from hostagent.runtime import make_app
 from hostagent.services.placement import Placer
@@ -132,3 +133,14 @@ def test_device_views_follow_a_replaced_gpu_object(wired: tuple[AgentRig, Placer
         gpu, free=False, quarantined=True, probe_score=0.5)
     rescanned = dataclasses.replace(gpu, memory_bytes=(gpu.memory_bytes or 0) + 2**30)  # same id, a new object
     assert views.view(rescanned, free=True).memory_bytes == rescanned.memory_bytes
+    # a view is immutable: the same one serves each decision that sees the GPU alike, a new one where anything differs
+    again = views.view(rescanned, free=True)
+    assert views.view(rescanned, free=True) is again
+    for other in (dict(free=False), dict(free=True, quarantined=True), dict(free=True, probe_score=0.9),
+                  dict(free=True, nvlink=True), dict(free=True, measured=Measured(compute_capability="8.0"))):
+        got = views.view(rescanned, **other)  # type: ignore[arg-type]
+        assert got is not again and (got.free, got.quarantined, got.probe_score) == (
+            other["free"], other.get("quarantined", False), other.get("probe_score")), other
+        assert views.view(rescanned, **other) is got  # type: ignore[arg-type]
+    for score in range(20):  # probe scores drift: a few are kept, never a stale one
+        assert views.view(rescanned, free=True, probe_score=score / 10).probe_score == score / 10
