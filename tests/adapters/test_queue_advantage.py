@@ -191,11 +191,16 @@ class Counting(TableModel):
         return super().score(request, devices)
 
 
-def test_the_placer_predicts_each_request_and_gpu_once_per_model_and_probe(tmp_path: Path) -> None:
+def counted(tmp_path: Path, version: str) -> tuple[Any, Any, Counting]:
+    """The demo host's placer and lease manager, the placer using a Counting model."""
     rig = make_rig(tmp_path, scenario="demo16")
-    placer, m = rig.runtime.placer, rig.runtime.manager
     model = Counting()
-    placer.use(model, "v-count")
+    rig.runtime.placer.use(model, version)
+    return rig.runtime.placer, rig.runtime.manager, model
+
+
+def test_the_placer_predicts_each_request_and_gpu_once_per_model_and_probe(tmp_path: Path) -> None:
+    placer, m, model = counted(tmp_path, "v-count")
     gpus = list(m.gpus.values())
     bert = LeaseRequest(task_type="bert")
     first = placer.relative_rates(bert, gpus)
@@ -245,10 +250,7 @@ def test_the_queue_ranks_a_request_shape_again_only_when_the_placer_answers_anew
 def test_the_queue_asks_the_placer_again_only_when_its_token_changes(tmp_path: Path) -> None:
     # the placer's token (the model, every GPU's probe figures) is read once per decision; while it is unchanged
     # the queue uses each shape's kept predictions without asking; a model switch or a new probe changes it
-    rig = make_rig(tmp_path, scenario="demo16")
-    placer, m = rig.runtime.placer, rig.runtime.manager
-    model = Counting()
-    placer.use(model, "v-a")
+    placer, m, model = counted(tmp_path, "v-a")
     gpus = list(m.gpus.values())
     bert, ncf = LeaseRequest(task_type="bert"), LeaseRequest(task_type="ncf")
     first = lease_queue._Usable(m)
