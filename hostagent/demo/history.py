@@ -99,6 +99,7 @@ async def write_history(settings: Settings, creds: dict[str, Any], hv_path: Path
                 clock.now = min(end, clock.now + STEP_S)
                 for g in guests:
                     await g.step()
+                irq.publish()
                 if clock.now >= next_tick:
                     await rt.reaper.tick()
                     next_tick = clock.now + 60.0

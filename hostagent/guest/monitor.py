@@ -124,7 +124,9 @@ class Monitor:
         if self.sampler is None or not self.sampler.available:
             return 0
         try:
-            readings = await asyncio.to_thread(self.sampler.read, self.clock())
+            now = self.clock()
+            readings = (await asyncio.to_thread(self.sampler.read, now) if self.sampler.blocks
+                        else self.sampler.read(now))
         except Exception as exc:  # the driver may fail mid-lease (GPU unplugged); keep heartbeating
             log.warning("sampling failed: %s", exc)
             return 0

@@ -376,8 +376,14 @@ class Sampler:
         """The GPUs the backend sees (empty without one)."""
         return list(self.backend.devices) if self.backend is not None else []
 
+    @property
+    def blocks(self) -> bool:
+        """Whether a read may block (NVML and sysfs can stall on a wedged driver: read them from a thread); a backend
+        that says `blocks = False` (the demo's simulated GPUs, read from memory) is read on the caller's thread."""
+        return bool(getattr(self.backend, "blocks", True))
+
     def read(self, ts: float | None = None) -> list[Reading]:
-        """One reading per GPU (blocking; call it from a thread in async code)."""
+        """One reading per GPU (blocking unless `blocks` is False: call it from a thread in async code)."""
         if self.backend is None:
             return []
         readings = self.backend.read(time.time() if ts is None else ts)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -402,19 +402,29 @@ def _interrupts_text(ncpu: int = 8) -> str:
 
 def record_interrupts(proc_root: str | os.PathLike[str], address: str, count: int, vectors: int = 2) -> None:
     """Set a device's vfio-msix lines in a fake /proc/interrupts to `count` in all (the demo's 'guest' at work)."""
+    record_interrupts_of(proc_root, {address: count}, vectors)
+
+
+def record_interrupts_of(proc_root: str | os.PathLike[str], counts: Mapping[str, int], vectors: int = 2) -> None:
+    """`record_interrupts` for several devices (address -> count) in one rewrite of the file."""
+    if not counts:
+        return
     path = Path(proc_root) / "interrupts"
     lines = path.read_text().splitlines(keepends=True)
-    header, rest = lines[0], [ln for ln in lines[1:] if f"({address})" not in ln]
+    marks = tuple(f"({address})" for address in counts)
+    header, rest = lines[0], [ln for ln in lines[1:] if not any(m in ln for m in marks)]
     ncpu = len(header.split())
     numbered = [ln for ln in rest if ln.split(":")[0].strip().isdigit()]
     named = [ln for ln in rest if not ln.split(":")[0].strip().isdigit()]
     irq = max((int(ln.split(":")[0]) for ln in numbered), default=99) + 1
-    per = count // vectors
-    for v in range(vectors):
-        n = per + (count - per * vectors if v == 0 else 0)
-        counts = [n] + [0] * (ncpu - 1)
-        numbered.append(f"{irq + v:>4}: " + "".join(f"{c:>10d} " for c in counts)
-                        + f" IR-PCI-MSIX-{address}    {v}-edge      vfio-msix[{v}]({address})\n")
+    for address, count in counts.items():
+        per = count // vectors
+        for v in range(vectors):
+            n = per + (count - per * vectors if v == 0 else 0)
+            cpus = [n] + [0] * (ncpu - 1)
+            numbered.append(f"{irq:>4}: " + "".join(f"{c:>10d} " for c in cpus)
+                            + f" IR-PCI-MSIX-{address}    {v}-edge      vfio-msix[{v}]({address})\n")
+            irq += 1
     tmp = path.with_name(f".interrupts.{os.getpid()}")
     tmp.write_text(header + "".join(numbered) + "".join(named))
     os.replace(tmp, path)  # a reader (the reaper, in a worker thread) sees the old file or the new one, never half

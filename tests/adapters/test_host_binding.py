@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hostagent.domain.errors import HostError
 from hostagent.host.adapter import SysfsHost
 from hostagent.host.binding import VFIO_PCI, VfioBinder
-from hostagent.host.fakesysfs import record_interrupts
+from hostagent.host.fakesysfs import record_interrupts, record_interrupts_of
 from tests.support.host import drivers, fake_host
 
 TURING = ["0000:02:00.0", "0000:02:00.1", "0000:02:00.2", "0000:02:00.3"]
@@ -147,6 +147,12 @@ def test_sysfs_host_port(tmp_path) -> None:
     assert port.plan_give_back(good, {"0000:05:00.0": "nvidia"})
     record_interrupts(host.proc_root, "0000:05:00.0", 4242)
     assert port.vfio_interrupts() == {"0000:05:00.0": 4242}
+    # several devices in one rewrite (the demo's guests, once per round): the others' lines are kept
+    record_interrupts_of(host.proc_root, {"0000:03:00.0": 7, "0000:04:00.0": 1001})
+    assert port.vfio_interrupts() == {"0000:05:00.0": 4242, "0000:03:00.0": 7, "0000:04:00.0": 1001}
+    record_interrupts_of(host.proc_root, {"0000:05:00.0": 5000})
+    record_interrupts_of(host.proc_root, {})  # nothing moved: the file stays as it is
+    assert port.vfio_interrupts() == {"0000:05:00.0": 5000, "0000:03:00.0": 7, "0000:04:00.0": 1001}
     assert port.give_back(good, {"0000:05:00.0": "nvidia"}).ok
     assert port.current_drivers(good) == {"0000:05:00.0": "nvidia"}
 

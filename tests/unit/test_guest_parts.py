@@ -330,3 +330,38 @@ def test_the_guest_client_sends_again_on_a_new_connection_when_the_kept_one_was_
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+@pytest.mark.parametrize("blocks", [True, False])
+async def test_a_backend_that_may_block_is_read_in_a_thread_and_one_that_cannot_on_the_loop(blocks: bool) -> None:
+    """NVML and sysfs reads can stall on a wedged driver: never on the event loop. A backend that says it does not
+    block (the demo's simulated GPUs) is read inline: no thread hop for each of its thousands of samples."""
+    import threading
+
+    from hostagent.guest.config import GuestConfig
+    from hostagent.guest.monitor import Monitor
+
+    class Backend:
+        note = "test GPUs"
+        devices = [GpuInfo(0, "0000:00:05.0", "GPU", source="test")]
+
+        def __init__(self) -> None:
+            self.threads: list[str] = []
+            self.blocks = blocks
+
+        def read(self, ts: float) -> list[Reading]:
+            self.threads.append(threading.current_thread().name)
+            return [Reading(ts, 0, "0000:00:05.0", 50.0, 1, 2)]
+
+        def close(self) -> None:
+            pass
+
+    backend = Backend()
+    monitor = Monitor(None, GuestConfig(url="http://127.0.0.1:1"), lambda: Sampler(backend, backend.note),  # type: ignore[arg-type]
+                      clock=lambda: 100.0)
+    monitor.track({"id": "l-1", "devices": [{"gpu_id": "g0", "guest_addresses": ["0000:00:05.0"]}]})
+    assert monitor.sampler is not None and monitor.sampler.blocks is blocks
+    assert await monitor.sample() == 1
+    on_loop = backend.threads == [threading.current_thread().name]
+    assert on_loop is not blocks, backend.threads
+    assert [s["util_pct"] for s in monitor.leases["l-1"].buffer.peek(5)] == [50.0]
