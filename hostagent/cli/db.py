@@ -15,6 +15,7 @@ from typing import Any
 
 from hostagent.cli.common import add_common_options, emit, fmt_time, settings_for
 from hostagent.domain.errors import InvalidInput
+from hostagent.store import EXPORT_KINDS
 
 
 def _store(args: argparse.Namespace) -> Any:
@@ -206,8 +207,6 @@ def register(sub: Any) -> None:
     action("upgrade", "migrate the store's schema to the newest revision", cmd_db_upgrade, host=False)
     action("status", "schema revision, reachability, spool lag", cmd_db_status, host=False)
     q = action("export", "CSV of leases or samples for a time range", cmd_db_export)
-    from hostagent.store.repo import EXPORT_KINDS
-
     q.add_argument("kind", choices=EXPORT_KINDS, help="what to export")
     q.add_argument("--since", help="unix seconds or ISO date")
     q.add_argument("--until", help="unix seconds or ISO date")

@@ -11,11 +11,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 from sqlalchemy import Connection, Select, func, select
 
 from hostagent.domain.errors import InvalidInput
+from hostagent.store import EXPORT_KINDS
 from hostagent.store import schema as t
 from hostagent.store.writes import StoreCore
-
-EXPORT_KINDS = ("leases", "lease_events", "samples", "rollups_minute", "rollups_hour", "reclaim_events",
-                "probe_results")
 
 
 class ExportRepo(StoreCore):
