@@ -83,9 +83,10 @@ class Seeds:
         raise AssertionError(f"no fresh lease: {r.status_code} {r.text}")
 
     def make_room(self) -> None:
-        """Release every fuzzed lease, live or queued (the queue backfills free GPUs with queued fuzz requests, so
-        a host the fuzzer filled stays full until they go), keeping the seeded live one."""
-        live = requests.get(f"{self.url}/v1/leases?state=ACTIVE,QUEUED", headers=self.op, timeout=30).json()
+        """Release every fuzzed lease, live, queued or booked ahead (the queue backfills free GPUs with queued fuzz
+        requests, so a host the fuzzer filled stays full until they go; a fuzzed booking makes its GPUs no target
+        for a move of the live lease, which has no end), keeping the seeded live one."""
+        live = requests.get(f"{self.url}/v1/leases?state=ACTIVE,QUEUED,BOOKED", headers=self.op, timeout=30).json()
         for lease in live["leases"]:
             if self.live is None or lease["id"] != self.live["id"]:
                 requests.delete(f"{self.url}/v1/leases/{lease['id']}", headers=self.op, timeout=30)
@@ -98,6 +99,10 @@ class Seeds:
             if not self.released or pick % 4 == 0:
                 self.released.append(self.fresh())
             return self.released[pick % len(self.released)]
+        if self.live is not None:  # ended since (an expiry after a fuzzed renew, a reclaim): every case a 409
+            r = requests.get(f"{self.url}/v1/leases/{self.live['id']}", headers=self.op, timeout=30)
+            if r.status_code != 200 or r.json().get("state") != "ACTIVE":
+                self.live = None
         if self.live is None:
             self.live = self.fresh()
         return self.live
@@ -125,9 +130,14 @@ class Seeds:
             lease["devices"] = current["devices"]
 
     def start_move(self, lease: dict[str, Any]) -> None:
-        """Move the live lease to a free GPU (the guest's confirmation is the case)."""
-        requests.post(f"{self.url}/v1/leases/{lease['id']}/move", headers=self.op, timeout=30,
-                      json={"to": self.free_gpu(0)})
+        """Move the live lease to a free GPU (the guest's confirmation is the case); where the first one cannot take
+        it (booked ahead by a fuzzed request, say), room is made and another one tried."""
+        for _ in range(2):
+            r = requests.post(f"{self.url}/v1/leases/{lease['id']}/move", headers=self.op, timeout=30,
+                              json={"to": self.free_gpu(0)})
+            if r.status_code != 409:
+                return
+            self.make_room()
 
     def gpu(self, operation: str, pick: int) -> str:
         """A GPU id; clearQuarantine gets the sick GPU, quarantined just before (probing it quarantines it)."""
