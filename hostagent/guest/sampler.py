@@ -94,6 +94,7 @@ class NvmlBackend:
     """Utilization, memory and processes through pynvml (nvidia-ml-py). Each call is a few microseconds."""
 
     source = "nvml"
+    blocks = True  # a wedged driver can stall a call: read from a thread (Sampler.blocks)
 
     def __init__(self) -> None:
         try:
@@ -216,6 +217,7 @@ class SysfsBackend:
     """GPUs whose kernel driver publishes `gpu_busy_percent` (amdgpu): utilization and VRAM from sysfs."""
 
     source = "sysfs"
+    blocks = True  # sysfs reads of a wedged driver can stall: read from a thread (Sampler.blocks)
 
     def __init__(self, sys_root: str | Path = "/sys") -> None:
         base = Path(sys_root) / "bus/pci/devices"
@@ -380,7 +382,7 @@ class Sampler:
     def blocks(self) -> bool:
         """Whether a read may block (NVML and sysfs can stall on a wedged driver: read them from a thread); a backend
         that says `blocks = False` (the demo's simulated GPUs, read from memory) is read on the caller's thread."""
-        return bool(getattr(self.backend, "blocks", True))
+        return self.backend is None or self.backend.blocks
 
     def read(self, ts: float | None = None) -> list[Reading]:
         """One reading per GPU (blocking unless `blocks` is False: call it from a thread in async code)."""

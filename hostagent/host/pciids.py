@@ -54,7 +54,7 @@ class PciIds:
         entry = self._vendors.get(vendor)
         device: int | None = None
         for line in (_lines(self._text, entry[1], entry[2]) if entry else ()):
-            depth = len(line) - len(line.lstrip("\t"))
+            depth = _depth(line)
             body = line.strip()
             try:
                 if depth == 1:
@@ -96,7 +96,12 @@ def _lines(text: str, start: int, end: int) -> list[str]:
 
 def _body(text: str, start: int, end: int, *, depth: int) -> list[str]:
     """The lines of text[start:end] indented exactly `depth` tabs, without their indent."""
-    return [ln[depth:] for ln in _lines(text, start, end) if len(ln) - len(ln.lstrip("\t")) == depth]
+    return [ln[depth:] for ln in _lines(text, start, end) if _depth(ln) == depth]
+
+
+def _depth(line: str) -> int:
+    """How many tabs indent a line (1: a device or subclass, 2: a board)."""
+    return len(line) - len(line.lstrip("\t"))
 
 
 def parse_pci_ids(text: str) -> PciIds:
