@@ -220,6 +220,7 @@ class _Usable:
         self._figures: dict[tuple[object, ...], tuple[str, str | None, dict[str, float]] | None] = {}
         self._sds: dict[tuple[object, ...], dict[str, float]] = {}
         self._better: dict[tuple[object, ...], float | None] = {}
+        self._terms: dict[tuple[object, ...], tuple[float, float | None, float, float | None] | None] = {}
         self._free = {gid for gid in m.gpus if is_free(m, gid)}
         token = m.rates_token()  # once per decision: what every shape's predictions depend on
         self._token = None if token is None else (m.relative_rates, m.rate_uncertainty, token)
@@ -305,6 +306,37 @@ class _Usable:
         got = self.ranked(request)
         return None if got is None else _kth_free(got.order, {g.id for g in gpus}, count)
 
+    def terms(self, request: LeaseRequest, count: int, room: list[Gpu] | None,
+              now: float) -> tuple[float, float | None, float, float | None] | None:
+        """What comparative advantage weighs for `count` GPUs of the request (None: no model covers it): its best
+        predicted rate on the host, the rate of the best set it could take now (of `room` for a backfill, else of
+        the GPUs free; None: too few), the standard deviation of their ratio, and when a GPU of its best rate is
+        expected to free (None: none busy, or it cannot gain by waiting: a set, or nothing slower to start on).
+        Worked out once per request shape, size and decision (a backfill's room is its own)."""
+        key = (_shape(request), count)
+        if room is None and key in self._terms:
+            return self._terms[key]
+        got = self.figures(request, count)
+        if got is None:
+            out = None
+        else:
+            at_best, at_now, by_id = got
+            if room is not None:
+                at_now = self.kth_of(request, room, count)
+            best = by_id[at_best]
+            now_rate = by_id.get(at_now, 0.0) if at_now is not None else None
+            sd = 0.0
+            if now_rate is not None and at_now is not None and now_rate < best:  # a ratio of two predictions
+                sds = self.sds(request)
+                sd = math.hypot(sds.get(at_now, 0.0), sds.get(at_best, 0.0))
+            better = None
+            if count == 1 and now_rate is not None and best > now_rate:
+                better = self.better_in(request, by_id, best, now)
+            out = (best, now_rate, sd, better)
+        if room is None:
+            self._terms[key] = out
+        return out
+
     def figures(self, request: LeaseRequest, count: int) -> tuple[str, str | None, dict[str, float]] | None:
         """For `count` GPUs of the request: the GPU whose rate is its best on the host (the count-th best of every
         GPU it may use), the one whose rate is that of the best set free now (None: too few free) and the rates by
@@ -381,28 +413,26 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
     for gone in [k for k in m.queue_notes if k not in live]:
         m.queue_notes.pop(gone, None)
     cands: list[Candidate] = []
+    run_of: dict[str, float | None] = {}
     for x, free, count, backfill in ready:
-        if x.request.priority != top:
+        request = x.request
+        if request.priority != top:
             continue
-        got = usable.figures(x.request, count)
+        # a backfill may take only its room, not every free GPU: its terms are rated on that room
+        got = usable.terms(request, count, free if backfill is not None else None, now)
         if got is None:
             return ready[0]  # no model says how fast it runs where: strict order
-        at_best, at_now, by_id = got
-        if backfill is not None:  # a backfill may take only its room, not every free GPU: rate those
-            at_now = usable.kth_of(x.request, free, count)
-        best = by_id[at_best]
-        now_rate = by_id.get(at_now, 0.0) if at_now is not None else None
-        sd = 0.0
-        if at_now is not None and now_rate is not None and now_rate < best:  # a ratio of two predictions
-            sds = usable.sds(x.request)
-            sd = math.hypot(sds.get(at_now, 0.0), sds.get(at_best, 0.0))
+        best, now_rate, sd, better = got
         # its expected run time on a typical GPU: what it states, else what the records show of its task type
-        run_s = float(x.request.duration_s) if x.request.duration_s else m.typical_run_s(x.request.task_type)
-        better = None
-        if count == 1 and run_s and now_rate is not None and best > now_rate:
-            better = usable.better_in(x.request, by_id, best, now)
+        if request.duration_s:
+            run_s: float | None = float(request.duration_s)
+        else:
+            task = request.task_type
+            if task not in run_of:
+                run_of[task] = m.typical_run_s(task)
+            run_s = run_of[task]
         n, since = m.queue_passes.get(x.id, (0, None))
-        cands.append(Candidate(x.id, rank[x.id], top, now_rate, best, n, since, run_s, better, sd))
+        cands.append(Candidate(x.id, rank[x.id], top, now_rate, best, n, since, run_s, better if run_s else None, sd))
     pick = choose(cands, m.policy.fairness, now)
     for lease_id, why in pick.waiting.items():
         m.queue_notes[lease_id] = why
