@@ -13,7 +13,10 @@ One decision = ``lease_queue._next_grant(m)`` plus, for the lease it returns, th
 the clock moves 10 s, and the lease granted leaves the queue for a new one at its tail (the queue stays at 50).
 Figures: (a) ``leases.queue_order = advantage``, predictions cached (steady state); (b) the first decision after
 a model switch (a new bundle and scorer handed to ``placer.use`` before each timed decision: every cache of the
-model cold); (c) strict serve order (``Fairness(enabled=False)``), the baseline.
+model cold); (c) strict serve order (``Fairness(enabled=False)``), the baseline. The bench's records hold nothing
+beyond each (task, model) pair's rate, so the fit keeps the matrix alone (residual weight 0: no tree is walked); the
+"trees" rows repeat (a) and (b) with the same model's trees kept (weight 1), as a fit keeps them where the devices'
+own figures carry signal.
 The three rows take turns in ten rounds (a slow spell of a shared machine falls on each alike), each share after
 some untimed decisions. Wall time and this thread's CPU time are both printed (a loaded machine inflates the
 first), with the placer's share of the wall time. Targets: p99 <= 1 ms (16 GPUs) and <= 3 ms (64 GPUs). Prints figures; asserts nothing.
@@ -170,12 +173,17 @@ class Bench:
             self.enqueue(self.now)
         self.flip()
 
-    def fresh_model(self) -> None:
+    def fresh_model(self, of: ModelBundle) -> None:
         """A model switch as services.model_follow makes it: a new bundle (its own feature encoder, so its device
         rows are cold too) and scorer handed to placer.use, which clears the placer's predictions."""
-        bundle = copy.copy(self.bundle)
-        bundle.encoder = FeatureEncoder(self.bundle.vocabulary)
+        bundle = copy.copy(of)
+        bundle.encoder = FeatureEncoder(of.vocabulary)
         self.placer.use(LearnedScorer(bundle), f"v{self.serial}")
+
+    def using(self, bundle: ModelBundle) -> None:
+        """The placer decides with this model from now on (a switch, as fresh_model, when it is another)."""
+        if getattr(self.placer.scorer, "bundle", None) is not bundle:
+            self.placer.use(LearnedScorer(bundle), f"v{self.serial}")
 
 
 def decide(m: LeaseManager) -> Lease | None:
@@ -281,12 +289,19 @@ def main() -> int:
     bundle = fit(examples_from_records(records(3000, rng)))
     fit_s = time.perf_counter() - t0
     loaded = ModelBundle.from_bytes(bundle.to_bytes())
+    # the same model with its trees kept: where the devices' own figures carry signal (probe score, NUMA, memory
+    # headroom) the fit keeps them (residual weight 1) and every prediction walks them; this bench's records have
+    # none beyond the (task, model) pairs, so its fit keeps the matrix alone
+    trees = copy.copy(loaded)
+    trees.residual_weight = 1.0
     n = args.decisions
     cold_n = max(100, n // 4)
     print(f"model: {bundle.trained_on} records, {len(bundle.estimator._predictors)} trees, fit {fit_s:.2f} s, "
           f"flattened trees {'on' if loaded.forest is not None else 'OFF (estimator.predict)'}; queue of {QUEUE}; "
-          f"{n} timed decisions per row ({cold_n} for the cold rows), the rows in turn over {ROUNDS} rounds")
-    print(f"{'gpus':>4} {'queue':<5} {'policy':<21} {'p50_ms':>7} {'p99_ms':>7} {'cpu_p50':>7} {'cpu_p99':>7} "
+          f"{n} timed decisions per row ({cold_n} for the cold rows), the rows in turn over {ROUNDS} rounds; "
+          f"residual weight {loaded.residual_weight:g} ({'the trees kept' if loaded.walks_trees else 'the matrix alone predicts'}), "
+          f"'trees' rows: the same model with its trees kept")
+    print(f"{'gpus':>4} {'queue':<5} {'policy':<24} {'p50_ms':>7} {'p99_ms':>7} {'cpu_p50':>7} {'cpu_p99':>7} "
           f"{'place':>5} {'target_p99':>10}")
     notes = []
     for size in (16, 64):
@@ -294,10 +309,12 @@ def main() -> int:
         for mixed in (False, True):
             qname = "mixed" if mixed else "same"
             b = Bench(gpus, loaded, mixed, seed=size * 10 + mixed)
-            rows: list[tuple[str, Callable[[], None] | None, LeasePolicy, int]] = [
-                ("strict (baseline)", None, LeasePolicy(fairness=Fairness(enabled=False)), n),
-                ("advantage, warm", None, LeasePolicy(), n),
-                ("advantage, cold model", b.fresh_model, LeasePolicy(), cold_n),
+            rows: list[tuple[str, Callable[[], None] | None, LeasePolicy, int, ModelBundle]] = [
+                ("strict (baseline)", None, LeasePolicy(fairness=Fairness(enabled=False)), n, loaded),
+                ("advantage, warm", None, LeasePolicy(), n, loaded),
+                ("advantage, cold model", lambda: b.fresh_model(loaded), LeasePolicy(), cold_n, loaded),
+                ("advantage, warm, trees", None, LeasePolicy(), n, trees),
+                ("advantage, cold, trees", lambda: b.fresh_model(trees), LeasePolicy(), cold_n, trees),
             ]
             # the rows take turns, ROUNDS rounds of a share each, so that a slow spell of a shared machine falls on
             # every row alike; before each share some untimed decisions (after a cold share, the model in use is
@@ -305,8 +322,9 @@ def main() -> int:
             samples = {name: Samples() for name, *_ in rows}
             settle_heap()  # as the agent does once started (agent.gc_freeze, on by default)
             for _ in range(ROUNDS):
-                for name, before, policy, count in rows:
+                for name, before, policy, count, model in rows:
                     b.m.policy = policy
+                    b.using(model)  # a switch when the row before used another (its untimed decisions warm it)
                     run(b, WARM_UP // ROUNDS if before is None else 2, before)
                     run(b, count // ROUNDS, before, into=samples[name])
                     if before is not None:
@@ -314,7 +332,7 @@ def main() -> int:
             for name, *_ in rows:
                 r = samples[name].figures()
                 tgt = f"{TARGETS[size]:.1f}" if name.startswith("advantage") else ""
-                print(f"{size:>4} {qname:<5} {name:<21} {r['p50']:>7.3f} {r['p99']:>7.3f} {r['cpu50']:>7.3f} "
+                print(f"{size:>4} {qname:<5} {name:<24} {r['p50']:>7.3f} {r['p99']:>7.3f} {r['cpu50']:>7.3f} "
                       f"{r['cpu99']:>7.3f} {r['place']:>5.0%} {tgt:>10}" + (f"  ({r['idle']} granted nothing)"
                                                                            if r["idle"] else ""))
             compared, asked, ahead = census(b, 300)

@@ -102,13 +102,26 @@ class ModelBundle:
         out: np.ndarray = self.residual_weight * raw + _bases(self.matrix, pairs, self._base)
         return out
 
-    def _raw(self, X: np.ndarray) -> np.ndarray:
+    @property
+    def walks_trees(self) -> bool:
+        """Whether a prediction needs the trees: not for a stacked model whose trees did not earn their place (the
+        matrix alone predicts: its pairs' rates are the whole answer, and neither rows nor trees are worked out)."""
+        return not (self.stacked and self.residual_weight == 0.0)
+
+    def _raw(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> np.ndarray:
+        """The trees' raw predictions for the request on the devices (zeros where they are not used)."""
+        if not self.walks_trees:
+            return np.zeros(len(devices))
+        return self._walk(self.encoder.matrix(request, devices))
+
+    def _walk(self, X: np.ndarray) -> np.ndarray:
+        """The trees' raw predictions for the rows of X (the flattened forest where it was checked, else sklearn)."""
         out: np.ndarray = self.forest.predict(X) if self.forest is not None else self.estimator.predict(X)
         return out
 
     def predict_relative(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> np.ndarray:
         """Scores for the devices (relative work rate, utilisation or completion), one batched call."""
-        raw = self._raw(self.encoder.matrix(request, devices))
+        raw = self._raw(request, devices)
         if self.target != "work_rate":
             return raw
         task = request.task_type
@@ -133,7 +146,7 @@ class ModelBundle:
         """Each device's predicted work rate for the request's task type, in the guest's unit ("work_rate" target,
         a task type it was trained on)."""
         task = request.task_type
-        raw = self._raw(self.encoder.matrix(request, devices))
+        raw = self._raw(request, devices)
         raw = self._shared(task, devices, self._stack(((task, d.model) for d in devices), raw))
         out: np.ndarray = np.exp(raw + self.norms[task])
         return out
@@ -142,7 +155,8 @@ class ModelBundle:
         """Predictions in the target's natural unit (work rate in the guest's unit for "work_rate")."""
         if not examples:
             return np.empty(0)
-        raw = self._raw(self.encoder.rows((e.request, e.device) for e in examples))
+        raw = (self._walk(self.encoder.rows((e.request, e.device) for e in examples)) if self.walks_trees
+               else np.zeros(len(examples)))
         if self.target != "work_rate":
             return raw
         raw = self._stack(_pairs(examples), raw)

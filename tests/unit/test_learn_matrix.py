@@ -100,7 +100,7 @@ def test_the_scorer_stands_on_the_matrix_and_uses_it_alone_for_pairs_never_seen_
     assert got[0] / got[1] == pytest.approx(10.0, rel=0.2)  # Y is a tenth of X for the other task types: so here
     # a pair seen together: the matrix's rate, times the trees' part as far as it earned its place (stacked)
     seen = bundle.predict_relative(PlacementRequest(task_type="a"), [dev("g1", "Y")])
-    trees = bundle._raw(bundle.encoder.matrix(PlacementRequest(task_type="a"), [dev("g1", "Y")]))[0]
+    trees = bundle._walk(bundle.encoder.matrix(PlacementRequest(task_type="a"), [dev("g1", "Y")]))[0]
     assert bundle.stacked and bundle.residual_weight in (0.0, 1.0)
     assert math.log(seen[0]) == pytest.approx(math.log(bundle.matrix.cell("a", "Y").rate)  # type: ignore[union-attr]
                                               + bundle.residual_weight * trees)

@@ -15,7 +15,7 @@ from hostagent.domain.errors import InvalidInput, NotFound
 from hostagent.domain.placement import PlacementRequest, place
 from hostagent.learn import lifecycle
 from hostagent.learn.forest import CompiledForest
-from hostagent.learn.model import LearnedScorer, ModelBundle, fit
+from hostagent.learn.model import LearnedScorer, ModelBundle, fit, matrix_base
 from hostagent.learn.records import examples_from_records, tenant_weights
 from tests.support.placement import TRUTH, FakeStore, OnlyThese, dev, gpu_rows, store_records
 
@@ -278,6 +278,43 @@ def test_the_trees_are_kept_only_where_they_lower_the_held_out_error() -> None:
     assert got[1] / got[0] == pytest.approx(0.5, rel=0.15)
 
 
+class _Counting:
+    """Stands in for the flattened trees and the feature encoder: counts the walks and the rows asked for."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.calls = real, 0
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.real, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return fn(*args, **kwargs)
+        return counted
+
+
+@pytest.mark.parametrize("slow", [None, 0.5])
+def test_trees_that_did_not_earn_their_place_are_not_walked(slow: float | None) -> None:
+    # the matrix alone predicts (residual weight 0): the same figures as 0 x the trees' part, without encoding a
+    # row or walking a tree (a decision's placer call and the queue's predictions cost a fraction); kept trees are
+    bundle = _young_bundle(400, seed=0, slow=slow)
+    r, views = PlacementRequest(task_type="a"), [dev("g0", "X", probe_score=1.0), dev("g2", "X", probe_score=0.5),
+                                                 dev("g1", "Y")]
+    X = bundle.encoder.matrix(r, views)
+    expected = np.exp(bundle._shared("a", views, bundle.residual_weight * bundle._walk(X)
+                                     + np.array([matrix_base(bundle.matrix, "a", v.model) for v in views])))
+    examples = examples_from_records(store_records(20, seed=5), gpu_rows())
+    expected_ex = bundle.predict_examples(examples)
+    bundle.forest, bundle.encoder = _Counting(bundle.forest), _Counting(bundle.encoder)
+    got = bundle.predict_relative(r, views)
+    assert np.array_equal(got, expected) and np.array_equal(bundle.predict_examples(examples), expected_ex)
+    rates = bundle.predict_rates(r, views)
+    assert np.allclose(rates / rates[0], got / got[0])
+    walked = slow is not None
+    assert bundle.walks_trees is walked and bundle.residual_weight == float(walked)
+    assert (bundle.forest.calls, bundle.encoder.calls) == ((3, 3) if walked else (0, 0))
+
+
 def test_an_artifact_from_before_the_stacking_predicts_as_it_did() -> None:
     bundle = _young_bundle(300, seed=1)
     d = sio.loads(bundle.to_bytes(), trusted=sio.get_untrusted_types(data=bundle.to_bytes()))
@@ -285,7 +322,7 @@ def test_an_artifact_from_before_the_stacking_predicts_as_it_did() -> None:
     old = ModelBundle.from_bytes(sio.dumps(d))
     assert not old.stacked
     r = PlacementRequest(task_type="a")
-    trees = old._raw(old.encoder.matrix(r, DEVICES))
+    trees = old._walk(old.encoder.matrix(r, DEVICES))
     assert np.allclose(old.predict_relative(r, DEVICES), np.exp(trees))  # the trees alone, as then
     assert (ModelBundle.from_bytes(bundle.to_bytes()).residual_weight, bundle.stacked) == (bundle.residual_weight, True)
     util = fit(examples_from_records(store_records(100), gpu_rows()), target="utilization")
