@@ -490,6 +490,11 @@ class Quota:
     max_gpu_hours_per_day: float = 0.0
     max_priority: int | None = None
 
+    @property
+    def caps(self) -> bool:
+        """Whether it limits how many GPUs its class may take (GPUs held, or GPU-hours a day)."""
+        return bool(self.max_gpus or self.max_gpu_hours_per_day)
+
 
 def new_lease(lease_id: str, domain_uuid: str, domain_name: str, request: LeaseRequest, now: float) -> Lease:
     """A fresh lease in REQUESTED."""

@@ -29,6 +29,12 @@ def _classes(m: LeaseCore, domain_uuid: str, domain_name: str
     return out
 
 
+def any_caps(m: LeaseCore) -> bool:
+    """Whether any quota class (the VMs', a project's) limits how many GPUs it may take: without one, every
+    request's quota cap is its own size."""
+    return m.policy.vm_quota.caps or any(quota.caps for _, quota, _ in m.policy.project_quotas)
+
+
 def use_of(m: LeaseCore, match: Callable[[str, str], bool], quota: Quota, *, exclude: str | None = None
            ) -> TenantUse:
     """What the tenant `match` picks holds (leases granted or being granted), has queued (each queued request
@@ -57,7 +63,7 @@ def quota_cap_for(m: LeaseCore, domain_uuid: str, domain_name: str, request: Lea
     or when a whole request does not fit)."""
     n = request.gpus
     for who, quota, match in _classes(m, domain_uuid, domain_name):
-        if not quota.max_gpus and not quota.max_gpu_hours_per_day:
+        if not quota.caps:
             continue  # a class without limits caps nothing: no walk of every lease for it (the queue asks often)
         n = quota_cap(who, quota, use_of(m, match, quota, exclude=exclude), dataclasses.replace(request, gpus=n))
     return n

@@ -39,7 +39,8 @@ from hostagent.domain.lease import (
 )
 from hostagent.domain.terms import check_requires, resolve_memory, resolve_throughput
 from hostagent.services import bookings
-from hostagent.services.admission import apply_priority_policy, cap_length, check_queue_share, quota_cap_for
+from hostagent.services.admission import (any_caps, apply_priority_policy, cap_length, check_queue_share,
+                                         quota_cap_for)
 from hostagent.services.faults import crash_point
 from hostagent.services.lease_types import (LOGGER, LeaseCore, clocked, guest_addr, render_hostdevs, step_hook,
                                            with_live_addresses)
@@ -306,6 +307,8 @@ def quota_view(m: LeaseCore) -> Callable[[Lease], int]:
     shape: a queued lease's answer depends only on its tenant's use less its own share (which its size and
     accept_partial fix) and on that size, so equal leases of one VM share it. A queue of one VM's hundreds of
     requests then costs a few quota reckonings, not one walk of every lease each."""
+    if not any_caps(m):  # no quota limits anything: each asks its own size (quota_cap_for's answer, without a walk)
+        return lambda lease: lease.request.gpus
     memo: dict[tuple[str, str, int, bool], int] = {}
 
     def allows(lease: Lease) -> int:

@@ -194,7 +194,8 @@ def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None
             if len(free) >= need or (x.request.accept_partial and free):
                 ready.append((x, free, min(need, len(free)), None))
         else:
-            room = backfill_room(m, dataclasses.replace(x.request, gpus=need), free, now, hs)
+            asked = x.request if need == x.request.gpus else dataclasses.replace(x.request, gpus=need)  # (replace: 3 us)
+            room = backfill_room(m, asked, free, now, hs)
             if room is not None:
                 ready.append((x, room[0], min(need, len(room[0])), room[1]))
         if len(ready) == 1 and ready[0][0] is x and _strict(m, x):
