@@ -325,7 +325,7 @@ class _Usable:
             if room is not None:
                 at_now = self.kth_of(request, room, count)
             best = by_id[at_best]
-            now_rate = by_id.get(at_now, 0.0) if at_now is not None else None
+            now_rate = by_id[at_now] if at_now is not None else None  # (every GPU ranked has a rate)
             sd = 0.0
             if now_rate is not None and at_now is not None and now_rate < best:  # a ratio of two predictions
                 sds = self.sds(request)

@@ -405,3 +405,47 @@ async def test_the_queue_prices_each_kind_of_work_once_whatever_its_length(tmp_p
     # made for the work alone (no length, no priority: they move every GPU's prediction alike)
     assert sorted(r.task_type for r in asked) == ["bert", "ncf"], asked
     assert all(r.duration_s is None and r.priority == 0 for r in asked), asked
+
+
+def test_a_request_shapes_terms_are_its_rates_their_deviation_and_its_wait(tmp_path: Path) -> None:
+    # what comparative advantage weighs per request shape and size, worked out once per decision: the best rate on
+    # the host, the rate now (of a backfill's own room when it has one), the deviation of their ratio (none at its
+    # best rate, whichever GPU gives it) and, for a single GPU below its best, when a GPU of its best rate frees
+    rig = make_rig(tmp_path, scenario="demo16")
+    m = rig.runtime.manager
+    rig.runtime.placer.use(Unsure(0.5), "v-unsure")
+    now = m.clock()
+    by_model = {k: [g for g in m.gpus.values() if k in g.model] for k in ("A100", "V100", "RTX 6000", "T4")}
+    for k, gpu in enumerate(by_model["A100"]):
+        _hold(m, gpu, now + 300 + 100 * k)  # every A100 busy, the first to free in 300 s
+    _hold(m, by_model["T4"][0], now + 900)  # ncf's first T4 busy, another free: at its best rate all the same
+    bert, ncf = LeaseRequest(task_type="bert"), LeaseRequest(task_type="ncf")
+    usable = lease_queue._Usable(m)
+    spread = (0.5 ** 2 + 0.5 ** 2) ** 0.5
+    now_terms = usable.terms(bert, 1, None, now)
+    assert now_terms == pytest.approx((10.0, 8.0, spread, 300.0))  # a V100 now, an A100 in 300 s
+    room = [by_model["T4"][1]]  # a backfill's room: a T4 (rate 1), however good the other free GPUs are
+    assert usable.terms(bert, 1, room, now) == pytest.approx((10.0, 1.0, spread, 300.0))
+    assert usable.terms(bert, 1, None, now) is now_terms  # once per shape and size; a room is not kept as it
+    assert usable.terms(bert, 2, None, now) == pytest.approx((10.0, 8.0, spread, None))  # a set never waits
+    assert usable.terms(ncf, 1, None, now) == (9.0, 9.0, 0.0, None)  # its best rate now (the second T4): exact
+    rig.runtime.placer.use(TableModel(), "v-table")  # a model that gives no deviations: ratios count as exact
+    assert lease_queue._Usable(m).terms(bert, 1, None, now) == pytest.approx((10.0, 8.0, 0.0, 300.0))
+    m.relative_rates = lambda request, gpus: None  # no model covers it
+    assert lease_queue._Usable(m).terms(bert, 1, None, now) is None
+
+
+def test_a_lease_gone_from_the_queue_leaves_no_pass_count_or_note_behind(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, scenario="demo16")
+    m = rig.runtime.manager
+    rig.runtime.placer.use(TableModel(), "v-table")
+    now = m.clock()
+    for k, (vm, task) in enumerate((("vm-a", "bert"), ("vm-b", "ncf"))):
+        lease = new_lease(f"l-q{k}", f"uuid-{vm}", vm, LeaseRequest(task_type=task, accept_deferred=True), now - 60 + k)
+        m.leases[lease.id] = lease.transition(S.QUEUED, queued_at=now - 60 + k)
+    m.queue_passes["l-gone"], m.queue_notes["l-gone"] = (3, now - 100), "passed over 3 time(s) ..."
+    m.queue_passes["l-q1"] = (1, now - 10)
+    pick = lease_queue._next_grant(m)  # both could start: comparative advantage compares them
+    assert pick is not None and pick[0].id in ("l-q0", "l-q1")
+    assert "l-gone" not in m.queue_passes and "l-gone" not in m.queue_notes
+    assert "l-q1" in m.queue_passes or pick[0].id == "l-q1"  # a lease still queued keeps its count
