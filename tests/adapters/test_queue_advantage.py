@@ -449,3 +449,24 @@ def test_a_lease_gone_from_the_queue_leaves_no_pass_count_or_note_behind(tmp_pat
     assert pick is not None and pick[0].id in ("l-q0", "l-q1")
     assert "l-gone" not in m.queue_passes and "l-gone" not in m.queue_notes
     assert "l-q1" in m.queue_passes or pick[0].id == "l-q1"  # a lease still queued keeps its count
+
+
+class OnlyBert(TableModel):
+    """The table model, trained on bert alone: it covers no other task type."""
+
+    def covers(self, request: PlacementRequest) -> bool:
+        return request.task_type == "bert"
+
+
+def test_where_the_model_does_not_cover_every_request_that_could_start_serve_order_decides(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, scenario="demo16")
+    m = rig.runtime.manager
+    rig.runtime.placer.use(OnlyBert(), "v-bert")
+    now = m.clock()
+    for k, (vm, task) in enumerate((("vm-a", "bert"), ("vm-b", "ncf"), ("vm-c", "bert"))):
+        lease = new_lease(f"l-q{k}", f"uuid-{vm}", vm, LeaseRequest(task_type=task, accept_deferred=True), now - 60 + k)
+        m.leases[lease.id] = lease.transition(S.QUEUED, queued_at=now - 60 + k)
+    m.queue_passes["l-q0"] = (2, now - 30)
+    pick = lease_queue._next_grant(m)  # the head is covered, the one behind it not: nothing to compare them by
+    assert pick is not None and pick[0].id == "l-q0" and pick[3] is None
+    assert m.queue_passes["l-q0"] == (2, now - 30)  # strict order: nobody passed, no count moved
