@@ -117,7 +117,7 @@ def choose(candidates: Sequence[Candidate], fairness: Fairness, now: float) -> P
         return Pick(None, f"{blocked.id} is due (passed over {blocked.passes} time(s)) and waits for its GPUs")
     if len(cls) == 1:
         return Pick(cls[0].id, "first in serve order")
-    due = [c for c in cls if (c.passes or c.passed_since is not None) and c.due(fairness, now)]
+    due = [c for c in cls if c.due(fairness, now)]
     if due:
         c = due[0]
         return Pick(c.id, f"served in turn: passed over {c.passes} time(s)"
@@ -149,15 +149,15 @@ def choose(candidates: Sequence[Candidate], fairness: Fairness, now: float) -> P
 
 
 def _first_of_the_most_efficient(pool: Sequence[Candidate]) -> tuple[Candidate, Candidate]:
-    """(the earliest in serve order among the candidates whose efficiency the predictions cannot tell apart from the
-    highest: a log-efficiency gap within the two candidates' combined standard deviation, exact ties when it is 0;
-    the most efficient)."""
+    """Of a pool in serve order: (the earliest among the candidates whose efficiency the predictions cannot tell apart
+    from the highest: a log-efficiency gap within the two candidates' combined standard deviation, exact ties when it
+    is 0; the most efficient, the earliest of them)."""
     eff = [(c, c.efficiency) for c in pool]  # each worked out once
     top, most = eff[0]
-    level = round(most, 9)  # the highest efficiency (to 9 places), the earliest in serve order among equals
+    level = round(most, 9)  # the highest efficiency (to 9 places): the first in the pool (serve order) among equals
     for c, e in eff:
         r = round(e, 9)
-        if r > level or (r == level and c.order < top.order):
+        if r > level:
             top, most, level = c, e, r
     if most <= 0:
         return min(pool, key=lambda c: c.order), top

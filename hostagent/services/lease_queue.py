@@ -433,7 +433,7 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
                 run_of[task] = m.typical_run_s(task)
             run_s = run_of[task]
         n, since = m.queue_passes.get(x.id, (0, None))
-        cands.append(Candidate(x.id, rank[x.id], top, now_rate, best, n, since, run_s, better if run_s else None, sd))
+        cands.append(Candidate(x.id, rank[x.id], top, now_rate, best, n, since, run_s, better, sd))  # (no wait without run_s)
     pick = choose(cands, m.policy.fairness, now)
     for lease_id, why in pick.waiting.items():
         m.queue_notes[lease_id] = why

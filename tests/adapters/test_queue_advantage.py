@@ -444,11 +444,12 @@ def test_a_lease_gone_from_the_queue_leaves_no_pass_count_or_note_behind(tmp_pat
         lease = new_lease(f"l-q{k}", f"uuid-{vm}", vm, LeaseRequest(task_type=task, accept_deferred=True), now - 60 + k)
         m.leases[lease.id] = lease.transition(S.QUEUED, queued_at=now - 60 + k)
     m.queue_passes["l-gone"], m.queue_notes["l-gone"] = (3, now - 100), "passed over 3 time(s) ..."
-    m.queue_passes["l-q1"] = (1, now - 10)
-    pick = lease_queue._next_grant(m)  # both could start: comparative advantage compares them
-    assert pick is not None and pick[0].id in ("l-q0", "l-q1")
+    m.queue_passes["l-q1"], m.queue_notes["l-q0"] = (1, now - 10), "waiting for a better GPU: ..."
+    pick = lease_queue._next_grant(m)  # both could start, each at its best rate: the first in serve order goes
+    assert pick is not None and pick[0].id == "l-q0" and pick[3] is None  # in its turn, nobody passed: no reason
     assert "l-gone" not in m.queue_passes and "l-gone" not in m.queue_notes
-    assert "l-q1" in m.queue_passes or pick[0].id == "l-q1"  # a lease still queued keeps its count
+    assert "l-q0" not in m.queue_notes  # the lease granted is no longer told why it waits
+    assert m.queue_passes["l-q1"] == (1, now - 10)  # a lease still queued keeps its count
 
 
 class OnlyBert(TableModel):

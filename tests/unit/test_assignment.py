@@ -110,6 +110,11 @@ def test_the_fairness_bound_stops_starvation() -> None:
     assert held.chosen is None and "A is due" in held.reason
     # a due request is never passed over by a waiting one either
     assert choose([poor(3), Candidate("B", 1, 0, now=10.0, best=10.0, run_s=1.0, better_in_s=0.0)], F, 0.0).chosen == "A"
+    # of several due requests that cannot start, the earliest in serve order is the one named, whatever the order given
+    stuck_too = Candidate("Z", 2, 0, now=None, best=10.0, passes=4)
+    assert "A is due" in choose([stuck_too, good, stuck], F, now=0.0).reason
+    # a bound of 0 passes: every request is due, so serve order decides
+    assert choose([poor(0), good], Fairness(max_passes=0, max_delay_s=100.0), now=0.0).chosen == "A"
 
 
 def test_priorities_are_never_inverted() -> None:
