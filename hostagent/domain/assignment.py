@@ -135,8 +135,8 @@ def choose(candidates: Sequence[Candidate], fairness: Fairness, now: float) -> P
     if not pool:  # every one of them would rather wait: a free GPU is never left idle for a wait
         pool, waiting = cls, {}
     best, top = _first_of_the_most_efficient(pool)
-    unsure = (f"; {top.id}'s {top.efficiency:.0%} is within the model's uncertainty of it" if top is not best
-              and round(top.efficiency, 9) > round(best.efficiency, 9) else "")
+    # (top is the first of the most efficient in serve order: any other chosen is less efficient, within the deviation)
+    unsure = f"; {top.id}'s {top.efficiency:.0%} is within the model's uncertainty of it" if top is not best else ""
     passed = tuple(x.id for x in cls if x.order < best.order and x.id not in waiting)
     if not passed:
         return Pick(best.id, f"first in serve order ({best.efficiency:.0%} of its best rate on the GPUs free now"
