@@ -299,7 +299,8 @@ def main() -> int:
     print(f"model: {bundle.trained_on} records, {len(bundle.estimator._predictors)} trees, fit {fit_s:.2f} s, "
           f"flattened trees {'on' if loaded.forest is not None else 'OFF (estimator.predict)'}; queue of {QUEUE}; "
           f"{n} timed decisions per row ({cold_n} for the cold rows), the rows in turn over {ROUNDS} rounds; "
-          f"residual weight {loaded.residual_weight:g} ({'the trees kept' if loaded.walks_trees else 'the matrix alone predicts'}), "
+          f"residual weight {loaded.residual_weight:g} "
+          f"({'the trees kept' if loaded.walks_trees else 'the matrix alone predicts'}), "
           f"'trees' rows: the same model with its trees kept")
     print(f"{'gpus':>4} {'queue':<5} {'policy':<24} {'p50_ms':>7} {'p99_ms':>7} {'cpu_p50':>7} {'cpu_p99':>7} "
           f"{'place':>5} {'target_p99':>10}")
