@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Mutation testing (issue #28) with mutmut 3: mutate hostagent/domain, services, store and the web handlers, run for
-# each mutant only the fast tests that cover it, and print the score per package. See docs/testing.md.
+# Mutation testing (issue #28) with mutmut 3: mutate hostagent/domain, services, store, the placement model (learn/)
+# and the web handlers, run for each mutant only the fast tests that cover it, and print the score per package.
+# See docs/testing.md.
 #
 #   bash scripts/mutation.sh [PACKAGE] [--sample N] [--cap DURATION] [--jobs N] [--fresh]
 #
-#   PACKAGE      domain | services | store | web | all (default all).
+#   PACKAGE      domain | services | store | learn | web | all (default all).
 #   --sample N   test one mutant in N, the same ones every time (default: 50 for all, under an hour on 2 CPUs;
 #                1, every mutant, for one package; see docs/testing.md).
 #   --cap D      stop after D (600, 600s, 25m, 1h; default 60m; 0 = no cap). Results so far are kept in mutants/,
@@ -23,7 +24,7 @@ cd "$repo"
 pkg=all cap=60m jobs=$(nproc) fresh=0 sample=
 while [ $# -gt 0 ]; do
   case "$1" in
-    domain|services|store|web|all) pkg=$1 ;;
+    domain|services|store|learn|web|all) pkg=$1 ;;
     --cap) cap=${2:?--cap needs a duration}; shift ;;
     --cap=*) cap=${1#--cap=} ;;
     --jobs) jobs=${2:?--jobs needs a number}; shift ;;
@@ -31,7 +32,7 @@ while [ $# -gt 0 ]; do
     --sample) sample=${2:?--sample needs a number}; shift ;;
     --sample=*) sample=${1#--sample=} ;;
     --fresh) fresh=1 ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "mutation: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
@@ -59,7 +60,7 @@ start=$(date +%s)
 
 # Make the mutants first (mutmut run's own first step, alone), so the mutants to test can be named: those of one
 # package, one in N with --sample, and only those without a result (a capped run's next run goes on, not over).
-if [ "$pkg" = all ]; then pkgs=(domain services store web); else pkgs=("$pkg"); fi
+if [ "$pkg" = all ]; then pkgs=(domain services store learn web); else pkgs=("$pkg"); fi
 args=()
 if .venv/bin/python scripts/mutation_score.py generate --jobs "$jobs"; then
   if [ "$pkg" != all ] || [ "$sample" != 1 ]; then

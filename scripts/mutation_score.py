@@ -34,7 +34,7 @@ except Exception:  # pragma: no cover - mutmut missing or reorganised: the 3.x t
                       37: "caught by type check", -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout",
                       -11: "segfault", -9: "segfault"}
 
-PACKAGES = ("domain", "services", "store", "web")
+PACKAGES = ("domain", "services", "store", "learn", "web")
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ROOT / "mutants"
 ARTIFACTS = ROOT / "artifacts" / "mutation"
