@@ -97,6 +97,8 @@ def test_the_scorer_stands_on_the_matrix_and_uses_it_alone_for_pairs_never_seen_
     assert cell is not None and cell.n == 0
     got = bundle.predict_relative(PlacementRequest(task_type="b"), [dev("g0", "X"), dev("g1", "Y")])
     assert got[1] == pytest.approx(cell.rate)  # the matrix's, not the trees'
+    rate = bundle.predict_rates(PlacementRequest(task_type="b"), [dev("g1", "Y")])[0]  # in the guest's unit, the same
+    assert rate == pytest.approx(math.exp(math.log(cell.rate) + bundle.norms["b"]))
     assert got[0] / got[1] == pytest.approx(10.0, rel=0.2)  # Y is a tenth of X for the other task types: so here
     # a pair seen together: the matrix's rate, times the trees' part as far as it earned its place (stacked)
     seen = bundle.predict_relative(PlacementRequest(task_type="a"), [dev("g1", "Y")])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 from typing import Any
 
@@ -313,6 +315,23 @@ def test_trees_that_did_not_earn_their_place_are_not_walked(slow: float | None) 
     walked = slow is not None
     assert bundle.walks_trees is walked and bundle.residual_weight == float(walked)
     assert (bundle.forest.calls, bundle.encoder.calls) == ((3, 3) if walked else (0, 0))
+
+
+def test_without_the_flattened_trees_the_estimator_predicts_the_same() -> None:
+    # a forest that fails its check at load is dropped (bundle.forest None): scikit-learn's predict stands in
+    bundle = _young_bundle(400, seed=0, slow=0.5)
+    r = PlacementRequest(task_type="a")
+    flat = bundle.predict_relative(r, DEVICES)
+    bundle.forest = None
+    assert np.allclose(bundle.predict_relative(r, DEVICES), flat)
+    assert len(bundle.predict_examples([])) == 0
+    # an example of a task type the model never saw is priced at the mean of the task types' levels
+    seen = examples_from_records(store_records(3, seed=4), gpu_rows())
+    odd = [dataclasses.replace(e, request=dataclasses.replace(e.request, task_type="never-seen")) for e in seen]
+    mean = float(np.mean(list(bundle.norms.values())))
+    e = odd[0]
+    part = bundle._stack([(e.request.task_type, e.device.model)], bundle._walk(bundle.encoder.rows([(e.request, e.device)])))
+    assert bundle.predict_examples(odd[:1])[0] == pytest.approx(math.exp(part[0] + mean)) and abs(mean) > 0.1
 
 
 def test_an_artifact_from_before_the_stacking_predicts_as_it_did() -> None:
