@@ -17,7 +17,7 @@ model cold); (c) strict serve order (``Fairness(enabled=False)``), the baseline.
 beyond each (task, model) pair's rate, so the fit keeps the matrix alone (residual weight 0: no tree is walked); the
 "trees" rows repeat (a) and (b) with the same model's trees kept (weight 1), as a fit keeps them where the devices'
 own figures carry signal.
-The three rows take turns in ten rounds (a slow spell of a shared machine falls on each alike), each share after
+The rows take turns in ten rounds (a slow spell of a shared machine falls on each alike), each share after
 some untimed decisions. Wall time and this thread's CPU time are both printed (a loaded machine inflates the
 first), with the placer's share of the wall time. Targets: p99 <= 1 ms (16 GPUs) and <= 3 ms (64 GPUs). Prints figures; asserts nothing.
 
