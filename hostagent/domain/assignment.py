@@ -160,9 +160,9 @@ def _first_of_the_most_efficient(pool: Sequence[Candidate]) -> tuple[Candidate, 
         if r > level:
             top, most, level = c, e, r
     if most <= 0:
-        return min(pool, key=lambda c: c.order), top
+        return pool[0], top
     close = [c for c, e in eff if e > 0 and math.log(most / e) <= math.hypot(top.sd, c.sd) + 1e-9]
-    return min(close, key=lambda c: c.order), top
+    return close[0], top  # (top is among them: the pool's order is serve order)
 
 
 __all__ = ["Candidate", "Fairness", "Pick", "choose"]
