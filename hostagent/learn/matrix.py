@@ -9,12 +9,14 @@ plus a GPU-model effect plus the pair's own interaction:
 `a` and `b` are fitted by backfitting over every finished lease that reported work (each GPU model's speed is
 learned from every task type that ran on it, and the other way round). The interaction is the pair's mean
 residual shrunk towards zero by empirical Bayes: with `s2` the variance of a lease's rate around its pair's mean
-(pooled) and `t2` the variance of the interactions themselves (method of moments), a pair with `n` leases keeps
-`n / (n + s2 / t2)` of its own residual, so a pair seen twice leans on the shared effects and one seen often
-speaks for itself; no constant is tuned, both variances come from the records. The uncertainty (a standard
-deviation in log space) is the interaction's posterior variance plus that of the two effects. A pair never seen
-gets `a_t + b_m` with the interactions' spread as its uncertainty; a GPU model never seen has no `b_m` here (the
-placer prices it from its probes' figures: `domain.placement.capability_prior`).
+(pooled) and `t2` the variance of the interactions themselves (method of moments over the residuals' degrees of
+freedom), a pair's prior variance is `v = t2` plus the two effects' own (an effect fitted over few pairs carries
+their interactions: `_effect_var`), and a pair with `n` leases keeps `n / (n + s2 / v)` of its own residual, so a
+pair seen twice leans on the shared effects and one seen often speaks for itself; no constant is tuned, both
+variances come from the records. The uncertainty (a standard deviation in log space) is the pair's posterior
+variance, `v` narrowed by its leases. A pair never seen gets `a_t + b_m` with `v` itself as its uncertainty (what
+the queue's ties read: an early model, fitted on few pairs, says how little it knows); a GPU model never seen has
+no `b_m` here (the placer prices it from its probes' figures: `domain.placement.capability_prior`).
 
 The learned scorer uses the matrix where its trees have nothing to go on: for a task type and a GPU model each
 seen in the records but never together, the trees would extrapolate from neighbours chosen by the split points;
@@ -87,8 +89,17 @@ class ThroughputMatrix:
         resid = {k: mean[k] - a[k[0]] - b[k[1]] for k in cells}
         dof = sum(n.values()) - len(cells)
         s2 = sum(w * (y - mean[k]) ** 2 for k, v in cells.items() for y, w in v) / dof if dof > 0 else 0.0
-        # the spread of the pairs' mean residuals, less what their own noise explains (method of moments)
-        t2 = max(0.0, sum(r * r for r in resid.values()) / len(resid) - sum(s2 / n[k] for k in cells) / len(cells))
+        # the spread of the pairs' mean residuals, less what their own noise explains (method of moments). The
+        # effects took a+b-c degrees of freedom from the pairs (c: the groups of tasks and GPU models linked by
+        # pairs, each with its own level): with 12 pairs of 6 task types and 5 GPU models the residuals keep 2 of
+        # 12, and their mean square alone would put the interactions at a sixth of their spread. Where the effects
+        # took them all, nothing tells the interactions from the effects: they are taken to vary as much as the
+        # pairs do around their task types (a GPU model could be fast for one task type only).
+        dof_pairs = len(cells) - (len(a) + len(b) - _linked_groups(cells))
+        if dof_pairs > 0:
+            t2 = max(0.0, sum(r * r for r in resid.values()) / dof_pairs - sum(s2 / n[k] for k in cells) / len(cells))
+        else:
+            t2 = sum((mean[k] - a[k[0]]) ** 2 for k in cells) / len(cells)
         pairs: dict[str, dict[str, tuple[float, float]]] = defaultdict(dict)
         for (t, m), r in resid.items():
             pairs[t][m] = (r, n[(t, m)])
@@ -104,23 +115,37 @@ class ThroughputMatrix:
         if task not in self.task_effect or model not in self.model_effect:
             return None
         resid, n = self.pairs.get(task, {}).get(model, (0.0, 0.0))
-        keep = n / (n + self.s2 / self.t2) if n and self.t2 > 0 else (1.0 if n and self.s2 == 0 else 0.0)
-        # the interaction's posterior variance, plus the two effects' (each known from its leases)
-        post = (1.0 / (n / self.s2 + 1.0 / self.t2) if n and self.s2 > 0 and self.t2 > 0
-                else (0.0 if n and self.s2 == 0 else self.t2))
-        var = post + self.s2 / max(1, self.task_n.get(task, 0)) + self.s2 / max(1, self.model_n.get(model, 0))
+        # before its own leases the pair is the two effects plus an interaction: as uncertain as the interactions
+        # spread and the two effects are unsure; its leases then narrow it (normal prior, normal mean). A pair seen
+        # often is its own mean, whatever the effects: so against it, a pair never seen carries its task type's
+        # effect's error too, not only its GPU model's
+        prior = (self.t2 + self._effect_var(self.pairs.get(task, {}).values())
+                 + self._effect_var(ms[model] for ms in self.pairs.values() if model in ms))
+        keep = n / (n + self.s2 / prior) if n and prior > 0 else (1.0 if n and self.s2 == 0 else 0.0)
+        var = (1.0 / (n / self.s2 + 1.0 / prior) if n and self.s2 > 0 and prior > 0
+               else (0.0 if n and self.s2 == 0 else prior))
         log_rate = self.task_effect[task] + self.model_effect[model] + keep * resid
         return Cell(task, model, math.exp(log_rate), math.sqrt(var), round(n), "records" if n else "shared")
 
+    def _effect_var(self, pairs: Iterable[tuple[float, float]]) -> float:
+        """The variance of an effect fitted as the lease-weighted mean over its pairs ((residual, leases) each):
+        each pair brings its interaction (`t2`) once, however many leases it has, and each lease its noise (`s2`).
+        An effect known from one pair is as uncertain as an interaction, whatever its leases."""
+        ns = [n for _, n in pairs]
+        total = sum(ns)
+        return self.t2 * sum(x * x for x in ns) / (total * total) + self.s2 / total if total > 0 else 0.0
+
     def sd(self, task: str, model: str) -> float:
         """The log-space standard deviation of the pair's rate: its cell's where the task type and the GPU model were
-        both seen, else the interactions' spread plus the GPU-model effects' (an effect never estimated is as
-        uncertain as the effects vary); 0 for an empty matrix (an artifact from before it)."""
+        both seen, else the interactions' spread plus the task type's effect's error plus the GPU-model effects'
+        spread (an effect never estimated is as uncertain as the effects vary); 0 for an empty matrix (an artifact
+        from before it)."""
         cell = self.cell(task, model)
         if cell is not None:
             return cell.sd
         effects = list(self.model_effect.values())
-        return math.sqrt(self.t2 + (statistics.pvariance(effects) if len(effects) > 1 else 0.0))
+        return math.sqrt(self.t2 + self._effect_var(self.pairs.get(task, {}).values())
+                         + (statistics.pvariance(effects) if len(effects) > 1 else 0.0))
 
     def table(self) -> list[Cell]:
         """Every pair of a seen task type and a seen GPU model, by task then model."""
@@ -143,6 +168,20 @@ class ThroughputMatrix:
                    {str(t): {str(m): (float(x[0]), float(x[1])) for m, x in ms.items()} for t, ms in d["pairs"].items()},
                    float(d["s2"]), float(d["t2"]), {str(k): float(v) for k, v in d["task_n"].items()},
                    {str(k): float(v) for k, v in d["model_n"].items()})
+
+
+def _linked_groups(cells: Iterable[tuple[str, str]]) -> int:
+    """How many groups the pairs link the task types and GPU models into (union-find): each group's effects carry a
+    level of their own."""
+    parent: dict[tuple[int, str], tuple[int, str]] = {}
+
+    def root(x: tuple[int, str]) -> tuple[int, str]:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+    for t, m in cells:
+        parent[root((0, t))] = root((1, m))
+    return len({root(x) for x in list(parent)})
 
 
 def _effect(mean: dict[tuple[str, str], float], n: dict[tuple[str, str], float], other: dict[str, float],

@@ -49,11 +49,14 @@ def test_each_prediction_s_uncertainty_is_what_the_records_show_of_its_pair() ->
     mx = ThroughputMatrix.fit(rows(seen, interaction={("a", "Z"): 1.0, ("b", "X"): -0.8}))
     ax, cz = mx.cell("a", "X"), mx.cell("c", "Z")
     assert ax is not None and cz is not None
+    # never together: the interaction, plus each effect's error (c's over two pairs of 30 leases, as Z's: half an
+    # interaction and the noise of 60 leases each)
+    assert mx.task_n["c"] == mx.model_n["Z"] == 60
     assert mx.sd("a", "X") == ax.sd < 0.1 and mx.sd("c", "Z") == cz.sd == pytest.approx(math.sqrt(
-        mx.t2 + mx.s2 / mx.task_n["c"] + mx.s2 / mx.model_n["Z"]))
+        mx.t2 + 2 * (mx.t2 / 2 + mx.s2 / 60)))
     # a GPU model never seen: the interactions' spread plus the GPU models' (how far its effect could be anywhere)
     spread = sum((v - sum(mx.model_effect.values()) / 3) ** 2 for v in mx.model_effect.values()) / 3
-    assert mx.sd("a", "W") == pytest.approx(math.sqrt(mx.t2 + spread)) and mx.sd("a", "W") > cz.sd
+    assert mx.sd("a", "W") == pytest.approx(math.sqrt(mx.t2 + (mx.t2 / 3 + mx.s2 / 90) + spread))
     assert ThroughputMatrix().sd("a", "X") == 0.0  # no matrix (an artifact from before it): nothing to say
     # the scorer gives them per device, for a work-rate model; none for another target
     truth = {("a", "X"): 100.0, ("a", "Y"): 10.0, ("b", "X"): 50.0, ("b", "Y"): 5.0, ("c", "X"): 20.0, ("c", "Y"): 2.0}
@@ -141,3 +144,67 @@ def test_the_matrix_is_built_only_from_the_stores_records() -> None:
         counts[key] = counts.get(key, 0) + 1
     cells = {(c.task, c.model): c.n for c in res.bundle.matrix.table()}
     assert cells == counts  # every pair and its leases, as the records hold them (nothing else)
+
+
+def _draw(rng: random.Random, tau: float, pairs: int, leases: int = 3, noise: float = 0.05,
+          ) -> tuple[ThroughputMatrix, dict[tuple[str, str], float]]:
+    """A host's first records: 6 task types x 5 GPU models with interactions of spread `tau`, `pairs` of them seen
+    `leases` times each; the matrix fitted on them and the true log rates."""
+    tasks, models = [f"t{i}" for i in range(6)], [f"m{j}" for j in range(5)]
+    a = {t: rng.gauss(0, 0.5) for t in tasks}
+    b = {m: rng.gauss(0, 0.5) for m in models}
+    truth = {(t, m): a[t] + b[m] + rng.gauss(0, tau) for t in tasks for m in models}
+    seen = rng.sample(sorted(truth), pairs)
+    mx = ThroughputMatrix.fit([(t, m, truth[(t, m)] + rng.gauss(0, noise)) for t, m in seen for _ in range(leases)])
+    return mx, truth
+
+
+def test_the_interactions_spread_is_not_taken_for_the_effects_when_the_pairs_are_few() -> None:
+    # 15 of 30 pairs: the 10 effects take 10 of the residuals' 15 degrees of freedom; their mean square alone would
+    # put the interactions at a third of their spread, and an early model would trust extrapolations it cannot
+    rng = random.Random(7)
+    got = [_draw(rng, 0.5, 15)[0].t2 for _ in range(300)]
+    assert sum(got) / len(got) == pytest.approx(0.25, rel=0.15)
+    # every pair explained by the effects (one task type on three GPU models): nothing tells an interaction from a
+    # GPU model's effect, so interactions are taken to vary as the pairs do around their task type
+    one = ThroughputMatrix.fit([("a", "X", 0.6), ("a", "Y", 0.0), ("a", "Z", -0.6)])
+    assert one.t2 == pytest.approx((0.6 ** 2 + 0.6 ** 2) / 3)
+    assert one.cell("a", "X").rate == pytest.approx(math.exp(0.6))  # type: ignore[union-attr]
+    # two groups the pairs do not link (a on X and Y; b on Z and W): each has its own level, 4 effects - 2 levels
+    apart = ThroughputMatrix.fit([("a", "X", 0.5), ("a", "Y", 0.0), ("b", "Z", 0.2), ("b", "W", 0.0)])
+    assert apart.t2 == pytest.approx((0.25 ** 2 * 2 + 0.1 ** 2 * 2) / 4)
+
+
+@pytest.mark.parametrize(("pairs", "within_one", "within_two"), [(12, 0.45, 0.7), (20, 0.6, 0.85)])
+def test_an_early_matrix_says_how_little_it_knows_of_the_pairs_it_never_saw(pairs: int, within_one: float,
+                                                                            within_two: float) -> None:
+    # across many first days, a pair never seen compared with one seen for the same task type (the ratio the queue
+    # reads) is off by about their combined deviation, as a normal deviation is (68 % within one, 95 % within two):
+    # not by several, which would make the queue pass requests over on an extrapolation. (Before the effects' errors
+    # and the residuals' degrees of freedom were counted, 17 % and 34 % were, with 12 pairs of 30 seen; 39 % and
+    # 67 % with 20.) A few degrees of freedom leave the interactions' spread itself unsure: fewer than normal
+    # within one then, but not many more, or every comparison would be a tie.
+    rng = random.Random(11)
+    z: list[float] = []
+    for _ in range(200):
+        mx, truth = _draw(rng, 0.5, pairs)
+        cells = {(c.task, c.model): c for c in mx.table()}
+        for (t, m), c in cells.items():
+            for (t2, m2), seen in cells.items():
+                if c.n == 0 and t2 == t and seen.n:
+                    gap = math.log(c.rate / seen.rate) - (truth[(t, m)] - truth[(t2, m2)])
+                    z.append(abs(gap) / math.hypot(c.sd, seen.sd))
+    one, two = (sum(v <= k for v in z) / len(z) for k in (1, 2))
+    assert within_one <= one <= 0.8 and two >= within_two, (one, two)
+
+
+def test_an_effect_known_from_one_pair_is_as_uncertain_as_an_interaction() -> None:
+    # Z ran only task a, 50 times: its speed is a's rate there, interaction included; b and c on Z are guesses
+    seen = {(t, m): 20 for t in ("a", "b", "c") for m in ("X", "Y")}
+    seen[("a", "Z")] = 50
+    mx = ThroughputMatrix.fit(rows(seen, noise=0.05, interaction={("a", "X"): 0.6, ("b", "Y"): -0.6}))
+    bz, bx = mx.cell("b", "Z"), mx.cell("b", "X")
+    assert bz is not None and bx is not None and mx.t2 > 0
+    # the pair's interaction, Z's effect (one pair: a whole interaction), b's effect (two pairs of 20: half of one)
+    assert bz.sd ** 2 == pytest.approx(mx.t2 + (mx.t2 + mx.s2 / 50) + (mx.t2 / 2 + mx.s2 / 40))
+    assert bz.sd > math.sqrt(2 * mx.t2) > bx.sd
