@@ -84,6 +84,11 @@ def test_interactions_are_kept_where_the_records_show_them_and_shrunk_where_they
     own = mx.pairs["b"]["Y"][0]
     shrunk = math.log(by.rate) - mx.task_effect["b"] - mx.model_effect["Y"]
     assert 0 < shrunk < own
+    # it keeps n / (n + s2 / v) of it, v what the pair could be before its leases: an interaction, plus b's effect's
+    # error and Y's (each over pairs of 20, 20 and 2 leases)
+    v = mx.t2 + 2 * (mx.t2 * (20 ** 2 + 20 ** 2 + 2 ** 2) / 42 ** 2 + mx.s2 / 42)
+    assert shrunk == pytest.approx(own * 2 / (2 + mx.s2 / v))
+    assert by.sd == pytest.approx(math.sqrt(1 / (2 / mx.s2 + 1 / v)))
     assert by.sd > az.sd
     # no interactions at all in the records: the estimate is the additive one for every pair
     flat = ThroughputMatrix.fit(rows({(t, m): 10 for t in TASK for m in MODEL}, noise=0.05))
@@ -173,6 +178,15 @@ def test_the_interactions_spread_is_not_taken_for_the_effects_when_the_pairs_are
     # two groups the pairs do not link (a on X and Y; b on Z and W): each has its own level, 4 effects - 2 levels
     apart = ThroughputMatrix.fit([("a", "X", 0.5), ("a", "Y", 0.0), ("b", "Z", 0.2), ("b", "W", 0.0)])
     assert apart.t2 == pytest.approx((0.25 ** 2 * 2 + 0.1 ** 2 * 2) / 4)
+    # one 2 x 2 block, one lease a pair: 4 pairs less 3 effects leave one degree of freedom, and the residuals of a
+    # pure interaction (+-e) are all of it
+    e = 0.3
+    block = [("a", "X", e), ("a", "Y", -e), ("b", "X", -e), ("b", "Y", e)]
+    assert ThroughputMatrix.fit(block).t2 == pytest.approx(4 * e * e)
+    # two such blocks the pairs do not link, one at another level: 8 pairs less 8 effects less 2 levels leave two. A
+    # task type may share a name with a GPU model (task "X" is not GPU model X)
+    other = [("X", "Z", 1.0 + e), ("X", "W", 1.0 - e), ("d", "Z", 1.0 - e), ("d", "W", 1.0 + e)]
+    assert ThroughputMatrix.fit(block + other).t2 == pytest.approx((4 * e * e + 4 * e * e) / 2)
 
 
 @pytest.mark.parametrize(("pairs", "within_one", "within_two"), [(12, 0.45, 0.7), (20, 0.6, 0.85)])
@@ -202,9 +216,11 @@ def test_an_effect_known_from_one_pair_is_as_uncertain_as_an_interaction() -> No
     # Z ran only task a, 50 times: its speed is a's rate there, interaction included; b and c on Z are guesses
     seen = {(t, m): 20 for t in ("a", "b", "c") for m in ("X", "Y")}
     seen[("a", "Z")] = 50
+    seen[("b", "X")], seen[("b", "Y")] = 30, 10
     mx = ThroughputMatrix.fit(rows(seen, noise=0.05, interaction={("a", "X"): 0.6, ("b", "Y"): -0.6}))
     bz, bx = mx.cell("b", "Z"), mx.cell("b", "X")
     assert bz is not None and bx is not None and mx.t2 > 0
-    # the pair's interaction, Z's effect (one pair: a whole interaction), b's effect (two pairs of 20: half of one)
-    assert bz.sd ** 2 == pytest.approx(mx.t2 + (mx.t2 + mx.s2 / 50) + (mx.t2 / 2 + mx.s2 / 40))
+    # the pair's interaction, Z's effect (one pair: a whole interaction), b's effect (pairs of 30 and 10 leases:
+    # each pair's interaction weighs as its leases do, (30^2 + 10^2) / 40^2 of one)
+    assert bz.sd ** 2 == pytest.approx(mx.t2 + (mx.t2 + mx.s2 / 50) + (mx.t2 * 1000 / 1600 + mx.s2 / 40))
     assert bz.sd > math.sqrt(2 * mx.t2) > bx.sd
