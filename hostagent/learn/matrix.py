@@ -119,21 +119,23 @@ class ThroughputMatrix:
         # spread and the two effects are unsure; its leases then narrow it (normal prior, normal mean). A pair seen
         # often is its own mean, whatever the effects: so against it, a pair never seen carries its task type's
         # effect's error too, not only its GPU model's
-        prior = (self.t2 + self._effect_var(self.pairs.get(task, {}).values())
-                 + self._effect_var(ms[model] for ms in self.pairs.values() if model in ms))
+        prior = self.t2 + self._task_effect_var(task) + self._effect_var(
+            (ms[model][1] for ms in self.pairs.values() if model in ms), self.model_n.get(model, 0.0))
         keep = n / (n + self.s2 / prior) if n and prior > 0 else (1.0 if n and self.s2 == 0 else 0.0)
         var = (1.0 / (n / self.s2 + 1.0 / prior) if n and self.s2 > 0 and prior > 0
                else (0.0 if n and self.s2 == 0 else prior))
         log_rate = self.task_effect[task] + self.model_effect[model] + keep * resid
         return Cell(task, model, math.exp(log_rate), math.sqrt(var), round(n), "records" if n else "shared")
 
-    def _effect_var(self, pairs: Iterable[tuple[float, float]]) -> float:
-        """The variance of an effect fitted as the lease-weighted mean over its pairs ((residual, leases) each):
-        each pair brings its interaction (`t2`) once, however many leases it has, and each lease its noise (`s2`).
-        An effect known from one pair is as uncertain as an interaction, whatever its leases."""
-        ns = [n for _, n in pairs]
-        total = sum(ns)
-        return self.t2 * sum(x * x for x in ns) / (total * total) + self.s2 / total if total > 0 else 0.0
+    def _task_effect_var(self, task: str) -> float:
+        return self._effect_var((n for _, n in self.pairs.get(task, {}).values()), self.task_n.get(task, 0.0))
+
+    def _effect_var(self, leases: Iterable[float], total: float) -> float:
+        """The variance of an effect fitted as the lease-weighted mean over its pairs (`leases`: each pair's, `total`
+        their sum, the effect's `task_n` or `model_n`): each pair brings its interaction (`t2`) once, however many
+        leases it has, and each lease its noise (`s2`). An effect known from one pair is as uncertain as an
+        interaction, whatever its leases."""
+        return self.t2 * sum(x * x for x in leases) / (total * total) + self.s2 / total if total > 0 else 0.0
 
     def sd(self, task: str, model: str) -> float:
         """The log-space standard deviation of the pair's rate: its cell's where the task type and the GPU model were
@@ -144,7 +146,7 @@ class ThroughputMatrix:
         if cell is not None:
             return cell.sd
         effects = list(self.model_effect.values())
-        return math.sqrt(self.t2 + self._effect_var(self.pairs.get(task, {}).values())
+        return math.sqrt(self.t2 + self._task_effect_var(task)
                          + (statistics.pvariance(effects) if len(effects) > 1 else 0.0))
 
     def table(self) -> list[Cell]:
