@@ -175,7 +175,8 @@ def test_the_interactions_spread_is_not_taken_for_the_effects_when_the_pairs_are
     one = ThroughputMatrix.fit([("a", "X", 0.6), ("a", "Y", 0.0), ("a", "Z", -0.6)])
     assert one.t2 == pytest.approx((0.6 ** 2 + 0.6 ** 2) / 3)
     assert one.cell("a", "X").rate == pytest.approx(math.exp(0.6))  # type: ignore[union-attr]
-    # two groups the pairs do not link (a on X and Y; b on Z and W): each has its own level, 4 effects - 2 levels
+    # two groups the pairs do not link (a on X and Y; b on Z and W), each with its own level: the 6 effects less the
+    # 2 levels take all 4 pairs, so here too the interactions vary as the pairs do around their task types
     apart = ThroughputMatrix.fit([("a", "X", 0.5), ("a", "Y", 0.0), ("b", "Z", 0.2), ("b", "W", 0.0)])
     assert apart.t2 == pytest.approx((0.25 ** 2 * 2 + 0.1 ** 2 * 2) / 4)
     # one 2 x 2 block, one lease a pair: 4 pairs less 3 effects leave one degree of freedom, and the residuals of a
