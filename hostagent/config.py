@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hostagent.domain.assignment import Fairness
 from hostagent.domain.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/hostagent/hostagent.toml")
@@ -115,8 +116,8 @@ class LeaseSettings:
     priority_rules: dict[str, dict[str, Any]] = field(default_factory=dict)
     numa_policy: str = "preferred"  # required | preferred | any, for multi-GPU requests
     queue_order: str = "advantage"  # advantage (comparative advantage, bounded) | strict (serve order only)
-    fairness_max_passes: int = 8  # a queued request passed over this often is served in turn
-    fairness_max_delay_s: float = 3600.0  # ... or once first passed over this long ago
+    fairness_max_passes: int = Fairness().max_passes  # a queued request passed over this often is served in turn
+    fairness_max_delay_s: float = Fairness().max_delay_s  # ... or once first passed over this long ago
     booking_horizon_s: float = 30 * 86400.0  # how far ahead a booking (start_at) may start
     booking_lead_s: float = 30.0  # a booking binds at least this long before its start (longer if grants are slower)
     consolidate: bool = False  # perform (not only propose) the moves that free a block for a request on scattered GPUs

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hostagent.domain.assignment import Fairness
 from hostagent.domain.errors import InvalidInput
 from hostagent.domain.placement import Exploration
 from hostagent.learn import datasets
@@ -58,6 +59,7 @@ from hostagent.learn.simulate import (
     POLICIES,
     WARM,
     add_run_options,
+    fairness_of,
     Job,
     SimGpu,
     Table,
@@ -231,6 +233,7 @@ class Task:
     min_records: int
     epsilon: float
     history: list[Job] = field(default_factory=list)
+    fairness: Fairness = Fairness()
 
 
 def run_task(task: Task) -> dict[str, Any]:
@@ -238,7 +241,7 @@ def run_task(task: Task) -> dict[str, Any]:
     t0 = time.perf_counter()
     fig = run_policy(task.policy, task.table, task.host, task.jobs, seed=task.seed, warmup_jobs=task.warmup_jobs,
                      retrain_every=task.retrain_every, min_records=task.min_records,
-                     exploration=Exploration(epsilon=task.epsilon), history=task.history)
+                     exploration=Exploration(epsilon=task.epsilon), fairness=task.fairness, history=task.history)
     return {"load": task.load, "trace": task.trace, **summarise(task.policy, task.seed, fig, task.jobs,
                                                                  task.warmup_jobs),
             "jobs": len(task.jobs), "evaluated_jobs": len(task.jobs) - task.warmup_jobs,
@@ -545,6 +548,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidInput("--traces must be >= 1", field="traces")
     if args.warmup_jobs < 0:
         raise InvalidInput("--warmup-jobs must be >= 0", field="warmup_jobs")
+    fairness = fairness_of(args)
     loads = _parse_loads(args.loads)
     table, host = load_table(args.throughputs), load_host(args.host)
     runs = load_runs([p for p in (args.load_runs or "").split(",") if p.strip()])
@@ -568,7 +572,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             raise InvalidInput(f"{s.name}: --warmup-jobs {args.warmup_jobs} leaves no job to evaluate "
                                f"({len(s.jobs)} jobs)", field="warmup_jobs")
     tasks = [Task(s.load, s.name, p, seed, table, host, s.jobs, args.warmup_jobs, args.retrain_every,
-                  args.min_records, args.epsilon, s.history if p == WARM else [])
+                  args.min_records, args.epsilon, s.history if p == WARM else [], fairness)
              for s in specs for p in policies for seed in range(args.seeds)]
     save = Path(args.save_runs) if args.save_runs else None
     runs += run_tasks(tasks, args.jobs_parallel, progress=args.progress, save=save)
@@ -586,6 +590,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                      "capacity_fifo": headroom[0] if headroom else None,
                      "capacity_best": headroom[1] if headroom else None,
                      "policies": policies, "seeds": args.seeds, "warmup_jobs": args.warmup_jobs,
+                     "fairness": {"max_passes": fairness.max_passes, "max_delay_s": fairness.max_delay_s},
                      "traces": args.traces, "jobs": args.jobs if args.traces is not None else None,
                      "trace_seed": args.trace_seed, "trace_files": args.trace_files,
                      "history": (None if WARM not in policies else args.history_trace

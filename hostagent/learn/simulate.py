@@ -536,15 +536,17 @@ def summarise(policy: str, seed: int, fig: RunFigures, jobs: Sequence[Job], warm
         "memory_violations": int(fig.memory_violations),
         # queue wait (start minus arrival): the p99 is the fairness figure, what reordering the queue costs the unlucky
         "mean_wait_s": float(wait.mean()), "p99_wait_s": float(np.percentile(wait, 99)),
+        "max_wait_s": float(wait.max()),  # the longest: what the fairness bound is there to cap
     }
 
 
 def simulate(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job], *, seeds: int = 3,
              policies: Sequence[str] = DEFAULT_POLICIES, warmup_jobs: int = 300, retrain_every: int = 500,
              min_records: int = 100, exploration: Exploration = Exploration(),
-             history: Sequence[Job] = ()) -> dict[str, Any]:
+             fairness: Fairness = Fairness(), history: Sequence[Job] = ()) -> dict[str, Any]:
     """Run every policy with every seed; return ``{"results": [...], "meta": {...}}``. ``history``: the trace
-    ``model-warm`` runs first (see run_policy)."""
+    ``model-warm`` runs first (see run_policy); ``fairness``: the queue's bound (`leases.fairness_max_passes`,
+    `leases.fairness_max_delay_s`) for the queue-aware policies."""
     jobs, notes = check_inputs(table, host, jobs)
     if history:
         history, _ = check_inputs(table, host, history)
@@ -557,14 +559,16 @@ def simulate(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job], *, seeds
             t0 = time.perf_counter()
             fig = run_policy(policy, table, host, jobs, seed=seed, warmup_jobs=warmup_jobs,
                              retrain_every=retrain_every, min_records=min_records, exploration=exploration,
-                             history=history)
+                             fairness=fairness, history=history)
             results.append(summarise(policy, seed, fig, jobs, warmup_jobs))
             extra.append({"policy": policy, "seed": seed, "rules": fig.rules, "wall_s": time.perf_counter() - t0,
                           "trainings": [{k: v for k, v in tr.items() if k != "metrics"}
                                         | {"holdout_error": (tr.get("metrics") or {}).get("candidate", {}).get("error")}
                                         for tr in fig.trainings]})
     return {"results": results, "meta": {"jobs": len(jobs), "evaluated_jobs": len(jobs) - warmup_jobs,
-                                         "gpus": len(host), "notes": notes, "runs": extra}}
+                                         "gpus": len(host), "notes": notes, "runs": extra,
+                                         "fairness": {"max_passes": fairness.max_passes,
+                                                      "max_delay_s": fairness.max_delay_s}}}
 
 
 def format_table(out: dict[str, Any]) -> str:
@@ -617,8 +621,23 @@ def add_run_options(ap: argparse.ArgumentParser, *, seeds: int, seeds_help: str,
                     help="most completed jobs between retrainings (it retrains when its records double, up to this)")
     ap.add_argument("--min-records", type=int, default=100, help="records before the first model may be trained")
     ap.add_argument("--epsilon", type=float, default=Exploration().epsilon, help="exploration rate once trained")
+    ap.add_argument("--fairness-max-passes", type=int, default=Fairness().max_passes,
+                    help="the queue's fairness bound, as leases.fairness_max_passes: a job passed over this often is "
+                         f"served in turn (default {Fairness().max_passes})")
+    ap.add_argument("--fairness-max-delay-s", type=float, default=Fairness().max_delay_s,
+                    help="... or once first passed over this long ago, as leases.fairness_max_delay_s "
+                         f"(default {Fairness().max_delay_s:g})")
     ap.add_argument("--history-trace", help="model-warm: a trace (CSV, as --trace) that `model` runs first on the same "
                                             "host; the trace under evaluation starts with its records in the store")
+
+
+def fairness_of(args: argparse.Namespace) -> Fairness:
+    """The fairness bound the run options name (an InvalidInput for one the agent's configuration would refuse)."""
+    if args.fairness_max_passes < 1:
+        raise InvalidInput("--fairness-max-passes must be >= 1", field="fairness_max_passes")
+    if not 0 < args.fairness_max_delay_s < math.inf:
+        raise InvalidInput("--fairness-max-delay-s must be a positive number of seconds", field="fairness_max_delay_s")
+    return Fairness(args.fairness_max_passes, args.fairness_max_delay_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -642,6 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = simulate(load_table(args.throughputs), load_host(args.host), load_trace(args.trace), seeds=args.seeds,
                        policies=policies, warmup_jobs=args.warmup_jobs, retrain_every=args.retrain_every,
                        min_records=args.min_records, exploration=Exploration(epsilon=args.epsilon),
+                       fairness=fairness_of(args),
                        history=load_trace(args.history_trace) if args.history_trace else ())
     except InvalidInput as exc:
         print(f"error: {exc.message}", file=sys.stderr)

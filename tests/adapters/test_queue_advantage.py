@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from hostagent.domain.assignment import Fairness
 from hostagent.domain.capabilities import Measured
 from hostagent.domain.lease import LeaseDevice, LeaseRequest, LeaseState, new_lease
 from hostagent.domain.placement import DeviceView, PlacementRequest
@@ -160,11 +161,11 @@ async def test_the_operator_bounds_it_or_turns_it_off(tmp_path: Path, aiohttp_cl
         assert got["state"] == "ACTIVE" and got["devices"][0]["gpu_id"] == t4
         assert (await view(rig, "vm-b", ncf["id"]))["queue"]["note"] is None
         return
-    assert rig.runtime.manager.policy.fairness.max_passes == leases.get("fairness_max_passes", 8)
+    assert rig.runtime.manager.policy.fairness.max_passes == leases.get("fairness_max_passes", Fairness().max_passes)
     await free_a_t4(rig, fillers)  # passed over once: with a bound of 1 time, bert is due
     assert (await view(rig, "vm-b", ncf["id"]))["state"] == "ACTIVE"
     late = await post(rig, "vm-b", 202, gpus=1, task_type="ncf", accept_deferred=True)
-    if "fairness_max_delay_s" in leases:  # under the default bound of 8 times it is passed over again ...
+    if "fairness_max_delay_s" in leases:  # under the default bound of passes it is passed over again ...
         clock.advance(30.0)  # (the bound counts from the first time it was passed over, not the latest)
         t4 = await free_a_t4(rig, fillers)
         assert (await view(rig, "vm-b", late["id"]))["state"] == "ACTIVE"

@@ -218,6 +218,7 @@ def test_simulate_json_reports_queue_wait_computed_by_hand(tmp_path: Path,
     out = simulate.summarise("first-fit", 0, fig, jobs, 1)
     # numpy's linear percentile of (9, 18, 27) at 99: 18 + 0.98 * 9
     assert out["mean_wait_s"] == 18.0 and out["p99_wait_s"] == pytest.approx(18 + 0.98 * 9)
+    assert out["max_wait_s"] == 27.0
     (tmp_path / "t.csv").write_text("job_type,gpu_model,throughput\na,X,10\n")
     (tmp_path / "h.csv").write_text("gpu_id,gpu_model,memory_gib,numa_node\nx,X,16,0\n")
     (tmp_path / "r.csv").write_text("arrival_s,job_type,work,num_gpus\n" + "".join(f"{i},a,100,1\n" for i in range(4)))
@@ -340,3 +341,61 @@ def test_capacity_headroom_by_hand() -> None:
     fifo, _ = evaluate.capacity_headroom(big, host2)  # type: ignore[misc]
     # "a" fits X only: typical 10, X runs it at 1; "b" typical 1.818: X 0.55, Y 5.5. X: 2 / (1/1 + 1/0.55); Y: 5.5
     assert fifo == pytest.approx(2 / (1 + 1 / 0.55) + 5.5, rel=1e-6)
+
+
+def test_the_fairness_bound_options_reach_every_queue_decision(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # `--fairness-max-passes` / `--fairness-max-delay-s` are the agent's leases.fairness_max_* for the queue-aware
+    # policies: every decision of the run is taken under the bound given, the meta says which, and a bound that
+    # serves a request in turn after one pass changes the figures of a busy trace
+    from hostagent.domain.assignment import Fairness
+    from hostagent.learn import sim_queue
+
+    table, host, data = _inputs(tmp_path)
+    seen: set[Fairness] = set()
+    real = sim_queue.choose
+
+    def spy(cands, fairness, now):  # type: ignore[no-untyped-def]
+        seen.add(fairness)
+        return real(cands, fairness, now)
+
+    monkeypatch.setattr(sim_queue, "choose", spy)
+    base = ["--throughputs", str(table), "--host", str(host), "--data", str(data), "--traces", "2", "--jobs", "300",
+            "--loads", "1.4", "--warmup-jobs", "50", "--policies", "matching-oracle", "--jobs-parallel", "1",
+            "--json"]  # a saturated host: a queue long enough for the bound to bind
+    assert evaluate.main(base) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert seen == {Fairness()} and default["meta"]["fairness"] == {"max_passes": Fairness().max_passes,
+                                                                     "max_delay_s": Fairness().max_delay_s}
+    seen.clear()
+    assert evaluate.main(base + ["--fairness-max-passes", "1", "--fairness-max-delay-s", "30"]) == 0
+    tight = json.loads(capsys.readouterr().out)
+    assert seen == {Fairness(1, 30.0)} and tight["meta"]["fairness"] == {"max_passes": 1, "max_delay_s": 30.0}
+    # served in turn after one pass, the jobs of the wrong type take the slow devices: every trace is slower
+    assert all(t["mean_jct_s"] > d["mean_jct_s"] for t, d in zip(tight["runs"], default["runs"], strict=True))
+    assert all(r["max_wait_s"] >= r["p99_wait_s"] for r in tight["runs"] + default["runs"])
+    # the single-trace harness takes the same options
+    seen.clear()
+    trace = tmp_path / "r.csv"
+    datasets.write_csv(trace, datasets.philly_trace(data, datasets.read_csv(table), datasets.read_csv(host), jobs=120,
+                                                    load=0.95, seed=0))
+    assert simulate.main(["--throughputs", str(table), "--host", str(host), "--trace", str(trace), "--seeds", "1",
+                          "--policies", "matching-oracle", "--warmup-jobs", "20", "--fairness-max-passes", "2",
+                          "--fairness-max-delay-s", "600", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["meta"]["fairness"] == {"max_passes": 2, "max_delay_s": 600.0}
+    assert seen == {Fairness(2, 600.0)}
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--fairness-max-passes", "0"], "--fairness-max-passes must be >= 1"),
+    (["--fairness-max-delay-s", "0"], "--fairness-max-delay-s must be a positive number of seconds"),
+    (["--fairness-max-delay-s", "inf"], "--fairness-max-delay-s must be a positive number of seconds"),
+    (["--fairness-max-delay-s", "nan"], "--fairness-max-delay-s must be a positive number of seconds"),
+])
+def test_a_fairness_bound_the_agent_would_refuse_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            extra: list[str], message: str) -> None:
+    table, host, data = _inputs(tmp_path)
+    assert evaluate.main(["--throughputs", str(table), "--host", str(host), "--data", str(data), "--traces", "1",
+                          "--policies", "first-fit", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err

@@ -117,7 +117,7 @@ def test_cli_reads_the_three_csvs_and_prints_json(tmp_path: Path, capsys: pytest
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     keys = {"policy", "seed", "mean_jct_s", "p99_jct_s", "makespan_s", "mean_regret", "memory_violations",
-            "mean_wait_s", "p99_wait_s"}
+            "mean_wait_s", "p99_wait_s", "max_wait_s"}
     assert len(out["results"]) == 4 and all(set(r) == keys for r in out["results"])
     oracle = [r for r in out["results"] if r["policy"] == "oracle"]
     assert all(r["mean_jct_s"] == pytest.approx(10.0) and r["mean_regret"] == 0.0 for r in oracle)
