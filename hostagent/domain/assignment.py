@@ -39,8 +39,8 @@ class Fairness:
     """How far comparative advantage may reorder a queue: at most `max_passes` times or `max_delay_s` seconds of
     being passed over per request (`leases.fairness_max_passes`, `leases.fairness_max_delay_s`)."""
 
-    max_passes: int = 8
-    max_delay_s: float = 3600.0
+    max_passes: int = 32
+    max_delay_s: float = 14400.0  # 4 h: long enough to wait out a run of the GPU a request gains most from
     enabled: bool = True  # False: strict serve order (the head first), as before comparative advantage
 
 
