@@ -21,8 +21,10 @@ backfilling lets them, as before).
 
 Waiting for a better GPU: a request that knows its expected run time (on a typical device) and when a GPU of its
 best rate is expected to free waits when that wait plus the run there is predicted to end sooner than running now
-on the free set, and another request can use the free GPUs now (a GPU is never left idle for a wait), and it is not
-due. Its reason says so, with the figures.
+on the free set, and another request can use the free GPUs now (a GPU is never left idle for a wait). A due request
+waits so too: being served in turn is a claim to go first, not an obligation to take a GPU on which it would end
+later (an `ncf` job served in turn on a V100 would run at an eighteenth of its A100 rate); still due, it goes first
+when that GPU frees. Its reason says so, with the figures.
 
 Pure: no I/O, no clock (the caller passes `now`). The agent's lease queue and the offline simulator both call it.
 """
@@ -117,13 +119,6 @@ def choose(candidates: Sequence[Candidate], fairness: Fairness, now: float) -> P
         return Pick(None, f"{blocked.id} is due (passed over {blocked.passes} time(s)) and waits for its GPUs")
     if len(cls) == 1:
         return Pick(cls[0].id, "first in serve order")
-    due = [c for c in cls if c.due(fairness, now)]
-    if due:
-        c = due[0]
-        return Pick(c.id, f"served in turn: passed over {c.passes} time(s)"
-                          + (f" for {now - c.passed_since:.0f} s" if c.passed_since is not None else "")
-                          + f" (fairness bound: {fairness.max_passes} times or {fairness.max_delay_s:g} s)",
-                    passed=tuple(x.id for x in cls if x.order < c.order))
     waiting: dict[str, str] = {}
     for c in cls:
         gain = c.gains_by_waiting()
@@ -131,9 +126,17 @@ def choose(candidates: Sequence[Candidate], fairness: Fairness, now: float) -> P
             waiting[c.id] = (f"waiting for a better GPU: predicted to end in {gain[0]:.0f} s there "
                              f"(free in {c.better_in_s:.0f} s) against {gain[1]:.0f} s on the GPUs free now "
                              f"({c.efficiency:.0%} of its best rate)")
-    pool = [c for c in cls if c.id not in waiting] or []
+    pool = [c for c in cls if c.id not in waiting]
     if not pool:  # every one of them would rather wait: a free GPU is never left idle for a wait
         pool, waiting = cls, {}
+    # served in turn: the earliest due request, unless it would rather wait for a better GPU (it ends sooner there
+    # than on the GPUs free now; still due, it goes first when that GPU frees)
+    due = next((c for c in pool if c.due(fairness, now)), None)
+    if due is not None:
+        return Pick(due.id, f"served in turn: passed over {due.passes} time(s)"
+                            + (f" for {now - due.passed_since:.0f} s" if due.passed_since is not None else "")
+                            + f" (fairness bound: {fairness.max_passes} times or {fairness.max_delay_s:g} s)",
+                    passed=tuple(x.id for x in cls if x.order < due.order and x.id not in waiting), waiting=waiting)
     best, top = _first_of_the_most_efficient(pool)
     # (top is the first of the most efficient in serve order: any other chosen is less efficient, within the deviation)
     unsure = f"; {top.id}'s {top.efficiency:.0%} is within the model's uncertainty of it" if top is not best else ""

@@ -117,6 +117,32 @@ def test_the_fairness_bound_stops_starvation() -> None:
     assert choose([poor(0), good], Fairness(max_passes=0, max_delay_s=100.0), now=0.0).chosen == "A"
 
 
+def test_a_request_served_in_turn_still_waits_for_a_gpu_on_which_it_ends_sooner() -> None:
+    # A is due (passed over 3 times). The GPU free now gives it 10 % of its best rate (1000 s); its best GPU frees in
+    # 5 s (105 s there). Taking the slow GPU would help nobody: A waits, still due, and B takes the free GPU
+    due_slow = Candidate("A", 0, 0, now=0.1, best=1.0, passes=3, run_s=100.0, better_in_s=5.0)
+    other = Candidate("B", 1, 0, now=0.5, best=1.0)
+    pick = choose([due_slow, other], F, now=0.0)
+    assert pick.chosen == "B" and "A" in pick.waiting and pick.passed == ()
+    assert pick.waiting["A"].startswith("waiting for a better GPU: predicted to end in 105 s there (free in 5 s)")
+    # when its GPU frees it goes first, in turn, ahead of a request that gains more from it
+    freed = choose([Candidate("A", 0, 0, now=0.5, best=1.0, passes=3), Candidate("B", 1, 0, now=1.0, best=1.0)], F, 0.0)
+    assert freed.chosen == "A" and freed.reason.startswith("served in turn: passed over 3 time(s)")
+    # its best GPU frees only in 2000 s: waiting would end later, so it takes the free GPU, in turn
+    late = Candidate("A", 0, 0, now=0.1, best=1.0, passes=3, run_s=100.0, better_in_s=2000.0)
+    pick = choose([late, other], F, now=0.0)
+    assert pick.chosen == "A" and pick.waiting == {} and "served in turn" in pick.reason
+    # another due request behind it goes in turn; it passes B, not the waiting A
+    also_due = Candidate("C", 2, 0, now=0.2, best=1.0, passes=5)
+    pick = choose([due_slow, other, also_due], F, now=0.0)
+    assert pick.chosen == "C" and pick.passed == ("B",) and "A" in pick.waiting
+    assert "served in turn: passed over 5 time(s)" in pick.reason
+    # every one of them would rather wait: none does, and the due one goes first
+    both = choose([Candidate("B", 0, 0, now=0.1, best=1.0, run_s=100.0, better_in_s=5.0),
+                   Candidate("A", 1, 0, now=0.1, best=1.0, passes=3, run_s=100.0, better_in_s=5.0)], F, now=0.0)
+    assert both.chosen == "A" and both.waiting == {} and both.passed == ("B",) and "served in turn" in both.reason
+
+
 def test_priorities_are_never_inverted() -> None:
     low_but_perfect = Candidate("L", 0, 0, now=10.0, best=10.0)
     high_but_poor = Candidate("H", 1, 5, now=1.0, best=10.0)
