@@ -143,6 +143,24 @@ def test_a_request_served_in_turn_still_waits_for_a_gpu_on_which_it_ends_sooner(
     assert both.chosen == "A" and both.waiting == {} and both.passed == ("B",) and "served in turn" in both.reason
 
 
+def test_the_wait_is_weighed_only_with_every_figure_it_needs() -> None:
+    # a request served in turn asks gains_by_waiting too, so every guard counts: no rate now, none at its best, no
+    # run time or no free time for its best GPU means no wait (and no division by a zero rate)
+    assert Candidate("A", 0, 0, now=0.0, best=1.0, run_s=100.0, better_in_s=5.0).gains_by_waiting() is None
+    assert Candidate("A", 0, 0, now=1.0, best=0.0, run_s=100.0, better_in_s=5.0).gains_by_waiting() is None
+    assert Candidate("A", 0, 0, now=None, best=1.0, run_s=100.0, better_in_s=5.0).gains_by_waiting() is None
+    assert Candidate("A", 0, 0, now=0.5, best=1.0, run_s=None, better_in_s=5.0).gains_by_waiting() is None
+    assert Candidate("A", 0, 0, now=0.5, best=1.0, run_s=100.0, better_in_s=None).gains_by_waiting() is None
+    # a GPU already free at its best (free in 0 s): 100 s there against 100.5 s now, a half-second sooner: it waits
+    near = Candidate("A", 0, 0, now=0.995, best=1.0, run_s=100.0, better_in_s=0.0).gains_by_waiting()
+    assert near is not None and near[0] == 100.0 and abs(near[1] - 100.0 / 0.995) < 1e-9
+    # a free time already past counts as now, not as a negative wait
+    assert Candidate("A", 0, 0, now=0.5, best=1.0, run_s=100.0, better_in_s=-50.0).gains_by_waiting() == (100.0, 200.0)
+    # two efficiencies equal to 9 places are one level: the first in serve order, and no doubt said
+    same = choose([Candidate("A", 0, 0, now=1.0, best=2.0), Candidate("B", 1, 0, now=1.0000000006, best=2.0)], F, 0.0)
+    assert same.chosen == "A" and not same.unsure and "uncertainty" not in same.reason
+
+
 def test_priorities_are_never_inverted() -> None:
     low_but_perfect = Candidate("L", 0, 0, now=10.0, best=10.0)
     high_but_poor = Candidate("H", 1, 5, now=1.0, best=10.0)
