@@ -40,7 +40,7 @@ def test_efficiencies_the_predictions_cannot_tell_apart_keep_serve_order() -> No
     three = [Candidate("A", 0, 0, 1.0, 10.0), Candidate("B", 1, 0, 5.0, 10.0, sd=0.4),
              Candidate("C", 2, 0, 8.0, 10.0, sd=0.3)]
     pick = choose(three, F, now=0.0)
-    assert pick.chosen == "B" and pick.passed == ("A",)
+    assert pick.chosen == "B" and pick.passed == ("A",) and pick.unsure is True
     assert pick.reason.endswith("started ahead of 1 request(s) of the same priority; C's 80% is within the model's "
                                 "uncertainty of it")
     # nobody can start on a useful GPU (every efficiency 0): serve order
@@ -159,6 +159,15 @@ def test_the_wait_is_weighed_only_with_every_figure_it_needs() -> None:
     # two efficiencies equal to 9 places are one level: the first in serve order, and no doubt said
     same = choose([Candidate("A", 0, 0, now=1.0, best=2.0), Candidate("B", 1, 0, now=1.0000000006, best=2.0)], F, 0.0)
     assert same.chosen == "A" and not same.unsure and "uncertainty" not in same.reason
+
+
+def test_a_pick_by_comparative_advantage_keeps_saying_who_waits_and_how_sure_it_is() -> None:
+    # A waits for its better GPU (free in 5 s); C (80 %) passes B (10 %) by comparative advantage, surely: the pick
+    # names A among the waiting and says it was not in doubt
+    waits = Candidate("A", 0, 0, now=0.1, best=1.0, run_s=100.0, better_in_s=5.0)
+    pick = choose([waits, Candidate("B", 1, 0, now=0.1, best=1.0), Candidate("C", 2, 0, now=0.8, best=1.0)], F, 0.0)
+    assert pick.chosen == "C" and pick.passed == ("B",) and pick.reason.startswith("comparative advantage")
+    assert list(pick.waiting) == ["A"] and pick.unsure is False
 
 
 def test_priorities_are_never_inverted() -> None:
