@@ -59,6 +59,7 @@ from hostagent.learn.simulate import (
     POLICIES,
     WARM,
     add_run_options,
+    fairness_meta,
     fairness_of,
     Job,
     SimGpu,
@@ -590,7 +591,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                      "capacity_fifo": headroom[0] if headroom else None,
                      "capacity_best": headroom[1] if headroom else None,
                      "policies": policies, "seeds": args.seeds, "warmup_jobs": args.warmup_jobs,
-                     "fairness": {"max_passes": fairness.max_passes, "max_delay_s": fairness.max_delay_s},
+                     "fairness": fairness_meta(fairness),
                      "traces": args.traces, "jobs": args.jobs if args.traces is not None else None,
                      "trace_seed": args.trace_seed, "trace_files": args.trace_files,
                      "history": (None if WARM not in policies else args.history_trace

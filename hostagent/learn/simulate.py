@@ -567,8 +567,7 @@ def simulate(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job], *, seeds
                                         for tr in fig.trainings]})
     return {"results": results, "meta": {"jobs": len(jobs), "evaluated_jobs": len(jobs) - warmup_jobs,
                                          "gpus": len(host), "notes": notes, "runs": extra,
-                                         "fairness": {"max_passes": fairness.max_passes,
-                                                      "max_delay_s": fairness.max_delay_s}}}
+                                         "fairness": fairness_meta(fairness)}}
 
 
 def format_table(out: dict[str, Any]) -> str:
@@ -638,6 +637,11 @@ def fairness_of(args: argparse.Namespace) -> Fairness:
     if not 0 < args.fairness_max_delay_s < math.inf:
         raise InvalidInput("--fairness-max-delay-s must be a positive number of seconds", field="fairness_max_delay_s")
     return Fairness(args.fairness_max_passes, args.fairness_max_delay_s)
+
+
+def fairness_meta(fairness: Fairness) -> dict[str, float]:
+    """The bound a run was measured under, as both harnesses' JSON meta says it."""
+    return {"max_passes": fairness.max_passes, "max_delay_s": fairness.max_delay_s}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
