@@ -4,12 +4,14 @@ agent's lease queue builds them from queued leases (`services.lease_queue`), and
 which job starts next. The set itself is then chosen by the real `place()`, as for every policy.
 
 What it may know: the scorer's predictions and what finished jobs showed (their run times), never the trace's work
-of a job still running or waiting. A job's expected run time at rate 1 is the median, over the last finished jobs of
-its task type, of their run time times the predicted rate of the set they ran on; a busy GPU's expected end is its
-job's start plus that expected run time at its predicted rate, or, once overdue, as long again as it has run (run
-times are heavy-tailed: a job that has outlived its expectation is expected to go on). Each job's efficiency carries
-the deviation of its two predictions (the scorer's `uncertainty`, as the agent's placer passes it; 0 for a scorer
-that knows the table), so jobs the model cannot tell apart keep serve order.
+of a job still running or waiting. A job's expected run time at rate 1 is the mean, over the last finished jobs of
+its task type, of their run time times the predicted rate of the set they ran on. A busy GPU is expected to free
+when its job has run what those of its task type that lasted longer than it has so far ran on average beyond that
+(run times are heavy-tailed: the longer a job has run, the longer it is expected to go on), or, once it has outlived
+them all, as long again as it has run; a job that would wait for the GPUs of its best rate is told when each of them
+frees, and which they are (jobs waiting for the same GPUs stand in line for them: `domain.assignment`). Each job's
+efficiency carries the deviation of its two predictions (the scorer's `uncertainty`, as the agent's placer passes
+it; 0 for a scorer that knows the table), so jobs the model cannot tell apart keep serve order.
 """
 
 from __future__ import annotations
@@ -84,9 +86,18 @@ class QueueState:
             self.runs.setdefault(task_type, deque(maxlen=HISTORY)).append(held_s * rate)
 
     def run_s(self, task_type: str) -> float | None:
-        """Expected run time at rate 1 of a job of this task type (None before any finished)."""
+        """Expected run time at rate 1 of a job of this task type: the mean of its last finished (None before any
+        finished). The mean, not the median: what waiting gains is linear in the run time, and run times are
+        heavy-tailed (the median expects every job to be short)."""
         got = self.runs.get(task_type)
-        return statistics.median(got) if got else None
+        return statistics.fmean(got) if got else None
+
+    def left_s(self, task_type: str, done: float) -> float | None:
+        """Expected run time left at rate 1 of a running job of this task type that has run `done` (at rate 1): the
+        mean excess over `done` of its task type's last finished runs that lasted longer (None: none did)."""
+        got = self.runs.get(task_type)
+        longer = [r - done for r in got if r > done] if got else None
+        return statistics.fmean(longer) if longer else None
 
 
 def _work(request: PlacementRequest) -> tuple[object, ...]:
@@ -121,18 +132,27 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
             sd = math.hypot(sds[at_now], sds[at_best])
         passes, since = state.passes.get(jidx, (0, None))
         run_s = state.run_s(req.task_type)
-        better = None
-        if req.count == 1 and run_s is not None and now_rate is not None and best > now_rate:
+        better, later, best_on = None, (), None
+        if run_s is not None and now_rate is not None and best > now_rate:
+            # it may wait for the GPUs of its best rate (a set: for `count` of them), in line with every job whose
+            # best they are too: when each is expected to free (0 for a free one)
             ends = []
             for i in usable:
+                if sc[i] < best * 0.999:
+                    continue
                 job = running_on.get(i)
-                if job is None or sc[i] < best * 0.999:
+                if job is None:
+                    ends.append(0.0)
                     continue
                 elapsed = now - job.start
-                expected = (state.run_s(job.task_type) or 0.0) / job.rate if job.rate > 0 else 0.0
-                ends.append(expected - elapsed if elapsed < expected else elapsed)
-            better = min(ends) if ends else None
-        cands.append(Candidate(str(jidx), order, req.priority, now_rate, best, passes, since, run_s, better, sd))
+                left = state.left_s(job.task_type, elapsed * job.rate) if job.rate > 0 else None
+                ends.append(left / job.rate if left is not None else elapsed)
+            if len(ends) >= req.count:
+                ends.sort()
+                better, later = ends[req.count - 1], (*ends[:req.count - 1], *ends[req.count:])
+                best_on = tuple(i for i in usable if sc[i] >= best * 0.999)
+        cands.append(Candidate(str(jidx), order, req.priority, now_rate, best, passes, since, run_s, better, sd,
+                               later, best_on, req.count))
     decision = choose(cands, state.fairness, now)
     if decision.chosen is None:
         return None, decision

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from hostagent.domain.assignment import Candidate, Fairness, choose
+from dataclasses import replace
+
+import pytest
+
+from hostagent.domain.assignment import Candidate, Fairness, _nth, choose
 from hostagent.learn.simulate import Job, SimGpu, Table, run_policy
 
 F = Fairness(max_passes=3, max_delay_s=100.0)
@@ -87,12 +91,58 @@ def test_a_job_that_should_wait_does_and_one_that_should_not_does_not() -> None:
     # exactly as soon either way (900 s wait + 100 s there = 1000 s now): "beats" means sooner, so no wait
     even = Candidate("A", 0, 0, now=0.1, best=1.0, run_s=100.0, better_in_s=900.0)
     assert choose([even, other], F, now=0.0).waiting == {}
-    # alone with the free GPU, a job that would rather wait still starts: a GPU is never left idle for a wait
+    # alone with the free GPU, a job that would rather wait waits: the GPU stays free (for a request that gains from
+    # it) rather than run A ten times as long as it need
     alone = choose([slow_now, Candidate("C", 1, 0, now=None, best=1.0)], F, now=0.0)
-    assert alone.chosen == "A" and alone.waiting == {}
-    # every candidate would wait: none does
+    assert alone.chosen is None and list(alone.waiting) == ["A"]
+    assert alone.reason == "every request that could start would rather wait for a better GPU"
+    # every candidate would rather wait, each for a GPU of its own: none starts
     both = choose([slow_now, Candidate("B", 1, 0, now=0.1, best=1.0, run_s=100.0, better_in_s=5.0)], F, now=0.0)
-    assert both.chosen == "A" and both.waiting == {}
+    assert both.chosen is None and list(both.waiting) == ["A", "B"]
+
+
+def test_requests_waiting_for_the_same_gpus_stand_in_line_for_them() -> None:
+    # A and B both run 100 s at their best rate (1.0) and 200 s on the free GPU (0.5). Their best GPUs are the same
+    # two, free in 5 s and in 400 s. A, first in line, waits 5 s (ends in 105 s, not 200 s). B is second in line: the
+    # first of them is A's until 105 s, the other frees at 400 s, so B would end in 205 s there: B starts now
+    def job(name: str, order: int, passes: int = 0, **kw: object) -> Candidate:
+        return Candidate(name, order, 0, now=0.5, best=1.0, passes=passes, run_s=100.0, better_in_s=5.0,
+                         later_s=(400.0,), best_on="X", **kw)  # type: ignore[arg-type]
+    pick = choose([job("A", 0), job("B", 1)], F, now=0.0)
+    assert pick.chosen == "B" and list(pick.waiting) == ["A"] and pick.passed == ()
+    assert pick.waiting["A"].startswith("waiting for a better GPU: predicted to end in 105 s there (free in 5 s) "
+                                        "against 200 s")
+    # on a slower GPU (rate 0.25: 400 s) B waits too, second in line: its GPU is free for it when A's run ends (105 s)
+    slow = [job("A", 0), Candidate("B", 1, 0, now=0.25, best=1.0, run_s=100.0, better_in_s=5.0, later_s=(400.0,),
+                                   best_on="X")]
+    pick = choose(slow, F, now=0.0)
+    assert pick.chosen is None and list(pick.waiting) == ["A", "B"]
+    assert pick.waiting["B"].startswith("waiting for a better GPU: predicted to end in 205 s there (free in 105 s, "
+                                        "2nd in line for it) against 400 s")
+    # without the line (each for GPUs of its own) both would count on the GPU free in 5 s
+    apart = choose([Candidate("A", 0, 0, 0.5, 1.0, run_s=100.0, better_in_s=5.0, later_s=(400.0,)),
+                    Candidate("B", 1, 0, 0.5, 1.0, run_s=100.0, better_in_s=5.0, later_s=(400.0,))], F, 0.0)
+    assert apart.chosen is None and list(apart.waiting) == ["A", "B"]
+    # the due stand first in line: B, due, takes the GPU free in 5 s and A, second, would end in 205 s: A starts now,
+    # by comparative advantage ahead of nobody (B waits)
+    pick = choose([job("A", 0), job("B", 1, passes=3)], F, now=0.0)
+    assert pick.chosen == "A" and list(pick.waiting) == ["B"] and pick.passed == ()
+    # a line for other GPUs is a line of its own: C, whose best are "Y", is first in its line
+    other = Candidate("C", 2, 0, now=0.5, best=1.0, run_s=100.0, better_in_s=5.0, later_s=(400.0,), best_on="Y")
+    assert list(choose([job("A", 0), job("B", 1), other], F, 0.0).waiting) == ["A", "C"]
+    # a set of 2 waits for 2 of the line's GPUs: one free (0 s), the other in 50 s, so it starts there in 50 s and
+    # ends in 150 s against 400 s on the GPUs free now (a quarter of its best rate); both GPUs are then its until
+    # 150 s, so a single request behind it would end in 250 s there against 200 s now: it starts now
+    pair = Candidate("P", 0, 0, now=0.25, best=1.0, run_s=100.0, better_in_s=50.0, later_s=(0.0,), best_on="X", count=2)
+    single = Candidate("S", 1, 0, now=0.5, best=1.0, run_s=100.0, better_in_s=0.0, later_s=(50.0,), best_on="X")
+    pick = choose([pair, single], F, now=0.0)
+    assert pick.chosen == "S" and list(pick.waiting) == ["P"]
+    assert pick.waiting["P"].startswith("waiting for a better GPU: predicted to end in 150 s there (free in 50 s)")
+    # a set larger than the line's GPUs cannot wait for them
+    assert "P" not in choose([replace(pair, count=3), single], F, now=0.0).waiting
+    # (the reason's ordinals)
+    assert [_nth(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 111)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st", "111th"]
 
 
 def test_the_fairness_bound_stops_starvation() -> None:
@@ -113,8 +163,9 @@ def test_the_fairness_bound_stops_starvation() -> None:
     # of several due requests that cannot start, the earliest in serve order is the one named, whatever the order given
     stuck_too = Candidate("Z", 2, 0, now=None, best=10.0, passes=4)
     assert "A is due" in choose([stuck_too, good, stuck], F, now=0.0).reason
-    # a bound of 0 passes: every request is due, so serve order decides
-    assert choose([poor(0), good], Fairness(max_passes=0, max_delay_s=100.0), now=0.0).chosen == "A"
+    # a bound of 0 passes: every request is due, so the one closest to its best rate goes (serve order among equals)
+    assert choose([poor(0), good], Fairness(max_passes=0, max_delay_s=100.0), now=0.0).chosen == "B"
+    assert choose([poor(0), Candidate("B", 1, 0, 1.0, 10.0)], Fairness(max_passes=0), now=0.0).chosen == "A"
 
 
 def test_a_request_served_in_turn_still_waits_for_a_gpu_on_which_it_ends_sooner() -> None:
@@ -137,10 +188,23 @@ def test_a_request_served_in_turn_still_waits_for_a_gpu_on_which_it_ends_sooner(
     pick = choose([due_slow, other, also_due], F, now=0.0)
     assert pick.chosen == "C" and pick.passed == ("B",) and "A" in pick.waiting
     assert "served in turn: passed over 5 time(s)" in pick.reason
-    # every one of them would rather wait: none does, and the due one goes first
+    # every one of them would rather wait: none starts, the due one among them
     both = choose([Candidate("B", 0, 0, now=0.1, best=1.0, run_s=100.0, better_in_s=5.0),
                    Candidate("A", 1, 0, now=0.1, best=1.0, passes=3, run_s=100.0, better_in_s=5.0)], F, now=0.0)
-    assert both.chosen == "A" and both.waiting == {} and both.passed == ("B",) and "served in turn" in both.reason
+    assert both.chosen is None and set(both.waiting) == {"A", "B"} and both.passed == ()
+
+
+def test_of_several_due_the_one_closest_to_its_best_rate_goes_first() -> None:
+    # A and B are both due; the free GPU gives A 10 % of its best rate and B 90 %: B goes, passing A (again), rather
+    # than A taking a GPU that runs it ten times as long as its best
+    a = Candidate("A", 0, 0, now=0.1, best=1.0, passes=3)
+    b = Candidate("B", 1, 0, now=0.9, best=1.0, passes=4)
+    pick = choose([a, b], F, now=0.0)
+    assert pick.chosen == "B" and pick.passed == ("A",) and pick.reason.startswith("served in turn: passed over 4")
+    # a due request still goes ahead of a more efficient one that is not due
+    assert choose([a, Candidate("C", 1, 0, now=1.0, best=1.0)], F, now=0.0).chosen == "A"
+    # due ones the predictions cannot tell apart keep serve order
+    assert choose([Candidate("A", 0, 0, 0.1, 1.0, passes=3, sd=3.0), b], F, now=0.0).chosen == "A"
 
 
 def test_the_wait_is_weighed_only_with_every_figure_it_needs() -> None:
@@ -180,6 +244,20 @@ def test_priorities_are_never_inverted() -> None:
     waiting_high = Candidate("H", 0, 5, now=None, best=10.0)
     assert choose([waiting_high, low_but_perfect], F, now=0.0).chosen == "L"
     assert choose([], F, now=0.0).chosen is None
+    # a higher-priority request that would rather wait for a better GPU leaves the free one to a lower priority,
+    # which is told why; the higher one is not passed over (it declined the GPU)
+    high_waits = Candidate("H", 0, 5, now=1.0, best=10.0, run_s=100.0, better_in_s=5.0)
+    pick = choose([high_waits, low_but_perfect], F, now=0.0)
+    assert pick.chosen == "L" and pick.passed == () and list(pick.waiting) == ["H"]
+    assert pick.reason == ("first in serve order; every request of a higher priority that could start would rather "
+                           "wait for a better GPU")
+    # a due request of the lower priority that cannot start holds that priority back, not the higher one's wait
+    stuck_low = Candidate("S", 2, 0, now=None, best=10.0, passes=3)
+    held = choose([high_waits, low_but_perfect, stuck_low], F, now=0.0)
+    assert held.chosen is None and held.reason.startswith("S is due") and list(held.waiting) == ["H"]
+    # strict order is by priority first, whatever the serve order says
+    strict = choose([low_but_perfect, Candidate("H", 1, 5, now=1.0, best=10.0)], Fairness(enabled=False), 0.0)
+    assert strict.chosen == "H"
 
 
 def test_every_decision_says_why_in_words_and_counts_whom_it_passed() -> None:
@@ -201,3 +279,54 @@ def test_every_decision_says_why_in_words_and_counts_whom_it_passed() -> None:
     # by its zero, and it is passed over by one that gains
     zero = choose([Candidate("A", 0, 0, 0.0, 10.0, sd=0.5), Candidate("B", 1, 0, 5.0, 10.0, sd=0.5)], F, 0.0)
     assert zero.chosen == "B" and zero.passed == ("A",)
+
+
+def test_the_simulator_puts_jobs_that_want_the_same_gpu_in_line_for_it() -> None:
+    # X (rate 10 for "a") runs an "a" since t=0, expected to take 10 s (the median "a" so far: 100 s at rate 1); Y
+    # (rate 5) is free. At t=5 two more "a" wait. The first would end in 5 + 10 = 15 s on X against 20 s on Y: it
+    # waits. The second stands behind it: X is next free for it at 15 s, so 25 s there against 20 s on Y: it starts
+    # now, on Y (counting only the first GPU to free, both would have waited and the first taken Y)
+    import random
+    from collections import deque
+
+    from hostagent.domain.placement import DeviceView, PlacementRequest
+    from hostagent.learn import sim_queue
+    from hostagent.learn.simulate import rule_scorers
+
+    table = Table({("a", "X"): 10.0, ("a", "Y"): 5.0}, {"a": 0.0})
+    host = [SimGpu("gx", "X", 80.0, 0), SimGpu("gy", "Y", 80.0, 0)]
+    views = [DeviceView(gpu_id=g.gpu_id, model=g.model, vendor="NVIDIA Corporation", memory_bytes=80 << 30,
+                        numa_node=0, probe_score=1.0) for g in host]
+    scorer = rule_scorers(table, host, random.Random(0))["matching-oracle"]
+    state = sim_queue.QueueState(F)
+    state.runs["a"] = deque([100.0])
+    running = {0: sim_queue.Running("a", 0.0, 10.0)}
+    request = PlacementRequest(count=1, task_type="a")
+    got, pick = sim_queue.pick(state, [(1, request), (2, request)], views, [False, True], lambda r, i: True, scorer,
+                               running, now=5.0)
+    assert got == 2 and list(pick.waiting) == ["1"] and pick.passed == ()
+    assert pick.waiting["1"].startswith("waiting for a better GPU: predicted to end in 15 s there (free in 5 s) "
+                                        "against 20 s")
+    # alone, the second would have waited too: its line is empty
+    alone, pick = sim_queue.pick(state, [(2, request)], views, [False, True], lambda r, i: True, scorer, running, 5.0)
+    assert alone is None and list(pick.waiting) == ["2"]
+
+
+def test_the_simulator_expects_a_job_that_has_run_long_to_run_longer() -> None:
+    # run times at rate 1 of the last finished "a": 100, 300 and 1000 s. A new one is expected to run their mean
+    # (466.7 s, not the median 300: run times are heavy-tailed and a wait's gain is linear in them). One that has run
+    # 200 s is expected to go on as the two that lasted longer did beyond 200 s: (100 + 800) / 2 = 450 s more; one
+    # that has outlived them all: unknown (the caller expects as long again as it has run)
+    from collections import deque
+
+    from hostagent.learn import sim_queue
+
+    state = sim_queue.QueueState(F)
+    assert state.run_s("a") is None and state.left_s("a", 0.0) is None
+    for held, rate in ((50.0, 2.0), (300.0, 1.0), (100.0, 10.0)):
+        state.finished("a", held, rate)
+    assert state.runs["a"] == deque([100.0, 300.0, 1000.0])
+    assert state.run_s("a") == pytest.approx(1400 / 3) and state.left_s("a", 0.0) == pytest.approx(1400 / 3)
+    assert state.left_s("a", 200.0) == pytest.approx(450.0) and state.left_s("a", 1000.0) is None
+    state.finished("a", 0.0, 1.0)  # nothing held: nothing learnt
+    assert len(state.runs["a"]) == 3
