@@ -86,7 +86,7 @@ class ModelBundle:
     trained_until: float = 0.0  # creation time of the newest record it was fitted on
     scaling: dict[str, dict[int, float]] = field(default_factory=dict)  # task -> GPUs -> median total work rate
     matrix: ThroughputMatrix = field(default_factory=ThroughputMatrix)  # (task, GPU model) rates (learn.matrix)
-    run_s: dict[str, float] = field(default_factory=dict)  # task -> median run time of its finished leases
+    run_s: dict[str, float] = field(default_factory=dict)  # task -> mean run time of its finished leases
     stacked: bool = False  # the trees predict what the matrix leaves (work rate; artifacts from before: False)
     residual_weight: float = 1.0  # how much of the trees' part a stacked model adds (0: the matrix alone; see fit)
 
@@ -282,15 +282,17 @@ def matrix_base(matrix: ThroughputMatrix, task: str, model: str) -> float:
 
 
 def run_times(examples: Sequence[Example], *, at_least: int = 3) -> dict[str, float]:
-    """Each task type's median run time over its finished leases (held, released, not failed), where at least
+    """Each task type's mean run time over its finished leases (held, released, not failed), where at least
     `at_least` ran: what the queue expects of a request of that type that does not state its `duration_s` (the
     devices the leases ran on were, on average, of typical speed for the task type: the work-rate target is relative
-    to that)."""
+    to that). The mean, not the median: what waiting for a better GPU gains is linear in the run time, and run times
+    are heavy-tailed (the median would expect every request to be short; bundles trained before 2026-11-29 hold the
+    median)."""
     held: dict[str, dict[tuple[str, str], float]] = {}
     for e in examples:
         if e.held_s > 0 and e.outcome not in FAILED_OUTCOMES:
             held.setdefault(e.request.task_type, {})[e.lease_key] = e.held_s
-    return {task: float(np.median(list(v.values()))) for task, v in held.items() if len(v) >= at_least}
+    return {task: float(np.mean(list(v.values()))) for task, v in held.items() if len(v) >= at_least}
 
 
 def scaling_of(examples: Sequence[Example]) -> dict[str, dict[int, float]]:
@@ -337,7 +339,7 @@ class LearnedScorer:
         return out
 
     def typical_run_s(self, task_type: str) -> float | None:
-        """The task type's median run time in the records (None: fewer than 3 finished leases of it)."""
+        """The task type's mean run time in the records (None: fewer than 3 finished leases of it)."""
         return self.bundle.run_s.get(task_type)
 
     def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:

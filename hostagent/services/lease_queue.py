@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Container, Iterable, Sequence
+from typing import NamedTuple
 
 from hostagent.domain.assignment import Candidate, choose
 from hostagent.domain.calendar import INF, Hold, earliest_window
@@ -166,9 +167,10 @@ async def drain(m: LeaseCore) -> list[Lease]:
 
 def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None:
     """The queued lease to grant now, the GPUs it may use, how many, and why it starts ahead of others (None: in
-    its turn). Every lease that could start now is a candidate: the head when enough GPUs are free, and those
-    behind it that cannot delay it (EASY backfilling); of those, comparative advantage decides
-    (:func:`_by_advantage`), else the first in serve order."""
+    its turn); None when none should start now (none can, or each that could would rather wait for a better GPU).
+    Every lease that could start now is a candidate: the head when enough GPUs are free, and those behind it that
+    cannot delay it (EASY backfilling); of those, comparative advantage decides (:func:`_by_advantage`), else the
+    first in serve order."""
     now = m.clock()
     order = in_order(m)
     allows = quota_view(m)
@@ -188,9 +190,10 @@ def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None
         if calendar:  # never a GPU it would still hold when a booking of it starts
             free = bookings.clear_for_run(m, free, x.request, now)
         need = min(x.request.gpus, allowed)
-        if x is head or (ready and ready[0][0] is head and x.request.priority == head.request.priority):
-            # the head can start: every request of its priority that can start too competes with it for the free
-            # GPUs (comparative advantage, bounded by the fairness bound)
+        if x is head or (ready and ready[0][0] is head):
+            # the head can start: every request that can start too competes with it for the free GPUs (comparative
+            # advantage among the head's priority, bounded by the fairness bound; a lower priority only for GPUs
+            # every request above it would rather leave for a better one: domain.assignment)
             if len(free) >= need or (x.request.accept_partial and free):
                 ready.append((x, free, min(need, len(free)), None))
         else:
@@ -203,7 +206,8 @@ def _next_grant(m: LeaseCore) -> tuple[Lease, list[Gpu], int, str | None] | None
             return ready[0]  # the first that can start goes, as in strict serve order
     if not ready:
         return None
-    return ready[0] if len(ready) == 1 else _by_advantage(m, ready, order, now, usable)
+    # (one lease alone too: it may rather wait for a better GPU about to free)
+    return _by_advantage(m, ready, order, now, usable)
 
 
 class _Usable:
@@ -221,8 +225,8 @@ class _Usable:
         self._rates: dict[tuple[object, ...], Ranked | None] = {}
         self._figures: dict[tuple[object, ...], tuple[str, str | None, dict[str, float]] | None] = {}
         self._sds: dict[tuple[object, ...], dict[str, float]] = {}
-        self._better: dict[tuple[object, ...], float | None] = {}
-        self._terms: dict[tuple[object, ...], tuple[float, float | None, float, float | None] | None] = {}
+        self._better: dict[tuple[object, ...], Line | None] = {}
+        self._terms: dict[tuple[object, ...], tuple[float, float | None, float, Line | None] | None] = {}
         self._free = {gid for gid in m.gpus if is_free(m, gid)}
         token = m.rates_token()  # once per decision: what every shape's predictions depend on
         self._token = None if token is None else (m.relative_rates, m.rate_uncertainty, token)
@@ -292,14 +296,15 @@ class _Usable:
         self._sds[key] = out
         return out
 
-    def better_in(self, request: LeaseRequest, by_id: dict[str, float], best: float, now: float) -> float | None:
-        """Seconds until a busy GPU of the request's best predicted rate (`best`, of its rates `by_id`) is expected
-        to free (None: none is busy); one answer per request shape and decision."""
-        key = _shape(request)
+    def better_in(self, request: LeaseRequest, by_id: dict[str, float], best: float, now: float) -> Line | None:
+        """The line for the GPUs of the request's best predicted rate (`best`, of its rates `by_id`): in how many
+        seconds each is expected to free (0 for a free one), soonest first, and which GPUs they are (None: none is
+        busy); one answer per request shape, best rate and decision (a set's best is its count-th best GPU's)."""
+        key = (_shape(request), best)
         if key not in self._better:
-            ends = [busy_until(self.m, gid, now) - now for gid, rate in by_id.items()
-                    if gid not in self._free and rate >= best * 0.999]
-            self._better[key] = min(ends) if ends else None
+            at_best = frozenset(gid for gid, rate in by_id.items() if rate >= best * 0.999)
+            ends = sorted(0.0 if gid in self._free else busy_until(self.m, gid, now) - now for gid in at_best)
+            self._better[key] = Line(tuple(ends), at_best) if ends and ends[-1] > 0 else None
         return self._better[key]
 
     def kth_of(self, request: LeaseRequest, gpus: Iterable[Gpu], count: int) -> str | None:
@@ -309,11 +314,11 @@ class _Usable:
         return None if got is None else _kth_free(got.order, {g.id for g in gpus}, count)
 
     def terms(self, request: LeaseRequest, count: int, room: list[Gpu] | None,
-              now: float) -> tuple[float, float | None, float, float | None] | None:
+              now: float) -> tuple[float, float | None, float, Line | None] | None:
         """What comparative advantage weighs for `count` GPUs of the request (None: no model covers it): its best
         predicted rate on the host, the rate of the best set it could take now (of `room` for a backfill, else of
-        the GPUs free; None: too few), the standard deviation of their ratio, and when a GPU of its best rate is
-        expected to free (None: none busy, or it cannot gain by waiting: a set, or nothing slower to start on).
+        the GPUs free; None: too few), the standard deviation of their ratio, and when the GPUs of its best rate
+        are expected to free (None: none busy, or nothing slower to start on).
         Worked out once per request shape, size and decision (a backfill's room is its own)."""
         key = (_shape(request), count)
         if room is None and key in self._terms:
@@ -332,7 +337,7 @@ class _Usable:
                 sds = self.sds(request)
                 sd = math.hypot(sds.get(at_now, 0.0), sds.get(at_best, 0.0))
             better = None
-            if count == 1 and now_rate is not None and best > now_rate:
+            if now_rate is not None and best > now_rate:  # (a set waits for `count` of them)
                 better = self.better_in(request, by_id, best, now)
             out = (best, now_rate, sd, better)
         if room is None:
@@ -353,6 +358,15 @@ class _Usable:
                 at_best = got.order[min(count, len(got.order)) - 1]
                 self._figures[key] = (at_best, _kth_free(got.order, self._free, count), got.by_id)
         return self._figures[key]
+
+
+class Line(NamedTuple):
+    """The GPUs of a request's best predicted rate that are busy, as it would stand in line for them: in how many
+    seconds each is expected to free (soonest first), and which GPUs of the host are at that rate (requests whose
+    best are the same GPUs share the line: `domain.assignment`)."""
+
+    frees_in: tuple[float, ...]
+    gpus: frozenset[str]
 
 
 SHAPES_KEPT = 512  # request shapes whose ranked predictions the queue keeps across decisions (cleared when full)
@@ -402,11 +416,13 @@ def _strict(m: LeaseCore, first: Lease) -> bool:
 
 
 def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | None]], order: list[Lease],
-                  now: float, usable: _Usable) -> tuple[Lease, list[Gpu], int, str | None]:
+                  now: float, usable: _Usable) -> tuple[Lease, list[Gpu], int, str | None] | None:
     """Of the queued leases that could start now, the one `domain.assignment.choose` picks: the highest
     priority among them, then the one closest to its best predicted rate on this host (comparative advantage),
     within the operator's fairness bound; strict serve order where the active model does not cover every one of
-    them. Leases passed over are counted (and told), a lease that chooses to wait for a better GPU is told why."""
+    the highest priority. None: every one would rather wait for a better GPU (and a lower priority may not take
+    the free GPUs either). Leases passed over are counted (and told), a lease that chooses to wait for a better GPU
+    is told why."""
     top = max(x.request.priority for x, *_ in ready)
     rank = {x.id: i for i, x in enumerate(order)}
     live = {x.id for x in order}
@@ -418,12 +434,13 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
     run_of: dict[str, float | None] = {}
     for x, free, count, backfill in ready:
         request = x.request
-        if request.priority != top:
-            continue
+        # (every priority: a lower one starts only on GPUs every request above it would rather leave for better)
         # a backfill may take only its room, not every free GPU: its terms are rated on that room
         got = usable.terms(request, count, free if backfill is not None else None, now)
         if got is None:
-            return ready[0]  # no model says how fast it runs where: strict order
+            if request.priority == top:
+                return ready[0]  # no model says how fast it runs where: strict order
+            continue  # (a lower priority the model cannot rate waits its turn)
         best, now_rate, sd, better = got
         # its expected run time on a typical GPU: what it states, else what the records show of its task type
         if request.duration_s:
@@ -435,12 +452,18 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
             run_s = run_of[task]
         n, since = m.queue_passes.get(x.id, (0, None))
         # (`better` counts only with a run time: Candidate.gains_by_waiting)
-        cands.append(Candidate(x.id, rank[x.id], top, now_rate, best, n, since, run_s, better, sd))
+        cand = Candidate(x.id, rank[x.id], request.priority, now_rate, best, n, since, run_s, sd=sd, count=count)
+        if better is not None and len(better.frees_in) >= count:  # it may stand in line for the GPUs of its best rate
+            k, frees = count - 1, better.frees_in
+            cand.better_in_s, cand.later_s, cand.best_on = frees[k], (*frees[:k], *frees[k + 1:]), better.gpus
+        cands.append(cand)
     pick = choose(cands, m.policy.fairness, now)
     for lease_id, why in pick.waiting.items():
         m.queue_notes[lease_id] = why
     by_lease = {x.id: (x, free, count, why) for x, free, count, why in ready}
-    if pick.chosen is None or pick.chosen not in by_lease:
+    if pick.chosen is None:
+        return None  # every lease that could start would rather wait for a better GPU: the free ones stay free
+    if pick.chosen not in by_lease:
         return ready[0]
     fb = m.policy.fairness
     for lease_id in pick.passed:

@@ -136,7 +136,7 @@ class Placer:
         return out
 
     def typical_run_s(self, task_type: str) -> float | None:
-        """The active model's median run time of the task type's finished leases (None: no model, or too few)."""
+        """The active model's mean run time of the task type's finished leases (None: no model, or too few)."""
         fn = getattr(self.scorer, "typical_run_s", None)
         return fn(task_type) if fn is not None else None
 

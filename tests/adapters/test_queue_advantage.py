@@ -109,6 +109,9 @@ async def test_a_freed_t4_goes_to_the_request_that_gains_most_from_it(tmp_path: 
     placement = html.unescape(await (await rig.client.get("/ui/model")).text())
     queue_card = placement[placement.index("<h2>The queue</h2>"):placement.index("<h2>Recent placement decisions</h2>")]
     assert bert["id"] in queue_card and note in queue_card and "comparative advantage" in queue_card
+    # the rule in force, in words: waiting in line for a better GPU, and who of several served in turn goes first
+    assert "waits (when every request that could start would rather wait, the free GPUs stay free)" in placement
+    assert "is served in turn (of several, the one that gains most from the GPUs free first)" in placement
     assert "comparative advantage: 100% of its best rate" in placement[placement.index("Recent placement decisions"):]
     for page in ("/", f"/ui/leases/{bert['id']}"):
         assert note in html.unescape(await (await rig.client.get(page)).text()), page
@@ -328,15 +331,21 @@ def test_the_wait_for_a_better_gpu_and_a_backfills_rate_are_worked_out_per_reque
     m.claims[by_model["A100"][1].id] = "probe-1"  # claimed by no lease (a probe): dated the default duration on
     usable = lease_queue._Usable(m)
     bert, ncf = LeaseRequest(task_type="bert"), LeaseRequest(task_type="ncf")
-    for request, wait in ((bert, 300), (ncf, 900)):
+    default = m.policy.default_duration_s
+    ids = {k: frozenset(g.id for g in v) for k, v in by_model.items()}
+    # each GPU of its best rate, soonest first (0 for a free one; the probe's A100 dated the default duration on),
+    # and which GPUs of the host are at that rate: the line it stands in
+    for request, frees, gpus in ((bert, (0, 0, 300, default), ids["A100"]), (ncf, (0, 0, 0, 900), ids["T4"])):
         got = usable.ranked(request)
         assert got is not None
-        assert usable.better_in(request, got.by_id, got.by_id[got.order[0]], now) == pytest.approx(wait)
+        line = usable.better_in(request, got.by_id, got.by_id[got.order[0]], now)
+        assert line is not None and line.frees_in == pytest.approx(frees) and line.gpus == gpus
     del m.claims[by_model["A100"][1].id], m.claims[by_model["T4"][0].id]  # every T4 free: nothing to wait for
     later = lease_queue._Usable(m)
     got = later.ranked(ncf)
     assert got is not None and later.better_in(ncf, got.by_id, 9.0, now) is None
-    assert later.better_in(bert, later.ranked(bert).by_id, 10.0, now) == pytest.approx(300)  # type: ignore[union-attr]
+    line = later.better_in(bert, later.ranked(bert).by_id, 10.0, now)  # type: ignore[union-attr]
+    assert line is not None and line.frees_in == pytest.approx((0, 0, 0, 300))
     # a backfill may take only its room: its rate is that of the count-th best GPU there
     room = [by_model["T4"][1], by_model["V100"][1], by_model["A100"][2], by_model["RTX 6000"][0]]
     assert [usable.kth_of(bert, room, n) for n in (1, 2, 3, 4, 5)] == [
@@ -365,6 +374,66 @@ async def test_a_request_waits_for_a_better_gpu_about_to_free(tmp_path: Path, ai
     run = stated or 600
     assert note.startswith(f"waiting for a better GPU: predicted to end in {60 + run // 10} s there (free in 60 s) "
                            f"against {run} s on the GPUs free now (10% of its best rate)"), note
+
+
+async def test_a_lone_request_waits_for_a_better_gpu_and_takes_it_when_it_frees(tmp_path: Path,
+                                                                             aiohttp_client: Any) -> None:
+    # bert alone in the queue: the T4 freed would run it 600 s (a tenth of its A100 rate); an A100 frees in 60 s and
+    # runs it 60 s. It stays queued, told why, and the T4 stays free (nobody else wants it); when the A100 frees,
+    # bert takes it
+    rig = await rig_with(tmp_path, aiohttp_client, Clock())
+    m = rig.runtime.manager
+    fillers = await fill(rig, short_a100=True)
+    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", accept_deferred=True)
+    t4 = await free_a_t4(rig, fillers)
+    got = await view(rig, "vm-a", bert["id"])
+    assert got["state"] == "QUEUED" and t4 not in m.claims, got
+    assert got["queue"]["note"].startswith("waiting for a better GPU: predicted to end in 120 s there (free in 60 s) "
+                                           "against 600 s on the GPUs free now (10% of its best rate)"), got["queue"]
+    a100 = fillers[0]["devices"][0]["gpu_id"]
+    r = await rig.client.delete(f"/v1/leases/{fillers[0]['id']}", headers=rig.auth("vm-c"))
+    assert r.status == 200, await r.text()
+    await until(lambda: m.leases[bert["id"]].state is S.ACTIVE, 10, "bert granted the A100")
+    assert m.leases[bert["id"]].gpu_ids == (a100,) and t4 not in m.claims
+
+
+async def test_two_requests_waiting_for_the_same_gpu_stand_in_line_for_it(tmp_path: Path, aiohttp_client: Any) -> None:
+    # two berts, the T4 freed: the first waits for the A100 that frees in 60 s (ends in 120 s against 600 s); the
+    # second is second in line for it, free for it when the first's 60 s there end (ends in 180 s against 600 s), and
+    # the note says so; the T4 stays free
+    rig = await rig_with(tmp_path, aiohttp_client, Clock())
+    m = rig.runtime.manager
+    fillers = await fill(rig, short_a100=True)
+    first = await post(rig, "vm-a", 202, gpus=1, task_type="bert", accept_deferred=True)
+    second = await post(rig, "vm-b", 202, gpus=1, task_type="bert", accept_deferred=True)
+    t4 = await free_a_t4(rig, fillers)
+    notes = [(await view(rig, who, x["id"]))["queue"]["note"] for who, x in (("vm-a", first), ("vm-b", second))]
+    assert notes[0].startswith("waiting for a better GPU: predicted to end in 120 s there (free in 60 s) against "
+                               "600 s"), notes
+    assert notes[1].startswith("waiting for a better GPU: predicted to end in 180 s there (free in 120 s, 2nd in line "
+                               "for it) against 600 s"), notes
+    assert t4 not in m.claims
+
+
+async def test_a_lower_priority_takes_a_gpu_every_request_above_it_would_rather_leave(tmp_path: Path,
+                                                                                   aiohttp_client: Any) -> None:
+    # bert (priority 1) would rather wait 60 s for an A100 than run ten times as long on the T4 freed; ncf (priority
+    # 0), which runs best on a T4, takes it meanwhile, told why; bert is not passed over (it declined the T4)
+    rig = await rig_with(tmp_path, aiohttp_client, Clock(), guest_max_priority=1)
+    m = rig.runtime.manager
+    fillers = await fill(rig, short_a100=True)
+    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", priority=1, accept_deferred=True)
+    ncf = await post(rig, "vm-b", 202, gpus=1, task_type="ncf", accept_deferred=True)
+    assert m.leases[bert["id"]].request.priority == 1
+    assert (bert["queue"]["position"], ncf["queue"]["position"]) == (1, 2)
+    t4 = await free_a_t4(rig, fillers)
+    got = await view(rig, "vm-b", ncf["id"])
+    assert got["state"] == "ACTIVE" and [d["gpu_id"] for d in got["devices"]] == [t4], got
+    assert "every request of a higher priority that could start would rather wait for a better GPU" in \
+        " ".join(got["reasons"]), got["reasons"]
+    waiting = await view(rig, "vm-a", bert["id"])
+    assert waiting["queue"]["note"].startswith("waiting for a better GPU"), waiting["queue"]
+    assert bert["id"] not in m.queue_passes
 
 
 async def test_a_backfill_is_rated_on_the_gpus_it_may_take(tmp_path: Path, aiohttp_client: Any) -> None:
@@ -424,14 +493,17 @@ def test_a_request_shapes_terms_are_its_rates_their_deviation_and_its_wait(tmp_p
     usable = lease_queue._Usable(m)
     spread = (0.5 ** 2 + 0.5 ** 2) ** 0.5
     now_terms = usable.terms(bert, 1, None, now)
-    assert now_terms == pytest.approx((10.0, 8.0, spread, 300.0))  # a V100 now, an A100 in 300 s
+    a100s = frozenset(g.id for g in by_model["A100"])
+    line = lease_queue.Line((300.0, 400.0, 500.0, 600.0), a100s)  # every A100 busy: when each frees
+    assert now_terms == (10.0, 8.0, pytest.approx(spread), line)  # a V100 now, an A100 in 300 s
     room = [by_model["T4"][1]]  # a backfill's room: a T4 (rate 1), however good the other free GPUs are
-    assert usable.terms(bert, 1, room, now) == pytest.approx((10.0, 1.0, spread, 300.0))
+    assert usable.terms(bert, 1, room, now) == (10.0, 1.0, pytest.approx(spread), line)
     assert usable.terms(bert, 1, None, now) is now_terms  # once per shape and size; a room is not kept as it
-    assert usable.terms(bert, 2, None, now) == pytest.approx((10.0, 8.0, spread, None))  # a set never waits
+    # a set of 2 may wait too: for 2 A100s (every A100 busy: the same line, the second to free in 400 s)
+    assert usable.terms(bert, 2, None, now) == (10.0, 8.0, pytest.approx(spread), line)
     assert usable.terms(ncf, 1, None, now) == (9.0, 9.0, 0.0, None)  # its best rate now (the second T4): exact
     rig.runtime.placer.use(TableModel(), "v-table")  # a model that gives no deviations: ratios count as exact
-    assert lease_queue._Usable(m).terms(bert, 1, None, now) == pytest.approx((10.0, 8.0, 0.0, 300.0))
+    assert lease_queue._Usable(m).terms(bert, 1, None, now) == (10.0, 8.0, 0.0, line)
     m.relative_rates = lambda request, gpus: None  # no model covers it
     assert lease_queue._Usable(m).terms(bert, 1, None, now) is None
 
