@@ -140,6 +140,18 @@ def test_requests_waiting_for_the_same_gpus_stand_in_line_for_them() -> None:
     assert pick.waiting["P"].startswith("waiting for a better GPU: predicted to end in 150 s there (free in 50 s)")
     # a set larger than the line's GPUs cannot wait for them
     assert "P" not in choose([replace(pair, count=3), single], F, now=0.0).waiting
+    # one in line that would not wait gives its place back: A runs nearly as fast now (0.99) and starts; B, behind
+    # it, still counts on the GPU free in 5 s (105 s there against 200 s now), not on one after A's run
+    quick = Candidate("A", 0, 0, now=0.99, best=1.0, run_s=100.0, better_in_s=5.0, later_s=(400.0,), best_on="X")
+    pick = choose([quick, job("B", 1)], F, now=0.0)
+    assert pick.chosen == "A" and pick.waiting["B"].startswith("waiting for a better GPU: predicted to end in 105 s "
+                                                                "there (free in 5 s) against 200 s")
+    # a GPU whose expected free time is already past counts as free now for the next in line too: A waits for it
+    # (0 s + 100 s), and it is B's again only after A's run, at 100 s (200 s there: not sooner than now)
+    late = [Candidate(n, k, 0, now=0.5, best=1.0, run_s=100.0, better_in_s=-30.0, later_s=(400.0,), best_on="X")
+            for k, n in enumerate("AB")]
+    pick = choose(late, F, now=0.0)
+    assert pick.chosen == "B" and pick.waiting["A"].startswith("waiting for a better GPU: predicted to end in 100 s")
     # (the reason's ordinals)
     assert [_nth(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 111)] == [
         "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st", "111th"]
