@@ -415,6 +415,22 @@ async def test_two_requests_waiting_for_the_same_gpu_stand_in_line_for_it(tmp_pa
     assert t4 not in m.claims
 
 
+async def test_a_set_waits_for_as_many_gpus_of_its_best_rate(tmp_path: Path, aiohttp_client: Any) -> None:
+    # a 2-GPU bert, two T4s free (rate 1: 600 s): its best set is two A100s, one free in 60 s and the next in 300 s,
+    # so it could start there in 300 s and end in 360 s: it waits, and its note says when the second frees
+    rig = await rig_with(tmp_path, aiohttp_client, Clock())
+    m = rig.runtime.manager
+    fillers = [await post(rig, "vm-c", 201, gpus=1, task_type="a100-job", duration_s=d) for d in (60, 300)]
+    assert all("A100" in m.gpus[x["devices"][0]["gpu_id"]].model for x in fillers)
+    fillers += [await post(rig, "vm-c", 201, gpus=1, task_type="filler") for _ in range(14)]
+    bert = await post(rig, "vm-a", 202, gpus=2, task_type="bert", accept_deferred=True)
+    t4s = [await free_a_t4(rig, fillers) for _ in range(2)]
+    got = await view(rig, "vm-a", bert["id"])
+    assert got["state"] == "QUEUED" and not any(t in m.claims for t in t4s), got
+    assert got["queue"]["note"].startswith("waiting for a better GPU: predicted to end in 360 s there (free in 300 s) "
+                                           "against 600 s on the GPUs free now (10% of its best rate)"), got["queue"]
+
+
 async def test_a_lower_priority_takes_a_gpu_every_request_above_it_would_rather_leave(tmp_path: Path,
                                                                                    aiohttp_client: Any) -> None:
     # bert (priority 1) would rather wait 60 s for an A100 than run ten times as long on the T4 freed; ncf (priority
