@@ -140,10 +140,12 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
             for i in usable:
                 if sc[i] < best * 0.999:
                     continue
-                job = running_on.get(i)
-                if job is None:
+                if free[i]:
                     ends.append(0.0)
                     continue
+                job = running_on.get(i)
+                if job is None:
+                    continue  # busy with a job started before the first model: no estimate of its end
                 elapsed = now - job.start
                 left = state.left_s(job.task_type, elapsed * job.rate) if job.rate > 0 else None
                 ends.append(left / job.rate if left is not None else elapsed)

@@ -361,8 +361,8 @@ class _Usable:
 
 
 class Line(NamedTuple):
-    """The GPUs of a request's best predicted rate that are busy, as it would stand in line for them: in how many
-    seconds each is expected to free (soonest first), and which GPUs of the host are at that rate (requests whose
+    """The GPUs of a request's best predicted rate, as it would stand in line for them: in how many seconds each is
+    expected to free (0 for a free one; soonest first), and which GPUs of the host are at that rate (requests whose
     best are the same GPUs share the line: `domain.assignment`)."""
 
     frees_in: tuple[float, ...]

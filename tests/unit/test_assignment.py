@@ -322,6 +322,10 @@ def test_the_simulator_puts_jobs_that_want_the_same_gpu_in_line_for_it() -> None
     # alone, the second would have waited too: its line is empty
     alone, pick = sim_queue.pick(state, [(2, request)], views, [False, True], lambda r, i: True, scorer, running, 5.0)
     assert alone is None and list(pick.waiting) == ["2"]
+    # X busy with a job started before the first model (no estimate of its end): nobody counts on it freeing, so the
+    # first job starts now on Y (X is not free in 0 s)
+    got, pick = sim_queue.pick(state, [(1, request)], views, [False, True], lambda r, i: True, scorer, {}, now=5.0)
+    assert got == 1 and pick.waiting == {}
 
 
 def test_the_simulator_expects_a_job_that_has_run_long_to_run_longer() -> None:
