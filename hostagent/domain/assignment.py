@@ -92,6 +92,15 @@ class Candidate:
             return 0.0
         return 1.0 if now >= best else now / best
 
+    def stand_in_line(self, frees_in: Sequence[float], gpus: Hashable) -> None:
+        """Its place for the GPUs of its best rate (`gpus`), which are expected to free in `frees_in` seconds (0 for a
+        free one, any order): `better_in_s` is when the `count`-th of them frees, `later_s` the others. Fewer than
+        `count` of them: it cannot wait for them (nothing is set)."""
+        if len(frees_in) < self.count:
+            return
+        ends, k = sorted(frees_in), self.count - 1
+        self.better_in_s, self.later_s, self.best_on = ends[k], (*ends[:k], *ends[k + 1:]), gpus
+
     def due(self, fairness: Fairness, now: float) -> bool:
         """Passed over as often or as long as the operator allows."""
         if self.passes >= fairness.max_passes:

@@ -132,7 +132,7 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
             sd = math.hypot(sds[at_now], sds[at_best])
         passes, since = state.passes.get(jidx, (0, None))
         run_s = state.run_s(req.task_type)
-        better, later, best_on = None, (), None
+        cand = Candidate(str(jidx), order, req.priority, now_rate, best, passes, since, run_s, sd=sd, count=req.count)
         if run_s is not None and now_rate is not None and best > now_rate:
             # it may wait for the GPUs of its best rate (a set: for `count` of them), in line with every job whose
             # best they are too: when each is expected to free (0 for a free one)
@@ -149,12 +149,8 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
                 elapsed = now - job.start
                 left = state.left_s(job.task_type, elapsed * job.rate) if job.rate > 0 else None
                 ends.append(left / job.rate if left is not None else elapsed)
-            if len(ends) >= req.count:
-                ends.sort()
-                better, later = ends[req.count - 1], (*ends[:req.count - 1], *ends[req.count:])
-                best_on = tuple(i for i in usable if sc[i] >= best * 0.999)
-        cands.append(Candidate(str(jidx), order, req.priority, now_rate, best, passes, since, run_s, better, sd,
-                               later, best_on, req.count))
+            cand.stand_in_line(ends, tuple(i for i in usable if sc[i] >= best * 0.999))
+        cands.append(cand)
     decision = choose(cands, state.fairness, now)
     if decision.chosen is None:
         return None, decision

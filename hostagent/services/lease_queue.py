@@ -453,9 +453,8 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
         n, since = m.queue_passes.get(x.id, (0, None))
         # (`better` counts only with a run time: Candidate.gains_by_waiting)
         cand = Candidate(x.id, rank[x.id], request.priority, now_rate, best, n, since, run_s, sd=sd, count=count)
-        if better is not None and len(better.frees_in) >= count:  # it may stand in line for the GPUs of its best rate
-            k, frees = count - 1, better.frees_in
-            cand.better_in_s, cand.later_s, cand.best_on = frees[k], (*frees[:k], *frees[k + 1:]), better.gpus
+        if better is not None:  # it may stand in line for the GPUs of its best rate
+            cand.stand_in_line(better.frees_in, better.gpus)
         cands.append(cand)
     pick = choose(cands, m.policy.fairness, now)
     for lease_id, why in pick.waiting.items():
