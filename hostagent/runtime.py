@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import gc
 import hashlib
 import logging
@@ -581,6 +582,14 @@ def settle_heap() -> None:
     gc.freeze()
 
 
+def _model_switched(manager: LeaseManager, gc_freeze: bool) -> None:
+    """After the placer switched models: the queue decides again (a request waiting for a better GPU under the old
+    model may not under the new one, and the reverse), and with agent.gc_freeze the heap is settled."""
+    manager._wake_queue.set()
+    if gc_freeze:
+        settle_heap()
+
+
 def limit_threads(fn: Callable[..., Any], threads: int) -> Callable[..., Any]:
     """`fn`, its native thread pools (scikit-learn's OpenMP, BLAS) limited to `threads` threads while it runs; 0: `fn`
     as it is (a thread per CPU, or OMP_NUM_THREADS). The limit is set in the thread that calls `fn` (Runtime.run's
@@ -625,7 +634,7 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
     rt = Runtime(settings=settings, inventory=inventory, host=host, hypervisor=hypervisor, journal=journal,
                  manager=manager, tokens=tokens, clock=clock, placer=placer)
     rt.models = ModelFollower(placer, lambda: rt.store.store, journal=journal, clock=clock,
-                              after_switch=settle_heap if settings.agent.gc_freeze else None)
+                              after_switch=functools.partial(_model_switched, manager, settings.agent.gc_freeze))
     untrusted = host_signal_untrusted(settings.reclaim, lambda: irq_bypass(settings.host.sysfs_root))
     if untrusted:
         log.info("idle reclaim: vfio interrupt counters are not trusted to show a busy GPU (%s); with no guest "

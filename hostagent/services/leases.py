@@ -389,8 +389,12 @@ class LeaseManager:
                     raise Conflict(f"cannot renew: {booked}", field="duration_s")
                 cut = "; ".join(c for c in (cut, booked) if c)
                 d = until - self.clock()
-            return await self._write(lease.with_changes(expires_at=until), lease.state, actor,
-                                     f"renewed for {d:g} s" + (f" ({cut})" if cut else ""))
+            renewed = await self._write(lease.with_changes(expires_at=until), lease.state, actor,
+                                        f"renewed for {d:g} s" + (f" ({cut})" if cut else ""))
+        if renewed.state is S.ACTIVE and any(x.state is S.QUEUED for x in self.leases.values()):
+            # its GPUs free at another time now: a queued request waiting in line for them weighs its wait again
+            self._wake_queue.set()
+        return renewed
 
     @_agent_side
     async def drain_queue(self) -> list[Lease]:

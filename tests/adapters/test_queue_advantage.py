@@ -5,6 +5,7 @@ are set through the configuration as an operator sets them."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import html
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from hostagent.domain.capabilities import Measured
 from hostagent.domain.lease import LeaseDevice, LeaseRequest, LeaseState, new_lease
 from hostagent.domain.placement import DeviceView, PlacementRequest
 from hostagent.services import lease_queue
+from hostagent.web.topology import TOPOLOGY
 from tests.support.agent import AgentRig, Clock, make_rig, operator_login, start_rig
 from tests.support.waits import until
 
@@ -395,6 +397,60 @@ async def test_a_lone_request_waits_for_a_better_gpu_and_takes_it_when_it_frees(
     assert r.status == 200, await r.text()
     await until(lambda: m.leases[bert["id"]].state is S.ACTIVE, 10, "bert granted the A100")
     assert m.leases[bert["id"]].gpu_ids == (a100,) and t4 not in m.claims
+
+
+async def queue_asleep(rig: AgentRig) -> None:
+    """Once the queue's task has nothing left to wake it: the freed GPU's health probe (it claims the GPU, then wakes
+    the queue) has run and the queue has drained since."""
+    m = rig.runtime.manager
+    probes = rig.client.app[TOPOLOGY].probes
+    await until(lambda: not probes._pending, 10, "the probe after the release")
+    await until(lambda: not m._wake_queue.is_set(), 10, "the queue's task idle")
+    await asyncio.sleep(0.2)
+    assert not m._wake_queue.is_set()
+
+
+async def test_a_waiting_request_weighs_its_wait_again_when_the_gpu_it_waits_for_is_renewed(
+        tmp_path: Path, aiohttp_client: Any) -> None:
+    # bert waits for the A100 that frees in 60 s, the T4 left free; the A100's holder renews for an hour: its wait is
+    # now 3660 s against 600 s on the T4, so bert takes the T4 at once, with no release or new request to wake the
+    # queue (before, it waited for the next queue event: here, the hour)
+    rig = await rig_with(tmp_path, aiohttp_client, Clock())
+    m = rig.runtime.manager
+    fillers = await fill(rig, short_a100=True)
+    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", accept_deferred=True)
+    t4 = await free_a_t4(rig, fillers)
+    await queue_asleep(rig)
+    assert m.leases[bert["id"]].state is S.QUEUED and t4 not in m.claims
+    import traceback; orig = m._wake_queue.set; m._wake_queue.set = lambda: (traceback.print_stack(limit=6), orig())[1]
+    r = await rig.client.post(f"/v1/leases/{fillers[0]['id']}/renew", json={"duration_s": 3600},
+                              headers=rig.auth("vm-c"))
+    assert r.status == 200, await r.text()
+    await until(lambda: m.leases[bert["id"]].state is S.ACTIVE, 10, "bert granted the T4")
+    assert m.leases[bert["id"]].gpu_ids == (t4,)
+
+
+async def test_a_new_model_makes_the_queue_decide_again(tmp_path: Path, aiohttp_client: Any) -> None:
+    # bert waits for the A100 (its best under the table model); a model under which every GPU runs bert alike
+    # replaces it: bert no longer gains by waiting and takes the free T4 at once (the switch wakes the queue)
+    rig = await rig_with(tmp_path, aiohttp_client, Clock())
+    m = rig.runtime.manager
+    fillers = await fill(rig, short_a100=True)
+    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", accept_deferred=True)
+    t4 = await free_a_t4(rig, fillers)
+    await queue_asleep(rig)
+    assert m.leases[bert["id"]].state is S.QUEUED and t4 not in m.claims
+
+    class Flat(TableModel):
+        name = "v-flat"
+
+        def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
+            return [1.0 for _ in devices]
+
+    rig.runtime.placer.use(Flat(), "v-flat")
+    rig.runtime.models.after_switch()  # what the follower calls after it switched the placer
+    await until(lambda: m.leases[bert["id"]].state is S.ACTIVE, 10, "bert granted the T4")
+    assert m.leases[bert["id"]].gpu_ids == (t4,)
 
 
 async def test_two_requests_waiting_for_the_same_gpu_stand_in_line_for_it(tmp_path: Path, aiohttp_client: Any) -> None:
