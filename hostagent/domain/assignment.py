@@ -43,7 +43,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +128,18 @@ class Pick:
     passed: tuple[str, ...] = ()
     waiting: dict[str, str] = field(default_factory=dict)
     unsure: bool = False  # a more efficient request was within the predictions' uncertainty: serve order decided
+    free_in: dict[str, float] = field(default_factory=dict)  # a waiting request -> seconds until its place's GPU frees
 
 
 def choose(candidates: Sequence[Candidate], fairness: Fairness, now: float) -> Pick:
-    """The candidate to start now (see the module's doc)."""
+    """The candidate to start now (see the module's doc); for each request that waits for a better GPU, also when
+    the GPU of its place in line is expected to free (`Pick.free_in`: its expected start, the queue's ETA)."""
+    free_in: dict[str, float] = {}
+    pick = _choose(candidates, fairness, now, free_in)
+    return replace(pick, free_in={k: free_in[k] for k in pick.waiting}) if pick.waiting else pick
+
+
+def _choose(candidates: Sequence[Candidate], fairness: Fairness, now: float, free_in: dict[str, float]) -> Pick:
     ready = [c for c in candidates if c.now is not None]
     if not ready:
         return Pick(None, "no queued request can start now")
@@ -147,7 +155,7 @@ def choose(candidates: Sequence[Candidate], fairness: Fairness, now: float) -> P
             return Pick(None, f"{blocked.id} is due (passed over {blocked.passes} time(s)) and waits for its GPUs",
                         waiting=declined)
         cls = sorted((c for c in ready if c.priority == top), key=lambda c: c.order)
-        waiting = _waiting(cls, fairness, now)
+        waiting = _waiting(cls, fairness, now, free_in)
         declined.update(waiting)
         pool = [c for c in cls if c.id not in waiting]
         if pool:
@@ -159,9 +167,10 @@ def choose(candidates: Sequence[Candidate], fairness: Fairness, now: float) -> P
     return Pick(None, "every request that could start would rather wait for a better GPU", waiting=declined)
 
 
-def _waiting(cls: Sequence[Candidate], fairness: Fairness, now: float) -> dict[str, str]:
+def _waiting(cls: Sequence[Candidate], fairness: Fairness, now: float, free_in: dict[str, float]) -> dict[str, str]:
     """Which requests of one priority (in serve order) would rather wait for a better GPU, with why: each stands in
-    line for the GPUs of its best rate (the due first, then in serve order) and waits for its place's GPU to free."""
+    line for the GPUs of its best rate (the due first, then in serve order) and waits for its place's GPU to free
+    (in `free_in[id]` seconds)."""
     waiting: dict[str, str] = {}
     lines: dict[Hashable, list[float]] = {}  # the GPUs a line is for -> when each is next free for it (a heap)
     ahead: dict[Hashable, int] = {}  # how many stand in that line
@@ -182,6 +191,7 @@ def _waiting(cls: Sequence[Candidate], fairness: Fairness, now: float) -> dict[s
         for _ in taken:  # its run there, then the next in line
             heapq.heappush(line, max(0.0, at) + (c.run_s or 0.0) / c.best)
         n = ahead[key] = ahead.get(key, 0) + 1
+        free_in[c.id] = max(0.0, at)
         waiting[c.id] = (f"waiting for a better GPU: predicted to end in {gain[0]:.0f} s there (free in {at:.0f} s"
                          + (f", {_nth(n)} in line for it" if n > 1 else "")
                          + f") against {gain[1]:.0f} s on the GPUs free now ({c.efficiency:.0%} of its best rate)")

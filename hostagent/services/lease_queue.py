@@ -60,6 +60,10 @@ def view(m: LeaseCore) -> dict[str, tuple[int, float | None]]:
     now = m.clock()
     order = in_order(m)
     out = _view_with_bookings(m, order, now) if bookings.has_bookings(m) else _view_by_pools(m, order, now)
+    for lease_id, at in m.queue_waits.items():  # it waits for a better GPU: it starts when that one frees
+        got = out.get(lease_id)
+        if got is not None and got[1] is not None and at > got[1]:
+            out[lease_id] = (got[0], at)
     m.queue_cache = (key, now, out)
     return out
 
@@ -430,6 +434,8 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
         m.queue_passes.pop(gone, None)
     for gone in [k for k in m.queue_notes if k not in live]:
         m.queue_notes.pop(gone, None)
+    for gone in [k for k in m.queue_waits if k not in live]:
+        m.queue_waits.pop(gone, None)
     cands: list[Candidate] = []
     run_of: dict[str, float | None] = {}
     for x, free, count, backfill in ready:
@@ -459,6 +465,10 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
     pick = choose(cands, m.policy.fairness, now)
     for lease_id, why in pick.waiting.items():
         m.queue_notes[lease_id] = why
+        at = now + pick.free_in.get(lease_id, 0.0)
+        if m.queue_waits.get(lease_id) != at:
+            m.queue_waits[lease_id] = at
+            m.queue_cache = None  # its ETA is when that GPU frees, not now
     by_lease = {x.id: (x, free, count, why) for x, free, count, why in ready}
     if pick.chosen is None:
         return None  # every lease that could start would rather wait for a better GPU: the free ones stay free
@@ -469,11 +479,13 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
         n, since = m.queue_passes.get(lease_id, (0, None))
         m.queue_passes[lease_id] = (n + 1, now if since is None else since)
         if lease_id not in pick.waiting:
+            m.queue_waits.pop(lease_id, None)
             m.queue_notes[lease_id] = (f"passed over {n + 1} time(s) by requests that gain more from the GPUs free "
                                        f"then (comparative advantage); served in turn after {fb.max_passes} times or "
                                        f"{fb.max_delay_s:g} s")
     was_passed = m.queue_passes.pop(pick.chosen, None)
     m.queue_notes.pop(pick.chosen, None)
+    m.queue_waits.pop(pick.chosen, None)
     x, free, count, why = by_lease[pick.chosen]
     if not pick.passed and not pick.waiting and was_passed is None and not pick.unsure:
         return x, free, count, why  # in its turn, nobody passed, nothing in doubt: nothing to explain

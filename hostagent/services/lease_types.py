@@ -157,6 +157,7 @@ class LeaseCore(Protocol):
     rates_token: Callable[[], object]
     queue_passes: dict[str, tuple[int, float]]  # queued lease -> (times passed over, since when)
     queue_notes: dict[str, str]  # queued lease -> why it waits (passed over, waiting for a better GPU)
+    queue_waits: dict[str, float]  # queued lease waiting for a better GPU -> when that GPU is expected to free
     queue_shapes: dict[tuple[object, ...], Any]  # request shape -> its ranked predictions (lease_queue.Ranked)
     consolidation: dict[str, dict[str, Any]]  # queued lease -> the moves that would free a block (consolidate.py)
     grant_seconds: deque[float]  # how long the latest grants took to bind and attach (a booking's lead time)

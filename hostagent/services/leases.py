@@ -129,6 +129,7 @@ class LeaseManager:
         self.rates_token: Callable[[], object] = lambda: None
         self.queue_passes: dict[str, tuple[int, float]] = {}
         self.queue_notes: dict[str, str] = {}
+        self.queue_waits: dict[str, float] = {}
         self.queue_shapes: dict[tuple[object, ...], Any] = {}
         self.consolidation: dict[str, dict[str, Any]] = {}  # queued lease -> the moves that would free a block for it
         self.grant_seconds: collections.deque[float] = collections.deque(maxlen=20)

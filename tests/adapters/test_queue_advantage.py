@@ -392,6 +392,7 @@ async def test_a_lone_request_waits_for_a_better_gpu_and_takes_it_when_it_frees(
     assert got["state"] == "QUEUED" and t4 not in m.claims, got
     assert got["queue"]["note"].startswith("waiting for a better GPU: predicted to end in 120 s there (free in 60 s) "
                                            "against 600 s on the GPUs free now (10% of its best rate)"), got["queue"]
+    assert got["queue"]["eta"] == m.clock() + 60  # its ETA is when the A100 frees, not now (the T4 is free now)
     a100 = fillers[0]["devices"][0]["gpu_id"]
     r = await rig.client.delete(f"/v1/leases/{fillers[0]['id']}", headers=rig.auth("vm-c"))
     assert r.status == 200, await r.text()
@@ -468,6 +469,8 @@ async def test_two_requests_waiting_for_the_same_gpu_stand_in_line_for_it(tmp_pa
                                "600 s"), notes
     assert notes[1].startswith("waiting for a better GPU: predicted to end in 180 s there (free in 120 s, 2nd in line "
                                "for it) against 600 s"), notes
+    etas = [(await view(rig, who, x["id"]))["queue"]["eta"] for who, x in (("vm-a", first), ("vm-b", second))]
+    assert etas == [m.clock() + 60, m.clock() + 120], etas  # each starts when its place's GPU frees
     assert t4 not in m.claims
 
 

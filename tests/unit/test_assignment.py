@@ -110,6 +110,7 @@ def test_requests_waiting_for_the_same_gpus_stand_in_line_for_them() -> None:
                          later_s=(400.0,), best_on="X", **kw)  # type: ignore[arg-type]
     pick = choose([job("A", 0), job("B", 1)], F, now=0.0)
     assert pick.chosen == "B" and list(pick.waiting) == ["A"] and pick.passed == ()
+    assert pick.free_in == {"A": 5.0}
     assert pick.waiting["A"].startswith("waiting for a better GPU: predicted to end in 105 s there (free in 5 s) "
                                         "against 200 s")
     # on a slower GPU (rate 0.25: 400 s) B waits too, second in line: its GPU is free for it when A's run ends (105 s)
@@ -119,6 +120,7 @@ def test_requests_waiting_for_the_same_gpus_stand_in_line_for_them() -> None:
     assert pick.chosen is None and list(pick.waiting) == ["A", "B"]
     assert pick.waiting["B"].startswith("waiting for a better GPU: predicted to end in 205 s there (free in 105 s, "
                                         "2nd in line for it) against 400 s")
+    assert pick.free_in == {"A": 5.0, "B": 105.0}  # when each is expected to start: its ETA
     # without the line (each for GPUs of its own) both would count on the GPU free in 5 s
     apart = choose([Candidate("A", 0, 0, 0.5, 1.0, run_s=100.0, better_in_s=5.0, later_s=(400.0,)),
                     Candidate("B", 1, 0, 0.5, 1.0, run_s=100.0, better_in_s=5.0, later_s=(400.0,))], F, 0.0)
@@ -137,6 +139,7 @@ def test_requests_waiting_for_the_same_gpus_stand_in_line_for_them() -> None:
     single = Candidate("S", 1, 0, now=0.5, best=1.0, run_s=100.0, better_in_s=0.0, later_s=(50.0,), best_on="X")
     pick = choose([pair, single], F, now=0.0)
     assert pick.chosen == "S" and list(pick.waiting) == ["P"]
+    assert pick.free_in == {"P": 50.0}
     assert pick.waiting["P"].startswith("waiting for a better GPU: predicted to end in 150 s there (free in 50 s)")
     # a set larger than the line's GPUs cannot wait for them
     assert "P" not in choose([replace(pair, count=3), single], F, now=0.0).waiting
