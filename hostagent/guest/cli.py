@@ -166,13 +166,19 @@ def _when(ts: float | None) -> str:
     return f"{stamp} (in {delta:.0f} s)" if delta >= 0 else f"{stamp} ({-delta:.0f} s ago)"
 
 
+def queued_line(q: dict[str, Any]) -> str:
+    """A queued request's place, expected grant and, where the host says, why it waits (passed over, or waiting for
+    a better GPU)."""
+    note = q.get("note")
+    return f"queued: position {q.get('position')}, eta {_when(q.get('eta'))}" + (f"; {note}" if note else "")
+
+
 def describe_lease(lease: dict[str, Any]) -> str:
     """Human lines for a lease."""
     dom = (lease.get("domain") or {}).get("name") or (lease.get("domain") or {}).get("uuid", "?")
     lines = [f"lease {lease['id']} {lease['state']} for {dom}"]
     if lease.get("state") == "QUEUED":
-        q = lease.get("queue") or {}
-        lines.append(f"  queued: position {q.get('position')}, eta {_when(q.get('eta'))}")
+        lines.append(f"  {queued_line(lease.get('queue') or {})}")
     if lease.get("booking"):
         b = lease["booking"]
         lines.append(f"  booked: {', '.join(b.get('gpus') or []) or '?'} from {_when(b.get('start_at'))} to "
@@ -255,8 +261,7 @@ async def acquire(client: HostClient, body: dict[str, Any], *, wait_timeout: flo
             if time.monotonic() >= deadline:
                 raise WaitTimeout(f"lease {lease['id']} not granted within {wait_timeout:g} s "
                                   f"(still {lease['state']}); cancelled it")
-            q = lease.get("queue") or {}
-            line = (f"queued: position {q.get('position')}, eta {_when(q.get('eta'))}" if lease["state"] == "QUEUED"
+            line = (queued_line(lease.get("queue") or {}) if lease["state"] == "QUEUED"
                     else f"{lease['state'].lower()}...")
             if line != last:
                 print(f"hostagent-guest: lease {lease['id']} {line}", file=out, flush=True)

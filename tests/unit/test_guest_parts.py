@@ -13,6 +13,7 @@ import pynvml
 import pytest
 
 from hostagent.guest.buffer import SampleBuffer
+from hostagent.guest.cli import describe_lease
 from hostagent.guest.config import GuestConfigError, load_config
 from hostagent.guest.errors import ApiError
 from hostagent.guest.mapping import map_devices
@@ -365,3 +366,14 @@ async def test_a_backend_that_may_block_is_read_in_a_thread_and_one_that_cannot_
     on_loop = backend.threads == [threading.current_thread().name]
     assert on_loop is not blocks, backend.threads
     assert [s["util_pct"] for s in monitor.leases["l-1"].buffer.peek(5)] == [50.0]
+
+
+def test_a_queued_lease_says_why_it_waits_where_the_host_says() -> None:
+    lease = {"id": "L1", "state": "QUEUED", "domain": {"name": "vm-a"},
+             "queue": {"position": 2, "eta": None, "note": "waiting for a better GPU: predicted to end in 120 s there "
+                                                           "(free in 60 s) against 600 s on the GPUs free now"}}
+    assert describe_lease(lease).splitlines()[1] == (
+        "  queued: position 2, eta never; waiting for a better GPU: predicted to end in 120 s there (free in 60 s) "
+        "against 600 s on the GPUs free now")
+    del lease["queue"]["note"]  # type: ignore[attr-defined]
+    assert describe_lease(lease).splitlines()[1] == "  queued: position 2, eta never"
