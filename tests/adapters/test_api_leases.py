@@ -271,9 +271,21 @@ async def test_renew(rig: AgentRig) -> None:
     assert r.status == 200 and renewed["expires_at"] > body["expires_at"] + 3000
     r = await rig.client.post(f"/v1/leases/{body['id']}/renew", json={"duration_s": 10**9}, headers=rig.auth("vm-a"))
     assert r.status == 400 and (await r.json())["error"]["field"] == "duration_s"
+    top = rig.runtime.manager.policy.max_duration_s
+    for bad in (0, top + 1, True, 1.5, "60"):  # 1..max_duration_s, an integer (not a boolean, a float or a string)
+        r = await rig.client.post(f"/v1/leases/{body['id']}/renew", json={"duration_s": bad}, headers=rig.auth("vm-a"))
+        assert r.status == 400 and (await r.json())["error"] == {
+            **(await r.json())["error"], "field": "duration_s",
+            "message": f"duration_s must be an integer 1..{top}"}, (bad, await r.text())
+    for good in (1, top):  # both ends of the range
+        before = rig.runtime.manager.clock()
+        r = await rig.client.post(f"/v1/leases/{body['id']}/renew", json={"duration_s": good}, headers=rig.auth("vm-a"))
+        assert r.status == 200 and (await r.json())["expires_at"] == pytest.approx(before + good, abs=5), good
     await rig.client.delete(f"/v1/leases/{body['id']}", headers=rig.auth("vm-a"))
     r = await rig.client.post(f"/v1/leases/{body['id']}/renew", json={}, headers=rig.auth("vm-a"))
-    assert r.status == 409
+    assert r.status == 409 and (await r.json())["error"] == {
+        **(await r.json())["error"], "field": "id",
+        "message": "only ACTIVE or QUEUED leases can be renewed; this one is RELEASED"}, await r.text()
 
 
 async def test_expiry_releases(tmp_path: Path, aiohttp_client: Any) -> None:

@@ -61,6 +61,13 @@ async def test_a_booking_holds_its_gpus_and_leases_stay_clear_of_them(tmp_path: 
                               headers=rig.auth("vm-c"))
     renewed = await r.json()
     assert r.status == 200 and renewed["expires_at"] == start - 60.0, renewed
+    # renewed to the booking's lead time already: nothing is left, so a further renewal is refused (and says why)
+    r = await rig.client.post(f"/v1/leases/{gap['id']}/renew", json={"duration_s": 3 * HOUR},
+                              headers=rig.auth("vm-c"))
+    refused_renewal = (await r.json())["error"]
+    assert r.status == 409 and refused_renewal["field"] == "duration_s", refused_renewal
+    assert refused_renewal["message"].startswith("cannot renew: "), refused_renewal
+    assert rig.runtime.manager.leases[gap["id"]].expires_at == start - 60.0
 
 
 async def test_a_booking_that_does_not_fit_is_offered_the_earliest_window(tmp_path: Path, aiohttp_client: Any) -> None:
