@@ -61,6 +61,9 @@ async def test_a_booking_holds_its_gpus_and_leases_stay_clear_of_them(tmp_path: 
                               headers=rig.auth("vm-c"))
     renewed = await r.json()
     assert r.status == 200 and renewed["expires_at"] == start - 60.0, renewed
+    said = [e.detail for e in rig.runtime.journal.events(lease_id=gap["id"]) if (e.detail or "").startswith("renewed")]
+    assert said == [f"renewed for {start - 60.0 - clock.now:g} s (renewed only until {start - 60.0:.0f}: a booking of "
+                     "its GPU(s) starts then)"], said
     # renewed to the booking's lead time already: nothing is left, so a further renewal is refused (and says why)
     r = await rig.client.post(f"/v1/leases/{gap['id']}/renew", json={"duration_s": 3 * HOUR},
                               headers=rig.auth("vm-c"))
