@@ -349,3 +349,10 @@ def test_the_simulator_expects_a_job_that_has_run_long_to_run_longer() -> None:
     assert state.left_s("a", 200.0) == pytest.approx(450.0) and state.left_s("a", 1000.0) is None
     state.finished("a", 0.0, 1.0)  # nothing held: nothing learnt
     assert len(state.runs["a"]) == 3
+
+
+def test_a_place_in_line_reads_as_english_ordinals() -> None:
+    from hostagent.domain.assignment import _nth
+    got = [_nth(n) for n in (1, 2, 3, 4, 10, 11, 12, 13, 14, 20, 21, 22, 23, 101, 111, 112, 113, 121, 122, 123)]
+    assert got == ["1st", "2nd", "3rd", "4th", "10th", "11th", "12th", "13th", "14th", "20th", "21st", "22nd", "23rd",
+                   "101st", "111th", "112th", "113th", "121st", "122nd", "123rd"]
