@@ -465,15 +465,13 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
     pick = choose(cands, m.policy.fairness, now)
     for lease_id, why in pick.waiting.items():
         m.queue_notes[lease_id] = why
-        at = now + pick.free_in.get(lease_id, 0.0)
+        at = now + pick.free_in[lease_id]
         if m.queue_waits.get(lease_id) != at:
             m.queue_waits[lease_id] = at
             m.queue_cache = None  # its ETA is when that GPU frees, not now
     by_lease = {x.id: (x, free, count, why) for x, free, count, why in ready}
     if pick.chosen is None:
         return None  # every lease that could start would rather wait for a better GPU: the free ones stay free
-    if pick.chosen not in by_lease:
-        return ready[0]
     fb = m.policy.fairness
     for lease_id in pick.passed:
         n, since = m.queue_passes.get(lease_id, (0, None))

@@ -593,11 +593,14 @@ def test_a_lease_gone_from_the_queue_leaves_no_pass_count_or_note_behind(tmp_pat
         m.leases[lease.id] = lease.transition(S.QUEUED, queued_at=now - 60 + k)
     m.queue_passes["l-gone"], m.queue_notes["l-gone"] = (3, now - 100), "passed over 3 time(s) ..."
     m.queue_passes["l-q1"], m.queue_notes["l-q0"] = (1, now - 10), "waiting for a better GPU: ..."
+    m.queue_waits["l-gone"], m.queue_waits["l-q0"], m.queue_waits["l-q1"] = now + 5, now + 60, now + 30
     pick = lease_queue._next_grant(m)  # both could start, each at its best rate: the first in serve order goes
     assert pick is not None and pick[0].id == "l-q0" and pick[3] is None  # in its turn, nobody passed: no reason
-    assert "l-gone" not in m.queue_passes and "l-gone" not in m.queue_notes
-    assert "l-q0" not in m.queue_notes  # the lease granted is no longer told why it waits
+    assert "l-gone" not in m.queue_passes and "l-gone" not in m.queue_notes and "l-gone" not in m.queue_waits
+    assert "l-q0" not in m.queue_notes and "l-q0" not in m.queue_waits  # granted: no longer told why it waits
     assert m.queue_passes["l-q1"] == (1, now - 10)  # a lease still queued keeps its count
+    # and the time it waits for: this decision neither passed it nor had it wait
+    assert m.queue_waits["l-q1"] == now + 30
 
 
 class OnlyBert(TableModel):
