@@ -511,6 +511,32 @@ async def test_a_lower_priority_takes_a_gpu_every_request_above_it_would_rather_
     assert bert["id"] not in m.queue_passes
 
 
+class NotUnknown(TableModel):
+    """The table model, with no records of the task type `unknown`."""
+
+    def covers(self, request: PlacementRequest) -> bool:
+        return request.task_type != "unknown"
+
+
+async def test_a_lower_priority_the_model_cannot_rate_does_not_stop_the_others(tmp_path: Path,
+                                                                              aiohttp_client: Any) -> None:
+    # as above, with a priority-0 request of a task type the model has no records of queued between bert and ncf: it
+    # keeps its turn but does not compete for the T4 bert declines (nothing says how fast it would run there), and
+    # ncf, behind it, still takes it
+    rig = make_rig(tmp_path, scenario="demo16", clock=Clock(), leases={"guest_max_priority": 1})
+    rig.runtime.placer.use(NotUnknown(), "v-not-unknown")
+    rig = await start_rig(rig, aiohttp_client)
+    m = rig.runtime.manager
+    fillers = await fill(rig, short_a100=True)
+    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", priority=1, accept_deferred=True)
+    unknown = await post(rig, "vm-c", 202, gpus=1, task_type="unknown", accept_deferred=True)
+    ncf = await post(rig, "vm-b", 202, gpus=1, task_type="ncf", accept_deferred=True)
+    assert [x["queue"]["position"] for x in (bert, unknown, ncf)] == [1, 2, 3]
+    t4 = await free_a_t4(rig, fillers)
+    assert m.leases[ncf["id"]].state is S.ACTIVE and m.leases[ncf["id"]].gpu_ids == (t4,)
+    assert m.leases[bert["id"]].state is S.QUEUED and m.leases[unknown["id"]].state is S.QUEUED
+
+
 async def test_a_backfill_is_rated_on_the_gpus_it_may_take(tmp_path: Path, aiohttp_client: Any) -> None:
     # the head needs three GPUs of 35 GiB (A100s only) and cannot start; behind it bert and ncf may only backfill:
     # an A100 that frees stays the head's, so the T4 that frees next is all either may take, and ncf gains most there
