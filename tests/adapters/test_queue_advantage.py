@@ -96,9 +96,12 @@ async def view(rig: AgentRig, who: str, lease_id: str) -> dict[str, Any]:
 async def test_a_freed_t4_goes_to_the_request_that_gains_most_from_it(tmp_path: Path, aiohttp_client: Any) -> None:
     rig = await rig_with(tmp_path, aiohttp_client)
     fillers, bert, ncf = await full_host_and_two_queued(rig)
+    m = rig.runtime.manager
+    m.queue_waits[bert["id"]] = m.clock() + 9999  # as if it had waited for a better GPU before
     t4 = await free_a_t4(rig, fillers)
     got = await view(rig, "vm-b", ncf["id"])
     assert got["state"] == "ACTIVE" and [d["gpu_id"] for d in got["devices"]] == [t4], got
+    assert bert["id"] not in m.queue_waits  # passed over now, not waiting: its ETA is the queue's again
     said = " ".join(got["reasons"])
     assert "comparative advantage: 100% of its best rate on the GPUs free now, against 10% for the request ahead" \
         in said, said
@@ -557,6 +560,9 @@ async def test_a_backfill_is_rated_on_the_gpus_it_may_take(tmp_path: Path, aioht
     got = await view(rig, "vm-b", ncf["id"])
     assert got["state"] == "ACTIVE" and got["devices"][0]["gpu_id"] == t4, got
     assert (await view(rig, "vm-a", bert["id"]))["state"] == "QUEUED"
+    # why it starts ahead of its turn, in one sentence: it backfills, and of those that could it is first in order
+    assert got["reasons"][0].endswith(f"; backfilled: on GPUs the head of the queue ({head['id']}) will not need; "
+                                      "first in serve order (100% of its best rate on the GPUs free now)"), got
 
 
 async def test_the_queue_prices_each_kind_of_work_once_whatever_its_length(tmp_path: Path,

@@ -356,3 +356,15 @@ def test_a_place_in_line_reads_as_english_ordinals() -> None:
     got = [_nth(n) for n in (1, 2, 3, 4, 10, 11, 12, 13, 14, 20, 21, 22, 23, 101, 111, 112, 113, 121, 122, 123)]
     assert got == ["1st", "2nd", "3rd", "4th", "10th", "11th", "12th", "13th", "14th", "20th", "21st", "22nd", "23rd",
                    "101st", "111th", "112th", "113th", "121st", "122nd", "123rd"]
+
+
+def test_a_place_in_line_keeps_every_other_gpu_of_the_line() -> None:
+    one = Candidate("A", 0, 0, now=0.5, best=1.0)
+    one.stand_in_line([400.0, 5.0, 10.0], "X")  # its place: the first to free; the others for those behind it
+    assert (one.better_in_s, one.later_s, one.best_on) == (5.0, (10.0, 400.0), "X")
+    pair = Candidate("P", 0, 0, now=0.5, best=1.0, count=2)
+    pair.stand_in_line([100.0, 0.0, 50.0, 70.0], "X")  # a set of 2: when the second frees
+    assert (pair.better_in_s, pair.later_s) == (50.0, (0.0, 70.0, 100.0))
+    short = Candidate("S", 0, 0, now=0.5, best=1.0, count=3)
+    short.stand_in_line([1.0, 2.0], "X")  # fewer of them than it takes: it cannot wait for them
+    assert (short.better_in_s, short.later_s, short.best_on) == (None, (), None)
