@@ -270,6 +270,12 @@ def test_priorities_are_never_inverted() -> None:
     stuck_low = Candidate("S", 2, 0, now=None, best=10.0, passes=3)
     held = choose([high_waits, low_but_perfect, stuck_low], F, now=0.0)
     assert held.chosen is None and held.reason.startswith("S is due") and list(held.waiting) == ["H"]
+    # of two lower-priority requests the model cannot tell apart, the first in serve order takes the GPU the higher
+    # one declines, and the pick says it was unsure
+    unsure_low = [high_waits, Candidate("L1", 1, 0, now=1.0, best=10.0, sd=2.5),
+                  Candidate("L2", 2, 0, now=8.0, best=10.0, sd=0.1)]
+    pick = choose(unsure_low, F, now=0.0)
+    assert pick.chosen == "L1" and pick.unsure and list(pick.waiting) == ["H"]
     # strict order is by priority first, whatever the serve order says
     strict = choose([low_but_perfect, Candidate("H", 1, 5, now=1.0, best=10.0)], Fairness(enabled=False), 0.0)
     assert strict.chosen == "H"
@@ -368,3 +374,7 @@ def test_a_place_in_line_keeps_every_other_gpu_of_the_line() -> None:
     short = Candidate("S", 0, 0, now=0.5, best=1.0, count=3)
     short.stand_in_line([1.0, 2.0], "X")  # fewer of them than it takes: it cannot wait for them
     assert (short.better_in_s, short.later_s, short.best_on) == (None, (), None)
+    # in one line, a set that needs more of its GPUs than the line has does not wait, and the next in line still does
+    big = Candidate("B", 0, 0, now=0.25, best=1.0, run_s=100.0, better_in_s=5.0, later_s=(), best_on="X", count=2)
+    single = Candidate("C", 1, 0, now=0.25, best=1.0, run_s=100.0, better_in_s=5.0, later_s=(), best_on="X")
+    assert list(choose([big, single], F, now=0.0).waiting) == ["C"]
