@@ -635,6 +635,21 @@ def test_a_lease_gone_from_the_queue_leaves_no_pass_count_or_note_behind(tmp_pat
     assert m.queue_waits["l-q1"] == now + 30
 
 
+def test_a_waiting_leases_eta_is_when_its_gpu_frees_never_sooner_than_the_queue_says(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, scenario="demo16", clock=Clock())
+    m = rig.runtime.manager
+    now = m.clock()
+    for k, vm in enumerate(("vm-a", "vm-b", "vm-c")):
+        lease = new_lease(f"l-q{k}", f"uuid-{vm}", vm, LeaseRequest(task_type="bert", accept_deferred=True),
+                          now - 60 + k)
+        m.leases[lease.id] = lease.transition(S.QUEUED, queued_at=now - 60 + k)
+    plain = lease_queue.view(m)  # every GPU free: each could start now
+    assert plain == {"l-q0": (1, now), "l-q1": (2, now), "l-q2": (3, now)}, plain
+    m.queue_waits["l-q1"], m.queue_waits["l-q2"] = now + 60, now - 30  # one waits a minute; one wait long past
+    m.queue_cache = None
+    assert lease_queue.view(m) == {"l-q0": (1, now), "l-q1": (2, now + 60), "l-q2": (3, now)}
+
+
 class OnlyBert(TableModel):
     """The table model, trained on bert alone: it covers no other task type."""
 
