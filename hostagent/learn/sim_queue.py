@@ -5,7 +5,8 @@ which job starts next. The set itself is then chosen by the real `place()`, as f
 
 What it may know: the scorer's predictions and what finished jobs showed (their run times), never the trace's work
 of a job still running or waiting. A job's expected run time at rate 1 is the mean, over the last finished jobs of
-its task type, of their run time times the predicted rate of the set they ran on. A busy GPU is expected to free
+its task type, of their run time times the predicted rate of the set they ran on; before any has finished under a
+model, the mean run time in the model's records (`typical_run_s`, what the agent's queue asks). A busy GPU is expected to free
 when its job has run what those of its task type that lasted longer than it has so far ran on average beyond that
 (run times are heavy-tailed: the longer a job has run, the longer it is expected to go on), or, once it has outlived
 them all, as long again as it has run; a job that would wait for the GPUs of its best rate is told when each of them
@@ -132,6 +133,9 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
             sd = math.hypot(sds[at_now], sds[at_best])
         passes, since = state.passes.get(jidx, (0, None))
         run_s = state.run_s(req.task_type)
+        if run_s is None:  # none finished under a model yet: what the model's records show, as the agent's queue asks
+            typical = getattr(scorer, "typical_run_s", None)
+            run_s = typical(req.task_type) if typical is not None else None
         cand = Candidate(str(jidx), order, req.priority, now_rate, best, passes, since, run_s, sd=sd, count=req.count)
         if run_s is not None and now_rate is not None and best > now_rate:
             # it may wait for the GPUs of its best rate (a set: for `count` of them), in line with every job whose

@@ -335,6 +335,26 @@ def test_the_simulator_puts_jobs_that_want_the_same_gpu_in_line_for_it() -> None
     # first job starts now on Y (X is not free in 0 s)
     got, pick = sim_queue.pick(state, [(1, request)], views, [False, True], lambda r, i: True, scorer, {}, now=5.0)
     assert got == 1 and pick.waiting == {}
+    # no "a" has finished under a model yet: the simulator asks the model for the run time its records show (the
+    # agent's queue asks the placer the same); a scorer that has none (the table) leaves the job unable to wait
+    class WithRecords:
+        def __init__(self, inner: object, run_s: float | None) -> None:
+            self.inner, self.run_s = inner, run_s
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+        def typical_run_s(self, task_type: str) -> float | None:
+            return self.run_s if task_type == "a" else None
+
+    fresh = sim_queue.QueueState(F)
+    got, pick = sim_queue.pick(fresh, [(1, request)], views, [False, True], lambda r, i: True,
+                               WithRecords(scorer, 100.0), running, now=5.0)  # type: ignore[arg-type]
+    assert got is None and pick.waiting["1"].startswith("waiting for a better GPU: predicted to end in 15 s there")
+    for none_known in (WithRecords(scorer, None), scorer):
+        got, pick = sim_queue.pick(sim_queue.QueueState(F), [(1, request)], views, [False, True], lambda r, i: True,
+                                   none_known, running, now=5.0)  # type: ignore[arg-type]
+        assert got == 1 and pick.waiting == {}
 
 
 def test_the_simulator_expects_a_job_that_has_run_long_to_run_longer() -> None:
