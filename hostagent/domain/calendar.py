@@ -18,6 +18,7 @@ Spans are half-open: a hold ending at t and one starting at t do not overlap.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -144,3 +145,8 @@ def displace(gpus: Sequence[str], holds: Sequence[Hold], count: int, start: floa
         if len(free_over(gpus, mine, start, end, ignore=rest)) >= count:
             needed = rest
     return Displacement(tuple(needed), tuple(free_over(gpus, mine, start, end, ignore=needed)))
+
+
+def utc_text(ts: float) -> str:
+    """A time as the messages give it, to the second with its zone: `2027-01-15 08:00:07 UTC`."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))

@@ -24,7 +24,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 
-from hostagent.domain.calendar import INF, Hold, displace, earliest_window, free_over, next_start
+from hostagent.domain.calendar import INF, Hold, displace, earliest_window, free_over, next_start, utc_text
 from hostagent.domain.errors import Conflict, InvalidInput
 from hostagent.domain.inventory import Gpu
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Step, new_lease
@@ -96,7 +96,7 @@ def renewal_cap(m: LeaseCore, lease: Lease, wanted: float) -> tuple[float, str |
     first = min((next_start(cal, g, now) for g in lease.gpu_ids), default=INF)
     if first >= wanted:
         return wanted, None
-    return max(now, first), f"renewed only until {first:.0f}: a booking of its GPU(s) starts then"
+    return max(now, first), f"renewed only until {utc_text(first)}: a booking of its GPU(s) starts then"
 
 
 async def book(m: LeaseCore, domain_uuid: str, domain_name: str, request: LeaseRequest, candidates: Sequence[Gpu],
@@ -136,7 +136,7 @@ async def book(m: LeaseCore, domain_uuid: str, domain_name: str, request: LeaseR
             why = f"moved to the earliest window that fits, {start - request.start_at:.0f} s later"
         else:
             offer = ("" if window is None else
-                     f"; the earliest window that fits starts at {window.start + lead:.0f} "
+                     f"; the earliest window that fits starts at {utc_text(window.start + lead)} "
                      f"(in {window.start + lead - now:.0f} s): book it, or set accept_deferred")
             raise Conflict(f"only {len(free)} of {request.gpus} GPU(s) are free from start_at for duration_s"
                            + offer, field="start_at",
@@ -150,8 +150,8 @@ async def book(m: LeaseCore, domain_uuid: str, domain_name: str, request: LeaseR
     born = (Step(None, S.REQUESTED, "requested"),)
     for victim in victims:
         await _displaced(m, victim, lease, ids)
-    lease = await m._move(lease, S.BOOKED, actor, f"booked {', '.join(placement.gpu_ids)} from {start:.0f} to "
-                          f"{end:.0f}", earlier=born, booked_gpus=tuple(placement.gpu_ids),
+    lease = await m._move(lease, S.BOOKED, actor, f"booked {', '.join(placement.gpu_ids)} from {utc_text(start)} to "
+                          f"{utc_text(end)}", earlier=born, booked_gpus=tuple(placement.gpu_ids),
                           granted_gpus=len(placement.gpu_ids), expires_at=end,
                           reasons=(*notes, why, *placement.reasons))
     m._wake_queue.set()  # the queue's timer: the next conversion may be this one's
@@ -178,7 +178,7 @@ async def _displaced(m: LeaseCore, victim_id: str, by: Lease, ids: Sequence[str]
                                  cal, len(victim.booked_gpus), victim.request.duration_s + lead,
                                  victim.request.start_at - lead, now + m.policy.booking_horizon_s)
         offer = ("no other window fits within leases.booking_horizon_s" if window is None else
-                 f"the earliest window that fits starts at {window.start + lead:.0f}")
+                 f"the earliest window that fits starts at {utc_text(window.start + lead)}")
         why = (f"displaced by booking {by.id} of priority {by.request.priority} (this one has "
                f"{victim.request.priority}); {offer}")
         await m._move(victim, S.RELEASED, "calendar", why, ended_at=now, end_reason=why)

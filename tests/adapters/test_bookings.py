@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from hostagent.domain.calendar import utc_text
 from hostagent.domain.lease import Lease, LeaseState
 from tests.support.agent import AgentRig, Clock, make_rig, start_rig
 
@@ -62,8 +63,9 @@ async def test_a_booking_holds_its_gpus_and_leases_stay_clear_of_them(tmp_path: 
     renewed = await r.json()
     assert r.status == 200 and renewed["expires_at"] == start - 60.0, renewed
     said = [e.detail for e in rig.runtime.journal.events(lease_id=gap["id"]) if (e.detail or "").startswith("renewed")]
-    assert said == [f"renewed for {start - 60.0 - clock.now:g} s (renewed only until {start - 60.0:.0f}: a booking of "
-                     "its GPU(s) starts then)"], said
+    assert said == [f"renewed for {start - 60.0 - clock.now:g} s (renewed only until {utc_text(start - 60.0)}: "
+                     "a booking of its GPU(s) starts then)"], said
+    assert utc_text(start - 60.0).endswith(" UTC") and len(utc_text(start - 60.0)) == 23  # 2027-01-15 08:59:00 UTC
     # renewed to the booking's lead time already: nothing is left, so a further renewal is refused (and says why)
     r = await rig.client.post(f"/v1/leases/{gap['id']}/renew", json={"duration_s": 3 * HOUR},
                               headers=rig.auth("vm-c"))
@@ -104,7 +106,7 @@ async def test_a_higher_priority_booking_displaces_lower_ones_and_says_so(tmp_pa
     assert gone["state"] == "RELEASED" and kept["state"] == "BOOKED"
     assert f"displaced by booking {high['id']} of priority 9" in gone["end_reason"]
     # what it can have instead: its four GPUs for its hour from when mid's and high's bookings end, plus the lead
-    assert f"the earliest window that fits starts at {t0 + 2 * HOUR + 60:.0f}" in gone["end_reason"], gone
+    assert f"the earliest window that fits starts at {utc_text(t0 + 2 * HOUR + 60)}" in gone["end_reason"], gone
     assert gone["ended_at"] == pytest.approx(t0)
     assert set(high["booking"]["gpus"]) <= set(low["booking"]["gpus"])
 

@@ -151,3 +151,9 @@ def test_the_earliest_window_is_the_first_hold_end_where_enough_gpus_are_free(
     w = earliest_window(GPUS, holds, count, duration, not_before, horizon)
     want = _window_by_brute_force(GPUS, holds, count, duration, not_before, horizon)
     assert (None if w is None else (w.start, w.gpus)) == want
+
+
+def test_a_time_in_a_message_reads_to_the_second_with_its_zone() -> None:
+    from hostagent.domain.calendar import utc_text
+    assert utc_text(1_800_000_007.0) == "2027-01-15 08:00:07 UTC"
+    assert utc_text(0) == "1970-01-01 00:00:00 UTC"
