@@ -403,15 +403,23 @@ async def test_a_lone_request_waits_for_a_better_gpu_and_takes_it_when_it_frees(
     assert m.leases[bert["id"]].gpu_ids == (a100,) and t4 not in m.claims
 
 
-async def queue_asleep(rig: AgentRig) -> None:
-    """Once the queue's task has nothing left to wake it: the freed GPU's health probe (it claims the GPU, then wakes
-    the queue) has run and the queue has drained since."""
+async def bert_waiting_beside_a_free_t4(tmp_path: Path, aiohttp_client: Any
+                                        ) -> tuple[AgentRig, list[dict[str, Any]], dict[str, Any], str]:
+    """A lone bert queued, waiting for the A100 that frees in 60 s (the first filler's) beside a freed T4, once the
+    queue's task has nothing left to wake it: the freed GPU's health probe (it claims the GPU, then wakes the queue)
+    has run and the queue has drained since. (The rig, the fillers, bert, the T4.)"""
+    rig = await rig_with(tmp_path, aiohttp_client, Clock())
     m = rig.runtime.manager
+    fillers = await fill(rig, short_a100=True)
+    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", accept_deferred=True)
+    t4 = await free_a_t4(rig, fillers)
     probes = rig.client.app[TOPOLOGY].probes
     await until(lambda: not probes._pending, 10, "the probe after the release")
     await until(lambda: not m._wake_queue.is_set(), 10, "the queue's task idle")
     await asyncio.sleep(0.2)
     assert not m._wake_queue.is_set()
+    assert m.leases[bert["id"]].state is S.QUEUED and t4 not in m.claims
+    return rig, fillers, bert, t4
 
 
 async def test_a_waiting_request_weighs_its_wait_again_when_the_gpu_it_waits_for_is_renewed(
@@ -419,14 +427,8 @@ async def test_a_waiting_request_weighs_its_wait_again_when_the_gpu_it_waits_for
     # bert waits for the A100 that frees in 60 s, the T4 left free; the A100's holder renews for an hour: its wait is
     # now 3660 s against 600 s on the T4, so bert takes the T4 at once, with no release or new request to wake the
     # queue (before, it waited for the next queue event: here, the hour)
-    rig = await rig_with(tmp_path, aiohttp_client, Clock())
+    rig, fillers, bert, t4 = await bert_waiting_beside_a_free_t4(tmp_path, aiohttp_client)
     m = rig.runtime.manager
-    fillers = await fill(rig, short_a100=True)
-    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", accept_deferred=True)
-    t4 = await free_a_t4(rig, fillers)
-    await queue_asleep(rig)
-    assert m.leases[bert["id"]].state is S.QUEUED and t4 not in m.claims
-    import traceback; orig = m._wake_queue.set; m._wake_queue.set = lambda: (traceback.print_stack(limit=6), orig())[1]
     r = await rig.client.post(f"/v1/leases/{fillers[0]['id']}/renew", json={"duration_s": 3600},
                               headers=rig.auth("vm-c"))
     assert r.status == 200, await r.text()
@@ -437,13 +439,8 @@ async def test_a_waiting_request_weighs_its_wait_again_when_the_gpu_it_waits_for
 async def test_a_new_model_makes_the_queue_decide_again(tmp_path: Path, aiohttp_client: Any) -> None:
     # bert waits for the A100 (its best under the table model); a model under which every GPU runs bert alike
     # replaces it: bert no longer gains by waiting and takes the free T4 at once (the switch wakes the queue)
-    rig = await rig_with(tmp_path, aiohttp_client, Clock())
+    rig, _, bert, t4 = await bert_waiting_beside_a_free_t4(tmp_path, aiohttp_client)
     m = rig.runtime.manager
-    fillers = await fill(rig, short_a100=True)
-    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", accept_deferred=True)
-    t4 = await free_a_t4(rig, fillers)
-    await queue_asleep(rig)
-    assert m.leases[bert["id"]].state is S.QUEUED and t4 not in m.claims
 
     class Flat(TableModel):
         name = "v-flat"
