@@ -134,9 +134,9 @@ class Pick:
 def choose(candidates: Sequence[Candidate], fairness: Fairness, now: float) -> Pick:
     """The candidate to start now (see the module's doc); for each request that waits for a better GPU, also when
     the GPU of its place in line is expected to free (`Pick.free_in`: its expected start, the queue's ETA)."""
-    free_in: dict[str, float] = {}
+    free_in: dict[str, float] = {}  # filled with `waiting`, level by level: the same requests
     pick = _choose(candidates, fairness, now, free_in)
-    return replace(pick, free_in={k: free_in[k] for k in pick.waiting}) if pick.waiting else pick
+    return replace(pick, free_in=free_in) if free_in else pick
 
 
 def _choose(candidates: Sequence[Candidate], fairness: Fairness, now: float, free_in: dict[str, float]) -> Pick:
@@ -188,10 +188,10 @@ def _waiting(cls: Sequence[Candidate], fairness: Fairness, now: float, free_in: 
             for t in taken:
                 heapq.heappush(line, t)
             continue
+        free_in[c.id] = start = max(0.0, at)
         for _ in taken:  # its run there, then the next in line
-            heapq.heappush(line, max(0.0, at) + (c.run_s or 0.0) / c.best)
+            heapq.heappush(line, start + (c.run_s or 0.0) / c.best)
         n = ahead[key] = ahead.get(key, 0) + 1
-        free_in[c.id] = max(0.0, at)
         waiting[c.id] = (f"waiting for a better GPU: predicted to end in {gain[0]:.0f} s there (free in {at:.0f} s"
                          + (f", {_nth(n)} in line for it" if n > 1 else "")
                          + f") against {gain[1]:.0f} s on the GPUs free now ({c.efficiency:.0%} of its best rate)")

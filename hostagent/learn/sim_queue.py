@@ -6,13 +6,14 @@ which job starts next. The set itself is then chosen by the real `place()`, as f
 What it may know: the scorer's predictions and what finished jobs showed (their run times), never the trace's work
 of a job still running or waiting. A job's expected run time at rate 1 is the mean, over the last finished jobs of
 its task type, of their run time times the predicted rate of the set they ran on; before any has finished under a
-model, the mean run time in the model's records (`typical_run_s`, what the agent's queue asks). A busy GPU is expected to free
-when its job has run what those of its task type that lasted longer than it has so far ran on average beyond that
-(run times are heavy-tailed: the longer a job has run, the longer it is expected to go on), or, once it has outlived
-them all, as long again as it has run; a job that would wait for the GPUs of its best rate is told when each of them
-frees, and which they are (jobs waiting for the same GPUs stand in line for them: `domain.assignment`). Each job's
-efficiency carries the deviation of its two predictions (the scorer's `uncertainty`, as the agent's placer passes
-it; 0 for a scorer that knows the table), so jobs the model cannot tell apart keep serve order.
+model, the mean run time in the model's records (`typical_run_s`, what the agent's queue asks). A busy GPU is
+expected to free when its job has run what those of its task type that lasted longer than it has so far ran on
+average beyond that (run times are heavy-tailed: the longer a job has run, the longer it is expected to go on), or,
+once it has outlived them all, as long again as it has run; a job that would wait for the GPUs of its best rate is
+told when each of them frees, and which they are (jobs waiting for the same GPUs stand in line for them:
+`domain.assignment`). Each job's efficiency carries the deviation of its two predictions (the scorer's
+`uncertainty`, as the agent's placer passes it; 0 for a scorer that knows the table), so jobs the model cannot tell
+apart keep serve order.
 """
 
 from __future__ import annotations
@@ -141,9 +142,8 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
             # it may wait for the GPUs of its best rate (a set: for `count` of them), in line with every job whose
             # best they are too: when each is expected to free (0 for a free one)
             ends = []
-            for i in usable:
-                if sc[i] < best * 0.999:
-                    continue
+            at_best_rate = tuple(i for i in usable if sc[i] >= best * 0.999)
+            for i in at_best_rate:
                 if free[i]:
                     ends.append(0.0)
                     continue
@@ -153,7 +153,7 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
                 elapsed = now - job.start
                 left = state.left_s(job.task_type, elapsed * job.rate) if job.rate > 0 else None
                 ends.append(left / job.rate if left is not None else elapsed)
-            cand.stand_in_line(ends, tuple(i for i in usable if sc[i] >= best * 0.999))
+            cand.stand_in_line(ends, at_best_rate)
         cands.append(cand)
     decision = choose(cands, state.fairness, now)
     if decision.chosen is None:

@@ -430,12 +430,9 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
     top = max(x.request.priority for x, *_ in ready)
     rank = {x.id: i for i, x in enumerate(order)}
     live = {x.id for x in order}
-    for gone in [k for k in m.queue_passes if k not in live]:
-        m.queue_passes.pop(gone, None)
-    for gone in [k for k in m.queue_notes if k not in live]:
-        m.queue_notes.pop(gone, None)
-    for gone in [k for k in m.queue_waits if k not in live]:
-        m.queue_waits.pop(gone, None)
+    for kept in (m.queue_passes, m.queue_notes, m.queue_waits):  # what the queue remembers of leases gone from it
+        for gone in [k for k in kept if k not in live]:
+            del kept[gone]
     cands: list[Candidate] = []
     run_of: dict[str, float | None] = {}
     for x, free, count, backfill in ready:
