@@ -236,16 +236,14 @@ def _first_of_the_most_efficient(pool: Sequence[Candidate]) -> tuple[Candidate, 
     from the highest: a log-efficiency gap within the two candidates' combined standard deviation, exact ties when it
     is 0; the most efficient, the earliest of them)."""
     eff = [(c, c.efficiency) for c in pool]  # each worked out once
-    top, most = eff[0]
-    level = round(most, 9)  # the highest efficiency (to 9 places): the first in the pool (serve order) among equals
-    for c, e in eff:
-        r = round(e, 9)
-        if r > level:
-            top, most, level = c, e, r
+    highest = max(e for _, e in eff)
+    level = round(highest, 9)  # the highest efficiency (to 9 places): the first in the pool (serve order) among equals
+    top, most = next((c, e) for c, e in eff if round(e, 9) == level)
     if most <= 0:
         return pool[0], top
-    close = [c for c, e in eff if e > 0 and math.log(most / e) <= math.hypot(top.sd, c.sd) + 1e-9]
-    return close[0], top  # (top is among them: the pool's order is serve order)
+    # the first in serve order within the deviation (top is: the scan ends there at the latest)
+    close = next(c for c, e in eff if e > 0 and math.log(most / e) <= math.hypot(top.sd, c.sd) + 1e-9)
+    return close, top
 
 
 __all__ = ["Candidate", "Fairness", "Pick", "choose"]
