@@ -246,4 +246,27 @@ def _first_of_the_most_efficient(pool: Sequence[Candidate]) -> tuple[Candidate, 
     return close, top
 
 
-__all__ = ["Candidate", "Fairness", "Pick", "choose"]
+RUN_HISTORY = 50  # finished runs per task type behind its expected run time (the agent's model and the simulator)
+
+
+def expected_left_s(finished: Sequence[float], done: float) -> float | None:
+    """Expected run time left of a run that has lasted `done` so far: the mean excess over `done` of the finished runs
+    that lasted longer (None: none did). Run times are heavy-tailed: the longer a run has gone on, the longer it is
+    expected to go on."""
+    longer = [r - done for r in finished if r > done]
+    return math.fsum(longer) / len(longer) if longer else None
+
+
+def expected_run_s(finished: Sequence[float], running: Sequence[float] = ()) -> float | None:
+    """Expected run time of a new run of a kind, from its finished runs and how long each of its running ones has
+    lasted so far (`running`): the mean over both, a running one counted as lasting what it has run plus what it is
+    expected to go on (:func:`expected_left_s`; as long again once it has outlived every finished one). None before
+    any finished. The running count because short runs finish first: the finished alone would price every wait for
+    a better GPU as if runs were short. The mean, not the median: what waiting gains is linear in the run time."""
+    if not finished:
+        return None
+    censored = [done + (expected_left_s(finished, done) or done) for done in running]
+    return (math.fsum(finished) + math.fsum(censored)) / (len(finished) + len(censored))
+
+
+__all__ = ["Candidate", "Fairness", "Pick", "RUN_HISTORY", "choose", "expected_left_s", "expected_run_s"]

@@ -24,6 +24,7 @@ import numpy as np
 import skops.io as sio
 from sklearn.ensemble import HistGradientBoostingRegressor
 
+from hostagent.domain.assignment import RUN_HISTORY, expected_run_s
 from hostagent.domain.errors import InvalidInput
 from hostagent.domain.placement import DeviceView, PlacementRequest
 from hostagent.learn.features import FeatureEncoder, fit_vocabulary
@@ -87,6 +88,8 @@ class ModelBundle:
     scaling: dict[str, dict[int, float]] = field(default_factory=dict)  # task -> GPUs -> median total work rate
     matrix: ThroughputMatrix = field(default_factory=ThroughputMatrix)  # (task, GPU model) rates (learn.matrix)
     run_s: dict[str, float] = field(default_factory=dict)  # task -> mean run time of its finished leases
+    # task -> run times of its last finished leases (at most RUN_HISTORY, oldest first): what the queue expects
+    run_hist: dict[str, list[float]] = field(default_factory=dict)
     stacked: bool = False  # the trees predict what the matrix leaves (work rate; artifacts from before: False)
     residual_weight: float = 1.0  # how much of the trees' part a stacked model adds (0: the matrix alone; see fit)
 
@@ -172,7 +175,7 @@ class ModelBundle:
             "norms": self.norms, "task_counts": self.task_counts, "trained_on": self.trained_on,
             "params": _jsonable(self.params), "trained_until": self.trained_until,
             "scaling": {task: {str(n): v for n, v in totals.items()} for task, totals in self.scaling.items()},
-            "matrix": self.matrix.to_plain(), "run_s": self.run_s, "stacked": self.stacked,
+            "matrix": self.matrix.to_plain(), "run_s": self.run_s, "run_hist": self.run_hist, "stacked": self.stacked,
             "residual_weight": self.residual_weight,
         })
         return blob
@@ -195,6 +198,7 @@ class ModelBundle:
                             for task, totals in (d.get("scaling") or {}).items()},
                    matrix=ThroughputMatrix.from_plain(d.get("matrix")),
                    run_s={str(k): float(v) for k, v in (d.get("run_s") or {}).items()},
+                   run_hist={str(k): [float(x) for x in v] for k, v in (d.get("run_hist") or {}).items()},
                    stacked=bool(d.get("stacked", False)), residual_weight=float(d.get("residual_weight", 1.0)))
 
 
@@ -228,7 +232,8 @@ def fit(examples: Sequence[Example], *, target: str = "work_rate",
     for e in kept:
         counts[e.request.task_type] = counts.get(e.request.task_type, 0) + 1
     return ModelBundle(est, vocab, target, norms, counts, len(kept), p, max(e.created_at for e in kept),
-                       scaling=scaling_of(examples), matrix=matrix, run_s=run_times(examples), stacked=stacked,
+                       scaling=scaling_of(examples), matrix=matrix, run_s=run_times(examples),
+                       run_hist=run_history(examples), stacked=stacked,
                        residual_weight=weight)
 
 
@@ -295,6 +300,18 @@ def run_times(examples: Sequence[Example], *, at_least: int = 3) -> dict[str, fl
     return {task: float(np.mean(list(v.values()))) for task, v in held.items() if len(v) >= at_least}
 
 
+def run_history(examples: Sequence[Example], *, at_least: int = 3, keep: int = RUN_HISTORY) -> dict[str, list[float]]:
+    """Each task type's run times of its last `keep` finished leases (held, released, not failed; in the order they
+    ended), where at least `at_least` ran: the queue's expected run time of a request that does not state its
+    `duration_s` is their mean, its running leases of the type counted as lasting what they have run plus what the
+    finished that outlasted them went on for (`domain.assignment.expected_run_s`, as the simulator's)."""
+    ended: dict[str, dict[tuple[str, str], tuple[float, float]]] = {}
+    for e in examples:
+        if e.held_s > 0 and e.outcome not in FAILED_OUTCOMES:
+            ended.setdefault(e.request.task_type, {})[e.lease_key] = (e.created_at + e.held_s, e.held_s)
+    return {task: [held for _, held in sorted(v.values())[-keep:]] for task, v in ended.items() if len(v) >= at_least}
+
+
 def scaling_of(examples: Sequence[Example]) -> dict[str, dict[int, float]]:
     """What the records say of each task type's total work rate by GPU count (domain.terms.scaling_totals), from
     the finished leases that reported work (one entry per lease: its examples share the per-GPU mean)."""
@@ -338,9 +355,15 @@ class LearnedScorer:
             out.append(sd)
         return out
 
-    def typical_run_s(self, task_type: str) -> float | None:
-        """The task type's mean run time in the records (None: fewer than 3 finished leases of it)."""
-        return self.bundle.run_s.get(task_type)
+    def typical_run_s(self, task_type: str, running: Sequence[float] = ()) -> float | None:
+        """The task type's expected run time (None: fewer than 3 finished leases of it in the records): the mean of
+        its last finished leases' run times and of those running (`running`: how long each has run so far), each
+        running one counted as lasting what it has run plus what it is expected to go on
+        (`domain.assignment.expected_run_s`). A bundle trained before 2026-11-30 keeps no history: its mean."""
+        hist = self.bundle.run_hist.get(task_type)
+        if not hist:
+            return self.bundle.run_s.get(task_type)
+        return expected_run_s(hist, running)
 
     def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
         """Predicted relative work rate per device (one batched predict call)."""

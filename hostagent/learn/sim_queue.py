@@ -3,10 +3,12 @@ the free devices and the policy's scorer (the learned model, or the table for `m
 agent's lease queue builds them from queued leases (`services.lease_queue`), and asks `domain.assignment.choose`
 which job starts next. The set itself is then chosen by the real `place()`, as for every policy.
 
-What it may know: the scorer's predictions and what finished jobs showed (their run times), never the trace's work
-of a job still running or waiting. A job's expected run time at rate 1 is the mean, over the last finished jobs of
-its task type, of their run time times the predicted rate of the set they ran on; before any has finished under a
-model, the mean run time in the model's records (`typical_run_s`, what the agent's queue asks). A busy GPU is
+What it may know: the scorer's predictions, what finished jobs showed (their run times) and how long running jobs
+have run so far, never the trace's work of a job still running or waiting. A job's expected run time at rate 1 is
+the mean, over the last finished jobs of its task type and those running, of their run time times the predicted
+rate of the set they ran on, a running job counted as lasting what it has run plus what it is expected to go on (a
+censored observation: the finished alone are the short ones early on); before any has finished under a model, the
+mean run time in the model's records (`typical_run_s`, what the agent's queue asks). A busy GPU is
 expected to free when its job has run what those of its task type that lasted longer than it has so far ran on
 average beyond that (run times are heavy-tailed: the longer a job has run, the longer it is expected to go on), or,
 once it has outlived them all, as long again as it has run; a job that would wait for the GPUs of its best rate is
@@ -19,16 +21,14 @@ apart keep serve order.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from hostagent.domain.assignment import Candidate, Fairness, Pick, choose
+from hostagent.domain.assignment import RUN_HISTORY, Candidate, Fairness, Pick, choose, expected_left_s, expected_run_s
 from hostagent.domain.placement import DeviceView, PlacementRequest, Scorer
 
 WINDOW = 64  # queued jobs looked at per decision (the agent's BACKFILL_DEPTH)
-HISTORY = 50  # finished jobs per task type behind its expected run time
 
 
 @dataclass
@@ -85,21 +85,18 @@ class QueueState:
     def finished(self, task_type: str, held_s: float, rate: float) -> None:
         """A job ended: its run time at rate 1 joins its task type's history."""
         if held_s > 0 and rate > 0:
-            self.runs.setdefault(task_type, deque(maxlen=HISTORY)).append(held_s * rate)
+            self.runs.setdefault(task_type, deque(maxlen=RUN_HISTORY)).append(held_s * rate)
 
-    def run_s(self, task_type: str) -> float | None:
-        """Expected run time at rate 1 of a job of this task type: the mean of its last finished (None before any
-        finished). The mean, not the median: what waiting gains is linear in the run time, and run times are
-        heavy-tailed (the median expects every job to be short)."""
-        got = self.runs.get(task_type)
-        return statistics.fmean(got) if got else None
+    def run_s(self, task_type: str, running: Sequence[float] = ()) -> float | None:
+        """Expected run time at rate 1 of a job of this task type, from its last finished and what each of its running
+        ones has run so far at rate 1 (`domain.assignment.expected_run_s`, as the agent's queue asks it of the
+        model's records and its running leases); None before any finished."""
+        return expected_run_s(self.runs.get(task_type) or (), running)
 
     def left_s(self, task_type: str, done: float) -> float | None:
         """Expected run time left at rate 1 of a running job of this task type that has run `done` (at rate 1): the
         mean excess over `done` of its task type's last finished runs that lasted longer (None: none did)."""
-        got = self.runs.get(task_type)
-        longer = [r - done for r in got if r > done] if got else None
-        return statistics.fmean(longer) if longer else None
+        return expected_left_s(self.runs.get(task_type) or (), done)
 
 
 def _work(request: PlacementRequest) -> tuple[object, ...]:
@@ -117,6 +114,10 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
     if waiting and not all(scorer.covers(req) for _, req in waiting[:WINDOW]):
         # as the agent's queue: where the model does not cover every request, strict serve order (the first)
         return waiting[0][0], Pick(str(waiting[0][0]), "first in serve order (the model does not cover them all)")
+    running: dict[str, list[float]] = {}  # task type -> what each of its running jobs has run so far, at rate 1
+    for job in {id(j): j for j in running_on.values()}.values():  # (a job on several GPUs: once)
+        if job.rate > 0:
+            running.setdefault(job.task_type, []).append((now - job.start) * job.rate)
     for order, (jidx, req) in enumerate(waiting[:WINDOW]):
         sc = state.scores(scorer, req, views_free)
         usable = [i for i in range(len(views_free)) if fits(req, i)]
@@ -133,7 +134,7 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
             sds = state.sds(scorer, req, views_free)
             sd = math.hypot(sds[at_now], sds[at_best])
         passes, since = state.passes.get(jidx, (0, None))
-        run_s = state.run_s(req.task_type)
+        run_s = state.run_s(req.task_type, running.get(req.task_type, ()))
         if run_s is None:  # none finished under a model yet: what the model's records show, as the agent's queue asks
             typical = getattr(scorer, "typical_run_s", None)
             run_s = typical(req.task_type) if typical is not None else None

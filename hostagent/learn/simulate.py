@@ -501,9 +501,9 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
                 fig.wait[job.index] = now - job.arrival_s
                 if scorer is not None and policy in QUEUE_AWARE:
                     sc = qstate.scores(scorer, request, base_views)
-                    predicted = min(sc[index[g]] for g in decision.chosen)
-                    for g in decision.chosen:
-                        running_on[index[g]] = sim_queue.Running(job.job_type, now, predicted)
+                    ran = sim_queue.Running(job.job_type, now, min(sc[index[g]] for g in decision.chosen))
+                    for g in decision.chosen:  # (one Running per job: the queue counts each job once)
+                        running_on[index[g]] = ran
                 heapq.heappush(running, (end, seq, job.index, decision.chosen, now, request,
                                          decision.reasons + said))
                 seq += 1

@@ -413,6 +413,18 @@ def _shape(request: LeaseRequest) -> tuple[object, ...]:
             request.data_scale, request.precision, request.numa_policy)
 
 
+def _running_by_task(m: LeaseCore, now: float) -> dict[str, list[float]]:
+    """How long each ACTIVE lease on the host's GPUs has run so far, by task type: the queue counts them in a task
+    type's expected run time (`domain.assignment.expected_run_s`: short leases end first, so the ended alone would
+    price every wait for a better GPU as if leases were short)."""
+    out: dict[str, list[float]] = {}
+    for lease_id in set(m.claims.values()):  # (a lease on several GPUs: once)
+        lease = m.leases.get(lease_id)
+        if lease is not None and lease.state is S.ACTIVE and lease.granted_at is not None:
+            out.setdefault(lease.request.task_type, []).append(max(0.0, now - lease.granted_at))
+    return out
+
+
 def _strict(m: LeaseCore, first: Lease) -> bool:
     """Whether the queue keeps strict serve order for this decision: the operator turned comparative advantage
     off, or the active model does not cover the first lease that could start (nothing to compare by)."""
@@ -435,6 +447,7 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
             del kept[gone]
     cands: list[Candidate] = []
     run_of: dict[str, float | None] = {}
+    running: dict[str, list[float]] | None = None  # asked for once, by the first request that states no duration
     for x, free, count, backfill in ready:
         request = x.request
         # (every priority: a lower one starts only on GPUs every request above it would rather leave for better)
@@ -451,7 +464,9 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
         else:
             task = request.task_type
             if task not in run_of:
-                run_of[task] = m.typical_run_s(task)
+                if running is None:
+                    running = _running_by_task(m, now)
+                run_of[task] = m.typical_run_s(task, running.get(task, ()))
             run_s = run_of[task]
         n, since = m.queue_passes.get(x.id, (0, None))
         # (`better` counts only with a run time: Candidate.gains_by_waiting)

@@ -152,7 +152,8 @@ class LeaseCore(Protocol):
     relative_rates: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None]
     # each GPU's log-space standard deviation of relative_rates' prediction (None: none): efficiencies within it tie
     rate_uncertainty: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None]
-    typical_run_s: Callable[[str], float | None]  # task type -> its mean run time in the model's records
+    # (task type, how long each of its running leases has run) -> its expected run time by the model's records
+    typical_run_s: Callable[[str, Sequence[float]], float | None]
     # equal while relative_rates and rate_uncertainty answer the same for the same request and GPUs (None: unknown)
     rates_token: Callable[[], object]
     queue_passes: dict[str, tuple[int, float]]  # queued lease -> (times passed over, since when)

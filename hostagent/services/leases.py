@@ -123,7 +123,8 @@ class LeaseManager:
             lambda request, gpus: None)  # the runtime sets the placer's: without it the queue keeps strict order
         self.rate_uncertainty: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None] = (
             lambda request, gpus: None)  # the runtime sets the placer's: without it every prediction counts as exact
-        self.typical_run_s: Callable[[str], float | None] = lambda task_type: None  # the runtime sets the placer's
+        self.typical_run_s: Callable[[str, Sequence[float]], float | None] = (
+            lambda task_type, running: None)  # the runtime sets the placer's
         # what relative_rates' answers depend on besides the request and GPUs (None: unknown, the queue asks again
         # at every decision); the runtime sets the placer's
         self.rates_token: Callable[[], object] = lambda: None

@@ -135,10 +135,13 @@ class Placer:
         self._last_sds[preq] = (key, out)
         return out
 
-    def typical_run_s(self, task_type: str) -> float | None:
-        """The active model's mean run time of the task type's finished leases (None: no model, or too few)."""
+    def typical_run_s(self, task_type: str, running: Sequence[float] = ()) -> float | None:
+        """The task type's expected run time by the active model's records (None: no model, or too few), its leases
+        still running counted too (`running`: how long each has run so far; see LearnedScorer.typical_run_s)."""
         fn = getattr(self.scorer, "typical_run_s", None)
-        return fn(task_type) if fn is not None else None
+        if fn is None:
+            return None
+        return fn(task_type, running) if running else fn(task_type)
 
     def scaling(self, task_type: str) -> Scaling | None:
         """What the active model's records say of the task type's total work rate by GPU count (None without a

@@ -37,7 +37,11 @@ class TableModel:
     def covers(self, request: PlacementRequest) -> bool:
         return True
 
-    def typical_run_s(self, task_type: str) -> float | None:
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, tuple[float, ...]]] = []  # (task type, its leases' run times so far) per ask
+
+    def typical_run_s(self, task_type: str, running: Sequence[float] = ()) -> float | None:
+        self.asked.append((task_type, tuple(running)))
         return 600.0 if task_type == "bert" else None
 
     def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
@@ -126,6 +130,7 @@ class Unsure(TableModel):
     """The table model, as unsure of bert's rates as `sd` says (log-space standard deviation per prediction)."""
 
     def __init__(self, sd: float) -> None:
+        super().__init__()
         self.sd = sd
 
     def uncertainty(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
@@ -193,6 +198,7 @@ class Counting(TableModel):
     """The table model, counting the devices it is asked to score."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.scored = 0
 
     def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
@@ -379,6 +385,22 @@ async def test_a_request_waits_for_a_better_gpu_about_to_free(tmp_path: Path, ai
     run = stated or 600
     assert note.startswith(f"waiting for a better GPU: predicted to end in {60 + run // 10} s there (free in 60 s) "
                            f"against {run} s on the GPUs free now (10% of its best rate)"), note
+
+
+async def test_the_queue_asks_a_run_time_with_how_long_the_leases_of_its_kind_have_run(tmp_path: Path,
+                                                                                      aiohttp_client: Any) -> None:
+    # a task type's expected run time counts its leases still running (short ones end first: the ended alone would
+    # expect every lease to be short): the queue hands the model how long each ACTIVE lease of the type has run
+    clock = Clock()
+    rig = await rig_with(tmp_path, aiohttp_client, clock)
+    model = rig.runtime.placer.scorer
+    fillers = await fill(rig, short_a100=True)  # 15 "filler" leases and one "a100-job", granted now
+    queued = await post(rig, "vm-a", 202, gpus=1, task_type="filler", accept_deferred=True)
+    clock.advance(300.0)
+    model.asked.clear()
+    await free_a_t4(rig, fillers)  # one filler released: the queued one is weighed (and granted the T4)
+    assert rig.runtime.manager.leases[queued["id"]].state is S.ACTIVE
+    assert ("filler", (300.0,) * 14) in model.asked, model.asked
 
 
 async def test_a_lone_request_waits_for_a_better_gpu_and_takes_it_when_it_frees(tmp_path: Path,

@@ -375,6 +375,47 @@ def test_the_simulator_expects_a_job_that_has_run_long_to_run_longer() -> None:
     assert state.left_s("a", 200.0) == pytest.approx(450.0) and state.left_s("a", 1000.0) is None
     state.finished("a", 0.0, 1.0)  # nothing held: nothing learnt
     assert len(state.runs["a"]) == 3
+    # jobs still running count too, each as lasting what it has run plus what it is expected to go on (short jobs
+    # finish first: the finished alone would expect every job to be short): one that has run 200 s as 200 + 450 s,
+    # one that has outlived them all (1500 s) as as long again (3000 s)
+    assert state.run_s("a", [200.0]) == pytest.approx((1400 + 650) / 4)
+    assert state.run_s("a", [200.0, 1500.0]) == pytest.approx((1400 + 650 + 3000) / 5)
+    assert state.run_s("a", []) == pytest.approx(1400 / 3) and state.run_s("b", [500.0]) is None  # none finished
+
+
+def test_the_simulator_prices_a_wait_with_the_jobs_still_running() -> None:
+    # X runs an "a" at twice Y's rate; one "a" finished after 10 s at rate 1. An "a" that waits for X gains
+    # run_s / 1 - run_s / 2 and pays the 40 s until X frees (X's job, started at 0 at rate 2, has run 80 s at rate 1
+    # and outlived the finished one: as long again). With the finished one alone the run time is 10 s: waiting gains
+    # 5 s and costs 40, so it starts on Y. Counting the job running on X as lasting 160 s, the run time is 85 s:
+    # waiting gains 42.5 s, so it waits
+    import random
+    from collections import deque
+
+    from hostagent.domain.placement import DeviceView, PlacementRequest
+    from hostagent.learn import sim_queue
+    from hostagent.learn.simulate import rule_scorers
+
+    table = Table({("a", "X"): 2.0, ("a", "Y"): 1.0}, {"a": 0.0})
+    host = [SimGpu("gx", "X", 80.0, 0), SimGpu("gy", "Y", 80.0, 0)]
+    views = [DeviceView(gpu_id=g.gpu_id, model=g.model, vendor="NVIDIA Corporation", memory_bytes=80 << 30,
+                        numa_node=0, probe_score=1.0) for g in host]
+    scorer = rule_scorers(table, host, random.Random(0))["matching-oracle"]
+    state = sim_queue.QueueState(F)
+    state.runs["a"] = deque([10.0])
+    request = PlacementRequest(count=1, task_type="a")
+    ran = sim_queue.Running("a", 0.0, 2.0)
+    got, pick = sim_queue.pick(state, [(1, request)], views, [False, True], lambda r, i: True, scorer, {0: ran}, 40.0)
+    assert got is None and pick.waiting["1"].startswith("waiting for a better GPU: predicted to end in 82 s there "
+                                                        "(free in 40 s) against 85 s")
+    # the same job on two GPUs counts once: a second X held by it changes nothing (X's two GPUs: a line of two)
+    two = [*host, SimGpu("gx2", "X", 80.0, 0)]
+    views2 = [*views, DeviceView(gpu_id="gx2", model="X", vendor="NVIDIA Corporation", memory_bytes=80 << 30,
+                                 numa_node=0, probe_score=1.0)]
+    scorer2 = rule_scorers(table, two, random.Random(0))["matching-oracle"]
+    got, pick = sim_queue.pick(sim_queue.QueueState(F, runs={"a": deque([10.0])}), [(1, request)], views2,
+                               [False, True, False], lambda r, i: True, scorer2, {0: ran, 2: ran}, 40.0)
+    assert got is None and "against 85 s" in pick.waiting["1"]
 
 
 def test_a_place_in_line_reads_as_english_ordinals() -> None:

@@ -246,6 +246,30 @@ def test_the_model_keeps_each_task_types_mean_run_time() -> None:
     assert ModelBundle.from_bytes(bundle.to_bytes()).run_s == bundle.run_s
 
 
+def test_the_model_expects_a_run_time_from_its_last_leases_and_those_still_running() -> None:
+    # 60 finished "a" leases of 100 s and 10 of 1000 s (the last to end), one failed: the model keeps the last 50
+    # (RUN_HISTORY) in the order they ended, the failed one left out; with none running it expects their mean. A
+    # lease of the type that has run 500 s so far counts as lasting 500 s plus what the 1000 s ones went on for
+    # beyond that (500 s): 1000 s; one that has outlived them all (3000 s) as as long again
+    recs = store_records(70)
+    for i, r in enumerate(recs):
+        r["task_type"], r["held_s"] = "a", 100.0 if i < 60 else 1000.0
+    recs[0]["outcome"] = "failed"
+    bundle = fit(examples_from_records(recs, gpu_rows()))
+    assert bundle.run_hist["a"] == [100.0] * 40 + [1000.0] * 10
+    assert bundle.run_s["a"] == pytest.approx((59 * 100 + 10 * 1000) / 69)  # the mean over every lease, as before
+    scorer = LearnedScorer(bundle)
+    assert scorer.typical_run_s("a") == pytest.approx(14000 / 50)
+    assert scorer.typical_run_s("a", [500.0]) == pytest.approx((14000 + 1000) / 51)
+    assert scorer.typical_run_s("a", [500.0, 3000.0]) == pytest.approx((14000 + 1000 + 6000) / 52)
+    assert scorer.typical_run_s("z", [500.0]) is None
+    back = ModelBundle.from_bytes(bundle.to_bytes())
+    assert back.run_hist == bundle.run_hist
+    # a bundle trained before it kept the history: its mean, the running not counted
+    bundle.run_hist = {}
+    assert LearnedScorer(bundle).typical_run_s("a", [500.0]) == bundle.run_s["a"]
+
+
 def _young_bundle(n: int, seed: int, slow: float | None = None) -> ModelBundle:
     """`n` records; with `slow`, the X device g2 has that probe score and runs at that fraction of the others."""
     recs = store_records(n, seed=seed)
