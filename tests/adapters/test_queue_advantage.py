@@ -654,6 +654,27 @@ def test_a_lease_gone_from_the_queue_leaves_no_pass_count_or_note_behind(tmp_pat
     assert m.queue_waits["l-q1"] == now + 30
 
 
+def test_only_active_leases_count_as_runs_still_going_each_once(tmp_path: Path) -> None:
+    # what the queue hands the model for a task type's run time: how long each ACTIVE lease holding GPUs has run (a
+    # lease on two GPUs once; one still binding, or released but still claimed while it detaches, not at all; a grant
+    # dated after the clock, as 0 s)
+    rig = make_rig(tmp_path, scenario="demo16")
+    m = rig.runtime.manager
+    now = m.clock()
+    gids = list(m.gpus)
+    held = [("l-pair", "bert", S.ACTIVE, now - 300, gids[0:2]), ("l-one", "bert", S.ACTIVE, now - 100, gids[2:3]),
+            ("l-ncf", "ncf", S.ACTIVE, now + 5, gids[3:4]), ("l-bind", "bert", S.BINDING, now - 50, gids[4:5]),
+            ("l-out", "bert", S.DETACHING, now - 900, gids[5:6])]
+    for lease_id, task, state, granted, gpus in held:
+        lease = new_lease(lease_id, f"uuid-{lease_id}", lease_id, LeaseRequest(task_type=task, gpus=len(gpus)),
+                          now - 1000)
+        m.leases[lease_id] = dataclasses.replace(lease, state=state, granted_at=granted)
+        for gid in gpus:
+            m.claims[gid] = lease_id
+    got = lease_queue._running_by_task(m, now)
+    assert sorted(got["bert"]) == [100.0, 300.0] and got["ncf"] == [0.0] and set(got) == {"bert", "ncf"}
+
+
 def test_a_waiting_leases_eta_is_when_its_gpu_frees_never_sooner_than_the_queue_says(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, scenario="demo16", clock=Clock())
     m = rig.runtime.manager

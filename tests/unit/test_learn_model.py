@@ -17,7 +17,7 @@ from hostagent.domain.errors import InvalidInput, NotFound
 from hostagent.domain.placement import PlacementRequest, place
 from hostagent.learn import lifecycle
 from hostagent.learn.forest import CompiledForest
-from hostagent.learn.model import LearnedScorer, ModelBundle, fit, matrix_base
+from hostagent.learn.model import LearnedScorer, ModelBundle, fit, matrix_base, run_history
 from hostagent.learn.records import examples_from_records, tenant_weights
 from tests.support.placement import TRUTH, FakeStore, OnlyThese, dev, gpu_rows, store_records
 
@@ -265,6 +265,14 @@ def test_the_model_expects_a_run_time_from_its_last_leases_and_those_still_runni
     assert scorer.typical_run_s("z", [500.0]) is None
     back = ModelBundle.from_bytes(bundle.to_bytes())
     assert back.run_hist == bundle.run_hist
+    # a task type with 3 finished leases has a history, one with 2 has none; a lease held 0 s is left out; the
+    # history is in the order the leases ended (the first created, held 500 s, ended last), the last kept
+    few = store_records(6)
+    for i, r in enumerate(few):
+        r["task_type"], r["held_s"] = ("b" if i < 3 else "c"), 50.0 + i
+    few[0]["held_s"], few[5]["held_s"] = 500.0, 0.0
+    assert run_history(examples_from_records(few, gpu_rows())) == {"b": [51.0, 52.0, 500.0]}
+    assert run_history(examples_from_records(few, gpu_rows()), keep=2) == {"b": [52.0, 500.0]}
     # a bundle trained before it kept the history: its mean, the running not counted
     bundle.run_hist = {}
     assert LearnedScorer(bundle).typical_run_s("a", [500.0]) == bundle.run_s["a"]
