@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -302,23 +304,30 @@ def test_every_decision_says_why_in_words_and_counts_whom_it_passed() -> None:
     assert zero.chosen == "B" and zero.passed == ("A",)
 
 
+def sim_host(table: Table, gpus: Sequence[tuple[str, str]]) -> tuple[list[Any], Any]:
+    """A simulated host of 80 GiB GPUs (id, model) on one node: its device views and `matching-oracle`'s scorer."""
+    import random
+
+    from hostagent.domain.placement import DeviceView
+    from hostagent.learn.simulate import rule_scorers
+
+    host = [SimGpu(gid, model, 80.0, 0) for gid, model in gpus]
+    views = [DeviceView(gpu_id=g.gpu_id, model=g.model, vendor="NVIDIA Corporation", memory_bytes=80 << 30,
+                        numa_node=0, probe_score=1.0) for g in host]
+    return views, rule_scorers(table, host, random.Random(0))["matching-oracle"]
+
+
 def test_the_simulator_puts_jobs_that_want_the_same_gpu_in_line_for_it() -> None:
     # X (rate 10 for "a") runs an "a" since t=0, expected to take 10 s (the median "a" so far: 100 s at rate 1); Y
     # (rate 5) is free. At t=5 two more "a" wait. The first would end in 5 + 10 = 15 s on X against 20 s on Y: it
     # waits. The second stands behind it: X is next free for it at 15 s, so 25 s there against 20 s on Y: it starts
     # now, on Y (counting only the first GPU to free, both would have waited and the first taken Y)
-    import random
     from collections import deque
 
-    from hostagent.domain.placement import DeviceView, PlacementRequest
+    from hostagent.domain.placement import PlacementRequest
     from hostagent.learn import sim_queue
-    from hostagent.learn.simulate import rule_scorers
 
-    table = Table({("a", "X"): 10.0, ("a", "Y"): 5.0}, {"a": 0.0})
-    host = [SimGpu("gx", "X", 80.0, 0), SimGpu("gy", "Y", 80.0, 0)]
-    views = [DeviceView(gpu_id=g.gpu_id, model=g.model, vendor="NVIDIA Corporation", memory_bytes=80 << 30,
-                        numa_node=0, probe_score=1.0) for g in host]
-    scorer = rule_scorers(table, host, random.Random(0))["matching-oracle"]
+    views, scorer = sim_host(Table({("a", "X"): 10.0, ("a", "Y"): 5.0}, {"a": 0.0}), [("gx", "X"), ("gy", "Y")])
     state = sim_queue.QueueState(F)
     state.runs["a"] = deque([100.0])
     running = {0: sim_queue.Running("a", 0.0, 10.0)}
@@ -389,18 +398,13 @@ def test_the_simulator_prices_a_wait_with_the_jobs_still_running() -> None:
     # and outlived the finished one: as long again). With the finished one alone the run time is 10 s: waiting gains
     # 5 s and costs 40, so it starts on Y. Counting the job running on X as lasting 160 s, the run time is 85 s:
     # waiting gains 42.5 s, so it waits
-    import random
     from collections import deque
 
-    from hostagent.domain.placement import DeviceView, PlacementRequest
+    from hostagent.domain.placement import PlacementRequest
     from hostagent.learn import sim_queue
-    from hostagent.learn.simulate import rule_scorers
 
     table = Table({("a", "X"): 2.0, ("a", "Y"): 1.0}, {"a": 0.0})
-    host = [SimGpu("gx", "X", 80.0, 0), SimGpu("gy", "Y", 80.0, 0)]
-    views = [DeviceView(gpu_id=g.gpu_id, model=g.model, vendor="NVIDIA Corporation", memory_bytes=80 << 30,
-                        numa_node=0, probe_score=1.0) for g in host]
-    scorer = rule_scorers(table, host, random.Random(0))["matching-oracle"]
+    views, scorer = sim_host(table, [("gx", "X"), ("gy", "Y")])
     state = sim_queue.QueueState(F)
     state.runs["a"] = deque([10.0])
     request = PlacementRequest(count=1, task_type="a")
@@ -409,10 +413,7 @@ def test_the_simulator_prices_a_wait_with_the_jobs_still_running() -> None:
     assert got is None and pick.waiting["1"].startswith("waiting for a better GPU: predicted to end in 82 s there "
                                                         "(free in 40 s) against 85 s")
     # the same job on two GPUs counts once: a second X held by it changes nothing (X's two GPUs: a line of two)
-    two = [*host, SimGpu("gx2", "X", 80.0, 0)]
-    views2 = [*views, DeviceView(gpu_id="gx2", model="X", vendor="NVIDIA Corporation", memory_bytes=80 << 30,
-                                 numa_node=0, probe_score=1.0)]
-    scorer2 = rule_scorers(table, two, random.Random(0))["matching-oracle"]
+    views2, scorer2 = sim_host(table, [("gx", "X"), ("gy", "Y"), ("gx2", "X")])
     got, pick = sim_queue.pick(sim_queue.QueueState(F, runs={"a": deque([10.0])}), [(1, request)], views2,
                                [False, True, False], lambda r, i: True, scorer2, {0: ran, 2: ran}, 40.0)
     assert got is None and "against 85 s" in pick.waiting["1"]
