@@ -257,6 +257,16 @@ def expected_left_s(finished: Sequence[float], done: float) -> float | None:
     return math.fsum(longer) / len(longer) if longer else None
 
 
+def run_left_s(finished: Sequence[float], done: float) -> float | None:
+    """What a run that has lasted `done` so far is expected to go on for: :func:`expected_left_s`, or as long again
+    once it has outlived every finished one (None before any finished). The agent's queue dates a busy GPU by it
+    where the lease on it stated no length, the simulator every busy GPU."""
+    if not finished:
+        return None
+    left = expected_left_s(finished, done)
+    return done if left is None else left
+
+
 def expected_run_s(finished: Sequence[float], running: Sequence[float] = ()) -> float | None:
     """Expected run time of a new run of a kind, from its finished runs and how long each of its running ones has
     lasted so far (`running`): the mean over both, a running one counted as lasting what it has run plus what it is
@@ -265,8 +275,8 @@ def expected_run_s(finished: Sequence[float], running: Sequence[float] = ()) -> 
     a better GPU as if runs were short. The mean, not the median: what waiting gains is linear in the run time."""
     if not finished:
         return None
-    censored = [done + (expected_left_s(finished, done) or done) for done in running]
+    censored = [done + (run_left_s(finished, done) or 0.0) for done in running]
     return (math.fsum(finished) + math.fsum(censored)) / (len(finished) + len(censored))
 
 
-__all__ = ["Candidate", "Fairness", "Pick", "RUN_HISTORY", "choose", "expected_left_s", "expected_run_s"]
+__all__ = ["Candidate", "Fairness", "Pick", "RUN_HISTORY", "choose", "expected_left_s", "expected_run_s", "run_left_s"]

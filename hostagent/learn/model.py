@@ -24,7 +24,7 @@ import numpy as np
 import skops.io as sio
 from sklearn.ensemble import HistGradientBoostingRegressor
 
-from hostagent.domain.assignment import RUN_HISTORY, expected_run_s
+from hostagent.domain.assignment import RUN_HISTORY, expected_run_s, run_left_s
 from hostagent.domain.errors import InvalidInput
 from hostagent.domain.placement import DeviceView, PlacementRequest
 from hostagent.learn.features import FeatureEncoder, fit_vocabulary
@@ -364,6 +364,13 @@ class LearnedScorer:
         if not hist:
             return self.bundle.run_s.get(task_type)
         return expected_run_s(hist, running)
+
+    def left_run_s(self, task_type: str, done: float) -> float | None:
+        """How much longer a lease of the task type that has run `done` seconds is expected to go on by the records
+        (`domain.assignment.run_left_s`: the mean excess over `done` of its last finished leases that lasted longer,
+        as long again once it has outlived them all; None: no history of the type, or a bundle from before
+        2026-11-30)."""
+        return run_left_s(self.bundle.run_hist.get(task_type) or (), done)
 
     def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
         """Predicted relative work rate per device (one batched predict call)."""

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from hostagent.domain.assignment import RUN_HISTORY, Candidate, Fairness, Pick, choose, expected_left_s, expected_run_s
+from hostagent.domain.assignment import RUN_HISTORY, Candidate, Fairness, Pick, choose, expected_run_s, run_left_s
 from hostagent.domain.placement import DeviceView, PlacementRequest, Scorer
 
 WINDOW = 64  # queued jobs looked at per decision (the agent's BACKFILL_DEPTH)
@@ -95,8 +95,10 @@ class QueueState:
 
     def left_s(self, task_type: str, done: float) -> float | None:
         """Expected run time left at rate 1 of a running job of this task type that has run `done` (at rate 1): the
-        mean excess over `done` of its task type's last finished runs that lasted longer (None: none did)."""
-        return expected_left_s(self.runs.get(task_type) or (), done)
+        mean excess over `done` of its task type's last finished runs that lasted longer, or as long again once it has
+        outlived them all (`domain.assignment.run_left_s`, as the agent's queue dates a lease that stated no length;
+        None: none finished)."""
+        return run_left_s(self.runs.get(task_type) or (), done)
 
 
 def _work(request: PlacementRequest) -> tuple[object, ...]:

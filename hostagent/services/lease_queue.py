@@ -230,6 +230,7 @@ class _Usable:
         self._figures: dict[tuple[object, ...], tuple[str, str | None, dict[str, float]] | None] = {}
         self._sds: dict[tuple[object, ...], dict[str, float]] = {}
         self._better: dict[tuple[object, ...], Line | None] = {}
+        self._ends: dict[str, float] = {}  # claimed GPU -> when it is expected to free (frees_at)
         self._terms: dict[tuple[object, ...], tuple[float, float | None, float, Line | None] | None] = {}
         self._free = {gid for gid in m.gpus if is_free(m, gid)}
         token = m.rates_token()  # once per decision: what every shape's predictions depend on
@@ -300,6 +301,24 @@ class _Usable:
         self._sds[key] = out
         return out
 
+    def frees_at(self, gpu_id: str, now: float) -> float:
+        """When a claimed GPU is expected to free, as a request weighing a wait for it sees it: `busy_until` (its
+        lease's expiry, or its reclaim deadline), or sooner where its lease is ACTIVE and stated no length (its expiry
+        is then only `leases.default_duration_s`): once it has run as long as it has, the model's records of its task
+        type say how much longer it goes on (`domain.assignment.run_left_s`, as the simulator dates a busy GPU).
+        Once per GPU and decision."""
+        got = self._ends.get(gpu_id)
+        if got is None:
+            got = end = busy_until(self.m, gpu_id, now)
+            lease = self.m.leases.get(self.m.claims.get(gpu_id, ""))
+            if lease is not None and lease.state is S.ACTIVE and lease.granted_at is not None \
+                    and not lease.request.duration_s:
+                left = self.m.left_run_s(lease.request.task_type, max(0.0, now - lease.granted_at))
+                if left is not None:
+                    got = min(end, now + left)
+            self._ends[gpu_id] = got
+        return got
+
     def better_in(self, request: LeaseRequest, by_id: dict[str, float], best: float, now: float) -> Line | None:
         """The line for the GPUs of the request's best predicted rate (`best`, of its rates `by_id`): in how many
         seconds each is expected to free (0 for a free one), soonest first, and which GPUs they are (None: none is
@@ -307,7 +326,7 @@ class _Usable:
         key = (_shape(request), best)
         if key not in self._better:
             at_best = frozenset(gid for gid, rate in by_id.items() if rate >= best * 0.999)
-            ends = sorted(0.0 if gid in self._free else busy_until(self.m, gid, now) - now for gid in at_best)
+            ends = sorted(0.0 if gid in self._free else self.frees_at(gid, now) - now for gid in at_best)
             self._better[key] = Line(tuple(ends), at_best) if ends and ends[-1] > 0 else None
         return self._better[key]
 

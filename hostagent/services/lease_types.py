@@ -154,6 +154,8 @@ class LeaseCore(Protocol):
     rate_uncertainty: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None]
     # (task type, how long each of its running leases has run) -> its expected run time by the model's records
     typical_run_s: Callable[[str, Sequence[float]], float | None]
+    # (task type, how long a lease of it has run) -> how much longer it is expected to go on by the model's records
+    left_run_s: Callable[[str, float], float | None]
     # equal while relative_rates and rate_uncertainty answer the same for the same request and GPUs (None: unknown)
     rates_token: Callable[[], object]
     queue_passes: dict[str, tuple[int, float]]  # queued lease -> (times passed over, since when)

@@ -125,6 +125,7 @@ class LeaseManager:
             lambda request, gpus: None)  # the runtime sets the placer's: without it every prediction counts as exact
         self.typical_run_s: Callable[[str, Sequence[float]], float | None] = (
             lambda task_type, running: None)  # the runtime sets the placer's
+        self.left_run_s: Callable[[str, float], float | None] = lambda task_type, done: None  # (the placer's)
         # what relative_rates' answers depend on besides the request and GPUs (None: unknown, the queue asks again
         # at every decision); the runtime sets the placer's
         self.rates_token: Callable[[], object] = lambda: None

@@ -143,6 +143,12 @@ class Placer:
             return None
         return fn(task_type, running) if running else fn(task_type)
 
+    def left_run_s(self, task_type: str, done: float) -> float | None:
+        """How much longer a lease of the task type that has run `done` seconds is expected to go on by the active
+        model's records (None: no model, or no history of the type; see LearnedScorer.left_run_s)."""
+        fn = getattr(self.scorer, "left_run_s", None)
+        return None if fn is None else fn(task_type, done)
+
     def scaling(self, task_type: str) -> Scaling | None:
         """What the active model's records say of the task type's total work rate by GPU count (None without a
         model, or where they hold fewer than two counts of it)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from hostagent.domain.assignment import Fairness
+from hostagent.domain.assignment import Fairness, run_left_s
 from hostagent.domain.capabilities import Measured
 from hostagent.domain.lease import LeaseDevice, LeaseRequest, LeaseState, new_lease
 from hostagent.domain.placement import DeviceView, PlacementRequest
@@ -43,6 +43,10 @@ class TableModel:
     def typical_run_s(self, task_type: str, running: Sequence[float] = ()) -> float | None:
         self.asked.append((task_type, tuple(running)))
         return 600.0 if task_type == "bert" else None
+
+    def left_run_s(self, task_type: str, done: float) -> float | None:
+        # its records of a100-job: three leases of 120 s (none of the other task types)
+        return run_left_s([120.0] * 3, done) if task_type == "a100-job" else None
 
     def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
         rates = RATES.get(request.task_type or "", {})
@@ -425,6 +429,32 @@ async def test_a_lone_request_waits_for_a_better_gpu_and_takes_it_when_it_frees(
     assert m.leases[bert["id"]].gpu_ids == (a100,) and t4 not in m.claims
 
 
+@pytest.mark.parametrize("stated", [None, 7200])
+async def test_a_gpu_held_by_a_lease_that_stated_no_length_frees_when_the_records_say(
+        tmp_path: Path, aiohttp_client: Any, stated: int | None) -> None:
+    # the A100's lease stated no length: its expiry is only the 8 h default, but the records show a100-job leases of
+    # 120 s and it has run 60 s, so it is expected to free in 60 s: bert waits for it, as the simulator's jobs do
+    # (dated by its expiry, it would take the T4 freed now). One that stated 2 h is taken at its word.
+    clock = Clock()
+    rig = await rig_with(tmp_path, aiohttp_client, clock)
+    m = rig.runtime.manager
+    first = await post(rig, "vm-c", 201, gpus=1, task_type="a100-job", **({"duration_s": stated} if stated else {}))
+    a100 = first["devices"][0]["gpu_id"]
+    assert "A100" in m.gpus[a100].model
+    fillers = [first] + [await post(rig, "vm-c", 201, gpus=1, task_type="filler") for _ in range(15)]
+    clock.advance(60.0)
+    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", accept_deferred=True)
+    t4 = await free_a_t4(rig, fillers)
+    got = await view(rig, "vm-a", bert["id"])
+    if stated:
+        assert got["state"] == "ACTIVE" and [d["gpu_id"] for d in got["devices"]] == [t4], got
+        return
+    assert got["state"] == "QUEUED" and t4 not in m.claims, got
+    assert got["queue"]["note"].startswith("waiting for a better GPU: predicted to end in 120 s there (free in 60 s) "
+                                           "against 600 s on the GPUs free now (10% of its best rate)"), got["queue"]
+    assert got["queue"]["eta"] == m.clock() + 60
+
+
 async def bert_waiting_beside_a_free_t4(tmp_path: Path, aiohttp_client: Any
                                         ) -> tuple[AgentRig, list[dict[str, Any]], dict[str, Any], str]:
     """A lone bert queued, waiting for the A100 that frees in 60 s (the first filler's) beside a freed T4, once the
@@ -673,6 +703,38 @@ def test_only_active_leases_count_as_runs_still_going_each_once(tmp_path: Path) 
             m.claims[gid] = lease_id
     got = lease_queue._running_by_task(m, now)
     assert sorted(got["bert"]) == [100.0, 300.0] and got["ncf"] == [0.0] and set(got) == {"bert", "ncf"}
+
+
+def test_a_busy_gpu_is_dated_by_the_records_only_where_its_active_lease_stated_no_length(tmp_path: Path) -> None:
+    # the records show a100-job leases of 120 s (TableModel.left_run_s): an ACTIVE one that stated no length and has
+    # run 60 s frees in 60 s; one that has outlived them all (500 s) in as long again, unless its reclaim deadline
+    # or expiry comes sooner; one that stated its length, one still binding, and one of a task type without records
+    # free at their lease's expiry (busy_until)
+    rig = make_rig(tmp_path, scenario="demo16")
+    rig.runtime.placer.use(TableModel(), "v-table")
+    m = rig.runtime.manager
+    now = m.clock()
+    ttl = m.policy.default_duration_s
+    held = {  # lease: (task type, state, granted, stated length, expiry, reclaim deadline, when it frees)
+        "l-young": ("a100-job", S.ACTIVE, now - 60, None, now - 60 + ttl, None, now + 60),
+        "l-old": ("a100-job", S.ACTIVE, now - 500, None, now - 500 + ttl, None, now + 500),
+        "l-notice": ("a100-job", S.ACTIVE, now - 500, None, now - 500 + ttl, now + 30, now + 30),
+        "l-ending": ("a100-job", S.ACTIVE, now - 500, None, now + 200, None, now + 200),
+        "l-stated": ("a100-job", S.ACTIVE, now - 60, 7200, now - 60 + 7200, None, now - 60 + 7200),
+        "l-bind": ("a100-job", S.BINDING, now - 60, None, now - 60 + ttl, None, now - 60 + ttl),
+        "l-other": ("filler", S.ACTIVE, now - 60, None, now - 60 + ttl, None, now - 60 + ttl),
+    }
+    gids = list(m.gpus)
+    for gid, (lease_id, (task, state, granted, stated, expiry, deadline, _)) in zip(gids, held.items()):
+        lease = new_lease(lease_id, f"uuid-{lease_id}", lease_id, LeaseRequest(task_type=task, duration_s=stated),
+                          now - 1000)
+        m.leases[lease_id] = dataclasses.replace(
+            lease, state=state, granted_at=granted, expires_at=expiry,
+            **({"notice": "reclaim", "notice_deadline": deadline} if deadline is not None else {}))
+        m.claims[gid] = lease_id
+    usable = lease_queue._Usable(m)
+    got = {lease_id: usable.frees_at(gid, now) for gid, lease_id in zip(gids, held)}
+    assert got == {lease_id: row[-1] for lease_id, row in held.items()}
 
 
 def test_a_waiting_leases_eta_is_when_its_gpu_frees_never_sooner_than_the_queue_says(tmp_path: Path) -> None:

@@ -370,7 +370,7 @@ def test_the_simulator_expects_a_job_that_has_run_long_to_run_longer() -> None:
     # run times at rate 1 of the last finished "a": 100, 300 and 1000 s. A new one is expected to run their mean
     # (466.7 s, not the median 300: run times are heavy-tailed and a wait's gain is linear in them). One that has run
     # 200 s is expected to go on as the two that lasted longer did beyond 200 s: (100 + 800) / 2 = 450 s more; one
-    # that has outlived them all: unknown (the caller expects as long again as it has run)
+    # that has outlived them all (1000 s, 1500 s): as long again as it has run
     from collections import deque
 
     from hostagent.learn import sim_queue
@@ -381,7 +381,8 @@ def test_the_simulator_expects_a_job_that_has_run_long_to_run_longer() -> None:
         state.finished("a", held, rate)
     assert state.runs["a"] == deque([100.0, 300.0, 1000.0])
     assert state.run_s("a") == pytest.approx(1400 / 3) and state.left_s("a", 0.0) == pytest.approx(1400 / 3)
-    assert state.left_s("a", 200.0) == pytest.approx(450.0) and state.left_s("a", 1000.0) is None
+    assert state.left_s("a", 200.0) == pytest.approx(450.0)
+    assert state.left_s("a", 1000.0) == 1000.0 and state.left_s("a", 1500.0) == 1500.0
     state.finished("a", 0.0, 1.0)  # nothing held: nothing learnt
     assert len(state.runs["a"]) == 3
     # jobs still running count too, each as lasting what it has run plus what it is expected to go on (short jobs
