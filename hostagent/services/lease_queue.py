@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Container, Iterable, Sequence
@@ -74,10 +75,11 @@ def _view_by_pools(m: LeaseCore, order: list[Lease], now: float) -> dict[str, tu
     out: dict[str, tuple[int, float | None]] = {}
     groups: dict[frozenset[str], list[float]] = {}  # usable GPUs -> when each frees (now for a free one), sorted
     cursor: dict[frozenset[str], tuple[int, float]] = {}
+    frees = functools.cache(lambda gid: expected_free_at(m, gid, now))  # (each GPU once)
     for pos, lease in enumerate(order, start=1):
         usable = frozenset(g.id for g in feasible(m, lease.request))
         if usable not in groups:
-            groups[usable] = sorted(now if is_free(m, gid) else max(now, busy_until(m, gid, now)) for gid in usable)
+            groups[usable] = sorted(now if is_free(m, gid) else max(now, frees(gid)) for gid in usable)
             ahead = [x.request.gpus for x in order[:pos - 1]]
             cursor[usable] = _consume(groups[usable], (0, now), ahead)
         pool = groups[usable]
@@ -94,10 +96,10 @@ def _view_with_bookings(m: LeaseCore, order: list[Lease], now: float) -> dict[st
     """The queue's positions and ETAs when bookings are in the calendar: a GPU that frees before a booking of it
     starts serves a queued lease only if the lease ends before the booking's lead time (the grant path keeps leases
     clear of bookings), so each lease's ETA is the earliest window in which enough of its usable GPUs are free for
-    its whole duration, past the leases holding them now (until `busy_until`), the bookings, and the leases queued
+    its whole duration, past the leases holding them now (until `expected_free_at`), the bookings, and the leases queued
     ahead of it (each in its own window, holding its GPUs from then on, as :func:`_view_by_pools` assumes)."""
     cal = [h for h in bookings.holds(m, now) if h.booking]
-    cal += [Hold(gid, now, max(now, busy_until(m, gid, now)), m.claims.get(gid, "")) for gid in m.gpus
+    cal += [Hold(gid, now, max(now, expected_free_at(m, gid, now)), m.claims.get(gid, "")) for gid in m.gpus
             if not is_free(m, gid)]
     out: dict[str, tuple[int, float | None]] = {}
     for pos, lease in enumerate(order, start=1):
@@ -108,6 +110,20 @@ def _view_with_bookings(m: LeaseCore, order: list[Lease], now: float) -> dict[st
         if w is not None:
             cal += [Hold(g, w.start, INF, lease.id) for g in w.gpus[:lease.request.gpus]]
     return out
+
+
+def expected_free_at(m: LeaseCore, gpu_id: str, now: float) -> float:
+    """When a claimed GPU is expected to free, for the queue (a request weighing a wait for it, every queued
+    request's ETA): `busy_until` (its lease's expiry, or its reclaim deadline), or sooner where its lease is ACTIVE and
+    stated no length (its expiry is then only `leases.default_duration_s`): having run as long as it has, what the
+    model's records of its task type say it goes on for (`domain.assignment.run_left_s`, as the simulator dates a
+    busy GPU). The grant path's backfilling keeps to `busy_until`: a backfill must not delay the head past it."""
+    end = busy_until(m, gpu_id, now)
+    lease = m.leases.get(m.claims.get(gpu_id, ""))
+    if lease is None or lease.state is not S.ACTIVE or lease.granted_at is None or lease.request.duration_s:
+        return end
+    left = m.left_run_s(lease.request.task_type, max(0.0, now - lease.granted_at))
+    return end if left is None else min(end, now + left)
 
 
 def _consume(pool: list[float], state: tuple[int, float], takes: list[int]) -> tuple[int, float]:
@@ -302,21 +318,10 @@ class _Usable:
         return out
 
     def frees_at(self, gpu_id: str, now: float) -> float:
-        """When a claimed GPU is expected to free, as a request weighing a wait for it sees it: `busy_until` (its
-        lease's expiry, or its reclaim deadline), or sooner where its lease is ACTIVE and stated no length (its expiry
-        is then only `leases.default_duration_s`): once it has run as long as it has, the model's records of its task
-        type say how much longer it goes on (`domain.assignment.run_left_s`, as the simulator dates a busy GPU).
-        Once per GPU and decision."""
+        """When a claimed GPU is expected to free (:func:`expected_free_at`), once per GPU and decision."""
         got = self._ends.get(gpu_id)
         if got is None:
-            got = end = busy_until(self.m, gpu_id, now)
-            lease = self.m.leases.get(self.m.claims.get(gpu_id, ""))
-            if lease is not None and lease.state is S.ACTIVE and lease.granted_at is not None \
-                    and not lease.request.duration_s:
-                left = self.m.left_run_s(lease.request.task_type, max(0.0, now - lease.granted_at))
-                if left is not None:
-                    got = min(end, now + left)
-            self._ends[gpu_id] = got
+            got = self._ends[gpu_id] = expected_free_at(self.m, gpu_id, now)
         return got
 
     def better_in(self, request: LeaseRequest, by_id: dict[str, float], best: float, now: float) -> Line | None:

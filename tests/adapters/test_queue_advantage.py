@@ -737,6 +737,33 @@ def test_a_busy_gpu_is_dated_by_the_records_only_where_its_active_lease_stated_n
     assert got == {lease_id: row[-1] for lease_id, row in held.items()}
 
 
+@pytest.mark.parametrize("booked", [False, True])
+def test_a_queued_requests_eta_counts_on_the_records_where_the_leases_ahead_stated_no_length(tmp_path: Path,
+                                                                                            booked: bool) -> None:
+    # every GPU held by an a100-job lease that stated no length (records: 120 s each), one of them granted 100 s ago
+    # (20 s left), the others 60 s ago (60 s left): a request of one GPU queued now starts in 20 s, one of two behind
+    # it in 60 s, not at the leases' 8 h expiry; with a booking in the calendar (tomorrow) the same
+    rig = make_rig(tmp_path, scenario="demo16", clock=Clock())
+    rig.runtime.placer.use(TableModel(), "v-table")
+    m = rig.runtime.manager
+    now = m.clock()
+    for k, gid in enumerate(m.gpus):
+        granted = now - (100 if k == 3 else 60)
+        lease = new_lease(f"l-{k}", f"uuid-{k}", f"vm-{k}", LeaseRequest(task_type="a100-job"), granted)
+        m.leases[lease.id] = dataclasses.replace(lease, state=S.ACTIVE, granted_at=granted,
+                                                 expires_at=granted + m.policy.default_duration_s)
+        m.claims[gid] = lease.id
+    if booked:
+        lease = new_lease("l-book", "uuid-book", "vm-book",
+                          LeaseRequest(gpus=1, duration_s=3600, start_at=now + 86400), now)
+        m.leases[lease.id] = dataclasses.replace(lease, state=S.BOOKED, booked_gpus=(next(iter(m.gpus)),))
+    for k, gpus in enumerate((1, 2)):
+        lease = new_lease(f"l-q{k}", f"uuid-q{k}", f"vm-q{k}", LeaseRequest(gpus=gpus, accept_deferred=True), now - 9 + k)
+        m.leases[lease.id] = lease.transition(S.QUEUED, queued_at=now - 9 + k)
+    m.queue_cache = None
+    assert lease_queue.view(m) == {"l-q0": (1, now + 20), "l-q1": (2, now + 60)}
+
+
 def test_a_waiting_leases_eta_is_when_its_gpu_frees_never_sooner_than_the_queue_says(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, scenario="demo16", clock=Clock())
     m = rig.runtime.manager
