@@ -4,9 +4,10 @@
 A model is trained on synthetic lease records (8 task types x 6 GPU models, 3000 leases) through the same ``fit``
 the lifecycle uses, saved and reloaded with skops. A real ``LeaseManager`` over 16 and then 64 hand-built GPUs (six
 models with pci.ids-like names, two NUMA nodes, four GPUs per PCIe switch) gets a real ``Placer`` holding that model,
-wired as the running agent wires it (``place=placer``, ``manager.relative_rates = placer.relative_rates``, and the
-topology placer behind the learned one, as ``runtime.make_app`` does). About half of the GPUs are held by ACTIVE
-leases; 50 QUEUED leases wait (mixed task types, 1-2 GPUs; one queue all of one priority, one of mixed priorities).
+wired as the running agent wires it (``place=placer``, ``manager.relative_rates = placer.relative_rates``, its run
+times, and the topology placer behind the learned one, as ``runtime.make_app`` does). About half of the GPUs are held
+by ACTIVE leases (half of them stated no length: dated by the model's run times); 50 QUEUED leases wait (mixed task
+types, 1-2 GPUs; one queue all of one priority, one of mixed priorities).
 
 One decision = ``lease_queue._next_grant(m)`` plus, for the lease it returns, the placer call ``claim`` makes
 (``m.place(request, free, count, domain_uuid)``). Between decisions (untimed) which GPUs are held is drawn again,
@@ -31,6 +32,7 @@ import copy
 import cProfile
 import gc
 import io
+import math
 import os
 import pstats
 import random
@@ -74,8 +76,13 @@ WARM_UP = 400  # untimed decisions per row (in each round its share) before the 
 
 
 def records(n: int, rng: random.Random) -> list[dict[str, object]]:
-    """Finished leases with a per (task, model) speed: scripts/bench_place.py's, with this host's model names."""
-    return bench_place.records(n, rng, MODELS, TASKS)
+    """Finished leases with a per (task, model) speed: scripts/bench_place.py's, with this host's model names, each
+    held a heavy-tailed time (median about 20 min): the model keeps each task type's last run times (run_hist), the
+    queue's expected run time of a request that states none and of a lease that stated none."""
+    out = bench_place.records(n, rng, MODELS, TASKS)
+    for r in out:
+        r["held_s"] = math.exp(rng.gauss(7.0, 1.2))
+    return out
 
 
 def host(n: int) -> list[Gpu]:
@@ -122,6 +129,7 @@ class Bench:
         m.scaling, m.predict_rates = placer.scaling, placer.predict_rates
         m.relative_rates = placer.relative_rates
         m.rate_uncertainty, m.rates_token = placer.rate_uncertainty, placer.rates_token
+        m.typical_run_s, m.left_run_s = placer.typical_run_s, placer.left_run_s
         probe = {g.id: self.rng.uniform(0.9, 1.05) for g in gpus}
         placer.topology_place = make_topology_place(
             m, Topology.from_gpus(gpus), scorer=lambda: placer.scorer, probe_score=probe.get,
@@ -131,7 +139,7 @@ class Bench:
         self.active = {}
         for i, g in enumerate(gpus):  # one lease per GPU, ACTIVE while it holds it (drawn again at every decision)
             lease = new_lease(f"a-{i}", f"uuid-a{i}", f"vm-a{i}", LeaseRequest(gpus=1, task_type=self.rng.choice(TASKS),
-                              duration_s=3600), NOW0 - 7200)
+                              duration_s=self.rng.choice([3600, None])), NOW0 - 7200)
             dev = LeaseDevice(g.id, (str(g.address),), ("nvidia",), i)
             lease = lease.transition(S.BINDING, devices=(dev,), granted_gpus=1, expires_at=NOW0 + 3600)
             lease = lease.transition(S.ATTACHING).transition(S.ACTIVE, granted_at=NOW0 - 7000)
