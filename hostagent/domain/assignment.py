@@ -261,8 +261,11 @@ def run_left_s(finished: Sequence[float], done: float) -> float | None:
     """What a run that has lasted `done` so far is expected to go on for: :func:`expected_left_s`, or as long again
     once it has outlived every finished one (None before any finished). The agent's queue dates a busy GPU by it
     where the lease on it stated no length, the simulator every busy GPU."""
-    if not finished:
-        return None
+    return _run_left(finished, done) if finished else None
+
+
+def _run_left(finished: Sequence[float], done: float) -> float:
+    """:func:`run_left_s` of a kind with runs finished (`finished` not empty)."""
     left = expected_left_s(finished, done)
     return done if left is None else left
 
@@ -275,7 +278,7 @@ def expected_run_s(finished: Sequence[float], running: Sequence[float] = ()) -> 
     a better GPU as if runs were short. The mean, not the median: what waiting gains is linear in the run time."""
     if not finished:
         return None
-    censored = [done + (run_left_s(finished, done) or 0.0) for done in running]
+    censored = [done + _run_left(finished, done) for done in running]
     return (math.fsum(finished) + math.fsum(censored)) / (len(finished) + len(censored))
 
 

@@ -708,8 +708,9 @@ def test_only_active_leases_count_as_runs_still_going_each_once(tmp_path: Path) 
 def test_a_busy_gpu_is_dated_by_the_records_only_where_its_active_lease_stated_no_length(tmp_path: Path) -> None:
     # the records show a100-job leases of 120 s (TableModel.left_run_s): an ACTIVE one that stated no length and has
     # run 60 s frees in 60 s; one that has outlived them all (500 s) in as long again, unless its reclaim deadline
-    # or expiry comes sooner; one that stated its length, one still binding, and one of a task type without records
-    # free at their lease's expiry (busy_until)
+    # or expiry comes sooner; one granted after the clock (its host's clock stepped back) as one that has run 0 s;
+    # one that stated its length, one still binding, and one of a task type without records free at their lease's
+    # expiry (busy_until). Each GPU is dated once per decision.
     rig = make_rig(tmp_path, scenario="demo16")
     rig.runtime.placer.use(TableModel(), "v-table")
     m = rig.runtime.manager
@@ -720,6 +721,7 @@ def test_a_busy_gpu_is_dated_by_the_records_only_where_its_active_lease_stated_n
         "l-old": ("a100-job", S.ACTIVE, now - 500, None, now - 500 + ttl, None, now + 500),
         "l-notice": ("a100-job", S.ACTIVE, now - 500, None, now - 500 + ttl, now + 30, now + 30),
         "l-ending": ("a100-job", S.ACTIVE, now - 500, None, now + 200, None, now + 200),
+        "l-skew": ("a100-job", S.ACTIVE, now + 5, None, now + 5 + ttl, None, now + 120),
         "l-stated": ("a100-job", S.ACTIVE, now - 60, 7200, now - 60 + 7200, None, now - 60 + 7200),
         "l-bind": ("a100-job", S.BINDING, now - 60, None, now - 60 + ttl, None, now - 60 + ttl),
         "l-other": ("filler", S.ACTIVE, now - 60, None, now - 60 + ttl, None, now - 60 + ttl),
@@ -732,9 +734,14 @@ def test_a_busy_gpu_is_dated_by_the_records_only_where_its_active_lease_stated_n
             lease, state=state, granted_at=granted, expires_at=expiry,
             **({"notice": "reclaim", "notice_deadline": deadline} if deadline is not None else {}))
         m.claims[gid] = lease_id
+    asked: list[str] = []
+    records = m.left_run_s
+    m.left_run_s = lambda task, done: asked.append(task) or records(task, done)
     usable = lease_queue._Usable(m)
-    got = {lease_id: usable.frees_at(gid, now) for gid, lease_id in zip(gids, held)}
-    assert got == {lease_id: row[-1] for lease_id, row in held.items()}
+    for _ in range(2):
+        got = {lease_id: usable.frees_at(gid, now) for gid, lease_id in zip(gids, held)}
+        assert got == {lease_id: row[-1] for lease_id, row in held.items()}
+    assert len(asked) == 6  # the ACTIVE leases that stated no length, each once
 
 
 @pytest.mark.parametrize("booked", [False, True])
