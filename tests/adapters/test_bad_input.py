@@ -366,7 +366,12 @@ async def test_slow_headers_are_cut_off_while_a_normal_client_is_served(served: 
         assert head.startswith(b"HTTP/1.1 408 "), received[:200]
         headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:])
         assert_clean_error(408, headers, body, code="request_timeout")
-    assert len(latencies) >= 10 and max(latencies) < 0.5, latencies  # the normal client never waited on them
+    # The normal client never waited on them: it was served throughout, hundreds of times (a server that waited on
+    # the slow heads would answer it a few times, each once one of them was cut off). A stall of the shared 2-CPU
+    # machine now and then is not the server's (CI on 2026-11-30: one request of 1,260 at 1.3 s, the rest under
+    # 3 ms): at most one in a hundred over 0.5 s.
+    stalled = [x for x in latencies if x >= 0.5]
+    assert len(latencies) >= 20 and len(stalled) <= len(latencies) // 100, (len(latencies), stalled)
 
 
 async def test_idle_connections_are_closed_after_idle_timeout_and_a_silent_one_at_the_head_deadline(
