@@ -264,7 +264,7 @@ def test_the_model_expects_a_run_time_from_its_last_leases_and_those_still_runni
     assert scorer.typical_run_s("a", [500.0, 3000.0]) == pytest.approx((14000 + 1000 + 6000) / 52)
     assert scorer.typical_run_s("z", [500.0]) is None
     # how much longer a running lease goes on (the queue dates a GPU held by a lease that stated no length by it):
-    # one that has run 50 s, the mean excess of all 50 (90 s); 500 s, of the 1000 s ones (500 s); one that has
+    # one that has run 50 s, the mean excess of all 50 (230 s); 500 s, of the 1000 s ones (500 s); one that has
     # outlived them all, as long again; none of a type without a history
     assert scorer.left_run_s("a", 50.0) == pytest.approx((40 * 50 + 10 * 950) / 50)
     assert scorer.left_run_s("a", 500.0) == pytest.approx(500.0) and scorer.left_run_s("a", 3000.0) == 3000.0
