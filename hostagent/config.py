@@ -16,6 +16,7 @@ from typing import Any
 
 from hostagent.domain.assignment import Fairness
 from hostagent.domain.errors import ConfigError
+from hostagent.domain.lease import DEFAULT_DURATION_S
 
 DEFAULT_CONFIG_PATH = Path("/etc/hostagent/hostagent.toml")
 ENV_PREFIX = "HOSTAGENT_"
@@ -100,7 +101,7 @@ class StoreSettings:
 class LeaseSettings:
     """[leases]: lifetimes, queueing, quotas."""
 
-    default_duration_s: int = 8 * 3600
+    default_duration_s: int = DEFAULT_DURATION_S
     max_duration_s: int = 7 * 24 * 3600
     queue_max: int = 1000
     queue_max_per_vm: int = 32  # a VM's share of the queue; 0: the whole queue

@@ -8,10 +8,12 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from hostagent.domain.errors import Conflict
 from hostagent.domain.lease import Lease, LeaseRequest, Quota
 
+T = TypeVar("T")
 DAY_S = 86400.0
 LEDGER_MAX = 200_000  # ended leases remembered for the GPU-hours window (a day of short leases fits many times)
 
@@ -110,6 +112,17 @@ def may_backfill(sh: Shadow, now: float, duration_s: float) -> bool:
     return sh.start is not None and now + duration_s <= sh.start
 
 
+def backfill_share(sh: Shadow, now: float, duration_s: float, inside: Sequence[T],
+                   outside: Sequence[T]) -> tuple[list[T], bool]:
+    """The free GPUs a request behind the head may take now without delaying it, and whether it ends before the
+    head's shadow time: every free GPU the head could never use (`outside`), and of the free ones it could use
+    (`inside`, in the order to take them), all when the request (held `duration_s` from now) ends before the
+    head's shadow time, else only the `extra` the head will not need then. The agent's queue and the simulator's
+    first day both decide by it."""
+    ends_first = may_backfill(sh, now, duration_s)
+    return [*outside, *(inside if ends_first else inside[:max(0, sh.extra)])], ends_first
+
+
 class TokenBucket:
     """A rate with bursts: `rate` per second sustained, at most `capacity` at once (it starts full)."""
 
@@ -149,4 +162,5 @@ class TokenBucket:
         self.tokens = min(self.capacity, self.tokens + n)
 
 
-__all__ = ["DAY_S", "Ledger", "Shadow", "TenantUse", "TokenBucket", "gpu_hours", "may_backfill", "quota_cap", "shadow"]
+__all__ = ["DAY_S", "Ledger", "Shadow", "TenantUse", "TokenBucket", "backfill_share", "gpu_hours", "may_backfill",
+           "quota_cap", "shadow"]

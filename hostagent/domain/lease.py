@@ -88,6 +88,7 @@ class Step:
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "fp64", "tf32")
 NUMA_POLICIES = ("required", "preferred", "any")
 MAX_GPUS_PER_REQUEST = 64
+DEFAULT_DURATION_S = 8 * 3600  # a lease that names no duration_s lasts this long (`leases.default_duration_s`)
 # Free-text labels of a request (task_type, project, vendor, model, idempotency_key): any text, non-ASCII included,
 # but no control characters (C0, DEL, C1) and no invisible or bidirectional formatting (soft hyphen, zero-width and
 # direction marks, embeddings and overrides, line/paragraph separators, BOM). One pattern for the parser and the
@@ -503,7 +504,7 @@ def new_lease(lease_id: str, domain_uuid: str, domain_name: str, request: LeaseR
 
 
 __all__ = [
-    "Arbitration", "Lease", "LeaseDevice", "LeaseRequest", "LeaseState", "Quota", "TRANSITIONS",
+    "DEFAULT_DURATION_S", "Arbitration", "Lease", "LeaseDevice", "LeaseRequest", "LeaseState", "Quota", "TRANSITIONS",
     "Verdict", "Waiting", "arbitrate", "check_transition", "estimate_eta", "new_lease",
     "parse_lease_request", "queue_order",
 ]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import heapq
 import itertools
 import json
@@ -42,9 +41,12 @@ from typing import Any
 
 import numpy as np
 
+from hostagent.domain.admission import backfill_share, shadow
 from hostagent.domain.errors import InvalidInput
+from hostagent.domain.lease import DEFAULT_DURATION_S
 from hostagent.domain.assignment import Fairness
 from hostagent.learn import sim_queue
+from hostagent.learn.sim_inputs import Job, SimGpu, Table, check_inputs, load_host, load_table, load_trace
 from hostagent.learn.model import ModelBundle
 from hostagent.domain.placement import (
     GIB,
@@ -76,143 +78,6 @@ WORK_RATE_NOISE = 0.03  # a guest's own throughput counter is a little noisy (lo
 # drawn once per run: the table known as well as one heartbeat's work-rate figure tells it. How far that falls behind
 # `matching-oracle` is how much of a learned policy's gap a few per cent of estimation error alone explains.
 ORACLE_NOISE = WORK_RATE_NOISE
-
-
-# -- inputs --------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Table:
-    """Ground truth: throughput of each job type on each GPU model, and each job type's memory need."""
-
-    thr: dict[tuple[str, str], float]
-    need_gib: dict[str, float]
-
-    @property
-    def job_types(self) -> list[str]:
-        """Job types, sorted."""
-        return sorted({j for j, _ in self.thr})
-
-    @property
-    def models(self) -> list[str]:
-        """GPU models, sorted."""
-        return sorted({m for _, m in self.thr})
-
-
-@dataclass(frozen=True, slots=True)
-class SimGpu:
-    """One simulated device."""
-
-    gpu_id: str
-    model: str
-    memory_gib: float
-    numa_node: int | None
-    health: float = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Job:
-    """One trace entry."""
-
-    index: int
-    arrival_s: float
-    job_type: str
-    work: float
-    num_gpus: int
-    priority: int = 0
-
-
-def _rows(path: Path | str, required: Sequence[str]) -> list[dict[str, str]]:
-    p = Path(path)
-    if not p.is_file():
-        raise InvalidInput(f"{p}: no such file", field=str(p))
-    with p.open(newline="") as fh:
-        reader = csv.DictReader(fh)
-        missing = [c for c in required if c not in (reader.fieldnames or [])]
-        if missing:
-            raise InvalidInput(f"{p}: missing column(s) {', '.join(missing)}; header is {reader.fieldnames}",
-                               field=missing[0])
-        return list(reader)
-
-
-def _float(row: dict[str, str], key: str, where: str, default: float | None = None) -> float:
-    raw = (row.get(key) or "").strip()
-    if not raw:
-        if default is None:
-            raise InvalidInput(f"{where}: {key} is empty", field=key)
-        return default
-    try:
-        v = float(raw)
-    except ValueError as exc:
-        raise InvalidInput(f"{where}: {key}={raw!r} is not a number", field=key) from exc
-    if not math.isfinite(v):
-        raise InvalidInput(f"{where}: {key} must be finite", field=key)
-    return v
-
-
-def load_table(path: Path | str) -> Table:
-    """Read ``job_type,gpu_model,throughput[,memory_gib]``; a job type needs the most memory any of its rows says."""
-    thr: dict[tuple[str, str], float] = {}
-    need: dict[str, float] = {}
-    for i, r in enumerate(_rows(path, ("job_type", "gpu_model", "throughput")), start=2):
-        where = f"{path}:{i}"
-        t = _float(r, "throughput", where)
-        if t <= 0:
-            raise InvalidInput(f"{where}: throughput must be > 0", field="throughput")
-        key = (r["job_type"].strip(), r["gpu_model"].strip())
-        thr[key] = t
-        need[key[0]] = max(need.get(key[0], 0.0), _float(r, "memory_gib", where, 0.0))
-    if not thr:
-        raise InvalidInput(f"{path}: empty throughput table", field="throughputs")
-    return Table(thr, need)
-
-
-def load_host(path: Path | str) -> list[SimGpu]:
-    """Read ``gpu_id,gpu_model,memory_gib,numa_node[,health_factor]``."""
-    out = []
-    for i, r in enumerate(_rows(path, ("gpu_id", "gpu_model", "memory_gib", "numa_node")), start=2):
-        where = f"{path}:{i}"
-        node = (r.get("numa_node") or "").strip()
-        h = _float(r, "health_factor", where, 1.0)
-        if h <= 0:
-            raise InvalidInput(f"{where}: health_factor must be > 0", field="health_factor")
-        out.append(SimGpu(r["gpu_id"].strip(), r["gpu_model"].strip(), _float(r, "memory_gib", where),
-                          int(node) if node not in ("", "-1") else None, h))
-    if not out:
-        raise InvalidInput(f"{path}: a host needs at least one GPU", field="host")
-    if len({g.gpu_id for g in out}) != len(out):
-        raise InvalidInput(f"{path}: duplicate gpu_id", field="gpu_id")
-    return out
-
-
-def load_trace(path: Path | str) -> list[Job]:
-    """Read ``arrival_s,job_type,work,num_gpus[,priority]``, sorted by arrival."""
-    jobs = []
-    for i, r in enumerate(_rows(path, ("arrival_s", "job_type", "work", "num_gpus")), start=2):
-        where = f"{path}:{i}"
-        n = int(_float(r, "num_gpus", where))
-        work = _float(r, "work", where)
-        if n < 1 or work <= 0:
-            raise InvalidInput(f"{where}: num_gpus must be >= 1 and work > 0", field="num_gpus")
-        jobs.append((_float(r, "arrival_s", where), r["job_type"].strip(), work, n,
-                     int(_float(r, "priority", where, 0.0))))
-    jobs.sort(key=lambda j: j[0])
-    return [Job(k, *j) for k, j in enumerate(jobs)]
-
-
-def check_inputs(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job]) -> tuple[list[Job], list[str]]:
-    """Refuse inputs the table cannot score; drop (and say so) jobs no set of devices on this host could run."""
-    missing = sorted({(j, g.model) for j in {x.job_type for x in jobs} for g in host if (j, g.model) not in table.thr})
-    if missing:
-        raise InvalidInput(f"the throughput table has no row for {missing[0][0]} on {missing[0][1]} "
-                           f"({len(missing)} missing pair(s))", field="throughputs")
-    kept, notes = [], []
-    for j in jobs:
-        fits = sum(1 for g in host if g.memory_gib + 1e-9 >= table.need_gib.get(j.job_type, 0.0))
-        if fits >= j.num_gpus:
-            kept.append(j)
-    if len(kept) < len(jobs):
-        notes.append(f"{len(jobs) - len(kept)} job(s) dropped: more GPUs or memory than this host has")
-    return [replace(j, index=k) for k, j in enumerate(kept)], notes
 
 
 # -- scorers for the simple rules and the oracle (all go through the real place()) ---------------------------------
@@ -434,6 +299,7 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
     arrivals = deque(jobs)
     qstate = sim_queue.QueueState(fairness)
     running_on: dict[int, sim_queue.Running] = {}  # device index -> the job on it (queue-aware policies)
+    started = [0.0] * len(host)  # device index -> when the job on it started (the first day's backfilling)
 
     def fits(request: PlacementRequest, i: int) -> bool:
         return host[i].memory_gib + 1e-9 >= request.min_memory_gib
@@ -468,10 +334,15 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
                 queue.append(arrivals.popleft())
             if policy in QUEUE_AWARE:  # the agent's serve order: priority, then age
                 queue = deque(sorted(queue, key=lambda j: (-j.priority, j.arrival_s, j.index)))
-            while queue:
-                job = queue[0]
+            behind = 0  # the first day: the job looked at, behind a head that must wait (a backfill candidate)
+            while behind < len(queue):
+                job = queue[behind]
                 views = [base_views[i] if free[i] else busy_views[i] for i in range(len(host))]
                 said: tuple[str, ...] = ()
+                if behind:  # only the GPUs it may take without delaying the head, as the agent's queue (EASY)
+                    room = _backfill_room(_request(table, queue[0]), _request(table, job), free, started, fits, now)
+                    views = [base_views[i] if room[i] else busy_views[i] for i in range(len(host))]
+                    said = ("queue: backfilled behind the head of the queue (it cannot start yet)",)
                 if policy in QUEUE_AWARE and scorer is not None:
                     waiting = [(j.index, _request(table, j)) for j in itertools.islice(queue, sim_queue.WINDOW)]
                     picked, pick = sim_queue.pick(qstate, waiting, base_views, free, fits, scorer, running_on, now)
@@ -485,11 +356,17 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
                 explores = policy in LEARNED or (cold and scorer is None)
                 decision = place(request, views, scorer=scorer, exploration=ex if explores else None, rng=rng)
                 if not decision.chosen:
-                    break  # the job to start waits for enough eligible devices to free up
+                    # the job to start waits for enough eligible devices to free up; before the queue-aware
+                    # assignment decides (the first day), those behind it may backfill, as in the agent's queue
+                    if policy in QUEUE_AWARE and scorer is None and behind + 1 < min(len(queue), sim_queue.WINDOW):
+                        behind += 1
+                        continue
+                    break
                 queue.remove(job)
                 chosen = [by_id[g] for g in decision.chosen]
                 for g in decision.chosen:
                     free[index[g]] = False
+                    started[index[g]] = now
                 fig.rules[decision.rule] = fig.rules.get(decision.rule, 0) + 1
                 fig.memory_violations += sum(1 for g in chosen if g.memory_gib + 1e-9 < need)
                 # regret against the best set among the devices that were free and eligible at this instant
@@ -511,6 +388,21 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
         if recorder is not None:
             fig.trainings = list(recorder.trainings)
     return fig
+
+
+def _backfill_room(head: PlacementRequest, request: PlacementRequest, free: Sequence[bool], started: Sequence[float],
+                   fits: Callable[[PlacementRequest, int], bool], now: float) -> list[bool]:
+    """Which devices `request` may take behind a `head` that cannot start, as the agent's queue decides
+    (`domain.admission.backfill_share`, EASY backfilling). A simulated job states no duration, so, as a lease that
+    names none, each running job is expected to end `DEFAULT_DURATION_S` after it started and the request to last
+    as long."""
+    usable = [i for i in range(len(free)) if fits(head, i)]
+    sh = shadow(now, sum(1 for i in usable if free[i]), [started[i] + DEFAULT_DURATION_S for i in usable
+                                                         if not free[i]], head.count)
+    room, _ = backfill_share(sh, now, DEFAULT_DURATION_S, [i for i in usable if free[i]],
+                             [i for i in range(len(free)) if free[i] and not fits(head, i)])
+    may = set(room)
+    return [i in may and fits(request, i) for i in range(len(free))]
 
 
 def _best_rate(table: Table, job: Job, host: Sequence[SimGpu], free: Sequence[bool], index: dict[str, int],

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hostagent.domain.admission import Shadow, may_backfill, shadow
+from hostagent.domain.admission import Shadow, backfill_share, shadow
 from hostagent.domain.capabilities import Capabilities, capabilities
 from hostagent.domain.errors import Conflict, HostAgentError, HostError, InvalidInput
 from hostagent.domain.hostdev import HostdevPci, free_guest_slots, guest_slots_needed
@@ -276,11 +276,9 @@ def backfill_room(m: LeaseCore, request: LeaseRequest, free: Sequence[Gpu], now:
     head, head_ids, sh = hs
     outside = [g for g in free if g.id not in head_ids]
     inside = [g for g in free if g.id in head_ids]
-    duration = request.duration_s or m.policy.default_duration_s
-    if may_backfill(sh, now, duration):
-        room, how = outside + inside, f"ends before the head of the queue ({head.id}) can start"
-    else:
-        room, how = outside + inside[:max(0, sh.extra)], f"on GPUs the head of the queue ({head.id}) will not need"
+    room, ends_first = backfill_share(sh, now, request.duration_s or m.policy.default_duration_s, inside, outside)
+    how = (f"ends before the head of the queue ({head.id}) can start" if ends_first
+           else f"on GPUs the head of the queue ({head.id}) will not need")
     if not room or (len(room) < request.gpus and not request.accept_partial):
         return None
     return room, f"backfilled: {how}"

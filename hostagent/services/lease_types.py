@@ -21,7 +21,7 @@ from hostagent.domain.assignment import Fairness
 from hostagent.domain.capabilities import Measured
 from hostagent.domain.hostdev import HostdevPci, hostdevs_for_layout
 from hostagent.domain.inventory import Gpu
-from hostagent.domain.lease import Lease, LeaseDevice, LeaseRequest, LeaseState, Quota, Step
+from hostagent.domain.lease import DEFAULT_DURATION_S, Lease, LeaseDevice, LeaseRequest, LeaseState, Quota, Step
 from hostagent.domain.numa import VmNuma
 from hostagent.domain.pci import PciAddress
 from hostagent.domain.terms import Scaling
@@ -40,7 +40,7 @@ Listener = Callable[[Lease, "str | None"], None]
 class LeasePolicy:
     """The lease settings the driver needs (built from config)."""
 
-    default_duration_s: int = 8 * 3600
+    default_duration_s: int = DEFAULT_DURATION_S
     max_duration_s: int = 7 * 24 * 3600
     queue_max: int = 1000
     keep_on_domain_stop: bool = False

@@ -87,6 +87,28 @@ def test_matching_oracle_cold_decides_as_models_first_day_then_knows_the_table(t
     assert "matching-oracle-cold" in simulate.QUEUE_AWARE and "matching-oracle-cold" not in simulate.LEARNED
 
 
+def test_the_first_day_backfills_behind_a_head_that_must_wait_as_the_agents_queue_does() -> None:
+    # job 0 ("big", 20 GiB) holds y0 for 1000 s; job 1, also "big", heads the queue and must wait for y0; job 2 ("a")
+    # arrives behind it while x0 (16 GiB, which the head can never use) is free
+    jobs = [Job(0, 0.0, "big", 5000.0, 1), Job(1, 1.0, "big", 5000.0, 1), Job(2, 2.0, "a", 100.0, 1)]
+    kw = dict(seed=0, warmup_jobs=1000, retrain_every=1000, min_records=1000)  # the whole trace is the first day
+    for policy in ("model", "matching-oracle-cold"):
+        fig = run_policy(policy, TABLE, HOST, jobs, **kw)
+        assert fig.wait[2] == 0.0 and fig.jct[2] == pytest.approx(10.0)  # backfilled on x0 at once
+        assert "cold-start" in fig.rules and "model" not in fig.rules
+        assert fig.wait[1] == pytest.approx(999.0)  # the head was not delayed: it starts when y0 frees
+    # the policies that serve in arrival order (FIFO, head of line) do not backfill
+    fifo = run_policy("first-fit", TABLE, HOST, jobs, **kw)
+    assert fifo.wait[2] == pytest.approx(998.0)
+    # a free GPU the head could use is its own: a 2-GPU head with one of its GPUs free keeps it, since a request
+    # behind it, stating no duration, is expected to hold it for leases.default_duration_s, past the head's start
+    host = [SimGpu("x0", "X", 16, 0), SimGpu("x1", "X", 16, 0)]
+    pair = [Job(0, 0.0, "a", 10_000.0, 1), Job(1, 1.0, "a", 1000.0, 2), Job(2, 2.0, "a", 100.0, 1)]
+    fig = run_policy("matching-oracle-cold", TABLE, host, pair, **kw)
+    # the head starts when job 0 ends (1000 s) and holds both for 50 s; job 2 starts after it
+    assert fig.wait[1] == pytest.approx(999.0) and fig.wait[2] == pytest.approx(1048.0)
+
+
 def test_memory_need_is_a_hard_filter_for_every_policy() -> None:
     jobs = [Job(i, 50.0 * i, "big", 50.0, 1) for i in range(30)]
     for policy in simulate.POLICIES:

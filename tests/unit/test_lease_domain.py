@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from hostagent.domain.errors import Conflict, InvalidInput, InvalidTransition
 from hostagent.domain.admission import (
-    DAY_S, Ledger, Shadow, TenantUse, gpu_hours, may_backfill, quota_cap, shadow,
+    DAY_S, Ledger, Shadow, TenantUse, backfill_share, gpu_hours, may_backfill, quota_cap, shadow,
 )
 from hostagent.domain.lease import (
     TERMINAL,
@@ -238,6 +238,19 @@ def test_shadow_and_backfill() -> None:
     assert shadow(0.0, 8, [], 8) == Shadow(0.0, 0)  # it could start now
     assert shadow(0.0, 1, [50.0, 200.0], 2) == Shadow(50.0, 0)
     assert shadow(0.0, 1, [50.0], 3).start is None and not may_backfill(shadow(0.0, 1, [], 3), 0.0, 1.0)
+
+
+def test_backfill_share_gives_the_head_only_what_it_cannot_use_or_will_not_need() -> None:
+    inside, outside = ["h1", "h2", "h3"], ["o1"]  # free GPUs the head could use, and one it never could
+    sh = Shadow(100.0, 2)  # the head starts at 100 with 2 of its GPUs spare then
+    # ends before the head starts: every free GPU, the head's too
+    assert backfill_share(sh, 0.0, 100.0, inside, outside) == (["o1", "h1", "h2", "h3"], True)
+    # ends after: the GPUs the head never uses, and the 2 it will not need, in the order given
+    assert backfill_share(sh, 0.0, 100.5, inside, outside) == (["o1", "h1", "h2"], False)
+    assert backfill_share(Shadow(100.0, 0), 0.0, 500.0, inside, outside) == (["o1"], False)
+    assert backfill_share(Shadow(100.0, -1), 0.0, 500.0, inside, []) == ([], False)  # never a negative slice
+    # a head whose start cannot be predicted: only what it can never use (and its spare GPUs)
+    assert backfill_share(Shadow(None, 0), 0.0, 1.0, inside, outside) == (["o1"], False)
 
 
 def test_a_token_bucket_refills_refuses_and_charges_into_debt() -> None:
