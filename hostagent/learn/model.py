@@ -87,8 +87,9 @@ class ModelBundle:
     trained_until: float = 0.0  # creation time of the newest record it was fitted on
     scaling: dict[str, dict[int, float]] = field(default_factory=dict)  # task -> GPUs -> median total work rate
     matrix: ThroughputMatrix = field(default_factory=ThroughputMatrix)  # (task, GPU model) rates (learn.matrix)
-    run_s: dict[str, float] = field(default_factory=dict)  # task -> mean run time of its finished leases
-    # task -> run times of its last finished leases (at most RUN_HISTORY, oldest first): what the queue expects
+    run_s: dict[str, float] = field(default_factory=dict)  # task -> mean run time at rate 1 of its finished leases
+    # task -> run times at rate 1 of its last finished leases (at most RUN_HISTORY, oldest first): the queue's
+    # expected run times
     run_hist: dict[str, list[float]] = field(default_factory=dict)
     stacked: bool = False  # the trees predict what the matrix leaves (work rate; artifacts from before: False)
     residual_weight: float = 1.0  # how much of the trees' part a stacked model adds (0: the matrix alone; see fit)
@@ -232,8 +233,8 @@ def fit(examples: Sequence[Example], *, target: str = "work_rate",
     for e in kept:
         counts[e.request.task_type] = counts.get(e.request.task_type, 0) + 1
     return ModelBundle(est, vocab, target, norms, counts, len(kept), p, max(e.created_at for e in kept),
-                       scaling=scaling_of(examples), matrix=matrix, run_s=run_times(examples),
-                       run_hist=run_history(examples), stacked=stacked,
+                       scaling=scaling_of(examples), matrix=matrix, run_s=run_times(examples, norms),
+                       run_hist=run_history(examples, norms), stacked=stacked,
                        residual_weight=weight)
 
 
@@ -286,30 +287,44 @@ def matrix_base(matrix: ThroughputMatrix, task: str, model: str) -> float:
     return math.log(cell.rate) if cell is not None and cell.rate > 0 else 0.0
 
 
-def run_times(examples: Sequence[Example], *, at_least: int = 3) -> dict[str, float]:
-    """Each task type's mean run time over its finished leases (held, released, not failed), where at least
-    `at_least` ran: what the queue expects of a request of that type that does not state its `duration_s` (the
-    devices the leases ran on were, on average, of typical speed for the task type: the work-rate target is relative
-    to that). The mean, not the median: what waiting for a better GPU gains is linear in the run time, and run times
-    are heavy-tailed (the median would expect every request to be short; bundles trained before 2026-11-29 hold the
-    median)."""
+def at_rate_one(e: Example, norms: dict[str, float]) -> float:
+    """A finished lease's run time at rate 1, the rate the model's relative rates are relative to (its task type's
+    typical work rate: the geometric mean of its records', `norms`): the time it was held times the work rate it
+    reported over that typical rate. A lease that ran on a GPU twice as fast as typical took half as long as a typical
+    one would. Where no work rate was reported (or the task type has no typical rate), the time held."""
+    norm = norms.get(e.request.task_type)
+    if norm is None or e.work_rate is None or not e.work_rate > 0:
+        return e.held_s
+    return e.held_s * math.exp(math.log(e.work_rate) - norm)
+
+
+def run_times(examples: Sequence[Example], norms: dict[str, float] | None = None, *,
+              at_least: int = 3) -> dict[str, float]:
+    """Each task type's mean run time at rate 1 (:func:`at_rate_one`) over its finished leases (held, released, not
+    failed), where at least `at_least` ran: what the queue expects of a request of that type that does not state its
+    `duration_s`. The mean, not the median: what waiting for a better GPU gains is linear in the run time, and run
+    times are heavy-tailed (the median would expect every request to be short; bundles trained before 2026-11-29
+    hold the median, before 2026-11-30 the time held)."""
     held: dict[str, dict[tuple[str, str], float]] = {}
     for e in examples:
         if e.held_s > 0 and e.outcome not in FAILED_OUTCOMES:
-            held.setdefault(e.request.task_type, {})[e.lease_key] = e.held_s
+            held.setdefault(e.request.task_type, {})[e.lease_key] = at_rate_one(e, norms or {})
     return {task: float(np.mean(list(v.values()))) for task, v in held.items() if len(v) >= at_least}
 
 
-def run_history(examples: Sequence[Example], *, at_least: int = 3, keep: int = RUN_HISTORY) -> dict[str, list[float]]:
-    """Each task type's run times of its last `keep` finished leases (held, released, not failed; in the order they
-    ended), where at least `at_least` ran: the queue's expected run time of a request that does not state its
-    `duration_s` is their mean, its running leases of the type counted as lasting what they have run plus what the
-    finished that outlasted them went on for (`domain.assignment.expected_run_s`, as the simulator's)."""
+def run_history(examples: Sequence[Example], norms: dict[str, float] | None = None, *, at_least: int = 3,
+                keep: int = RUN_HISTORY) -> dict[str, list[float]]:
+    """Each task type's run times at rate 1 (:func:`at_rate_one`) of its last `keep` finished leases (held, released,
+    not failed; in the order they ended), where at least `at_least` ran: the queue's expected run time of a request
+    that does not state its `duration_s` is their mean, its running leases of the type counted as lasting what they
+    have run plus what the finished that outlasted them went on for (`domain.assignment.expected_run_s`, as the
+    simulator's; bundles trained before 2026-11-30 hold the times held)."""
     ended: dict[str, dict[tuple[str, str], tuple[float, float]]] = {}
     for e in examples:
         if e.held_s > 0 and e.outcome not in FAILED_OUTCOMES:
-            ended.setdefault(e.request.task_type, {})[e.lease_key] = (e.created_at + e.held_s, e.held_s)
-    return {task: [held for _, held in sorted(v.values())[-keep:]] for task, v in ended.items() if len(v) >= at_least}
+            ended.setdefault(e.request.task_type, {})[e.lease_key] = (e.created_at + e.held_s,
+                                                                       at_rate_one(e, norms or {}))
+    return {task: [run for _, run in sorted(v.values())[-keep:]] for task, v in ended.items() if len(v) >= at_least}
 
 
 def scaling_of(examples: Sequence[Example]) -> dict[str, dict[int, float]]:
@@ -356,20 +371,21 @@ class LearnedScorer:
         return out
 
     def typical_run_s(self, task_type: str, running: Sequence[float] = ()) -> float | None:
-        """The task type's expected run time (None: fewer than 3 finished leases of it in the records): the mean of
-        its last finished leases' run times and of those running (`running`: how long each has run so far), each
-        running one counted as lasting what it has run plus what it is expected to go on
-        (`domain.assignment.expected_run_s`). A bundle trained before 2026-11-30 keeps no history: its mean."""
+        """The task type's expected run time at rate 1 (None: fewer than 3 finished leases of it in the records): the
+        mean of its last finished leases' run times at rate 1 (:func:`at_rate_one`) and of those running (`running`:
+        how much of that each has run so far), each running one counted as lasting what it has run plus what it is
+        expected to go on (`domain.assignment.expected_run_s`). A bundle trained before 2026-11-30 keeps no history:
+        its mean."""
         hist = self.bundle.run_hist.get(task_type)
         if not hist:
             return self.bundle.run_s.get(task_type)
         return expected_run_s(hist, running)
 
     def left_run_s(self, task_type: str, done: float) -> float | None:
-        """How much longer a lease of the task type that has run `done` seconds is expected to go on by the records
-        (`domain.assignment.run_left_s`: the mean excess over `done` of its last finished leases that lasted longer,
-        as long again once it has outlived them all; None: no history of the type, or a bundle from before
-        2026-11-30)."""
+        """How much more a lease of the task type that has done `done` of its run (at rate 1) is expected to run, at
+        rate 1, by the records (`domain.assignment.run_left_s`: the mean excess over `done` of its last finished
+        leases that lasted longer, as long again once it has outlived them all; None: no history of the type, or a
+        bundle from before 2026-11-30). The queue divides it by the lease's rate (lease_queue.running_rate)."""
         return run_left_s(self.bundle.run_hist.get(task_type) or (), done)
 
     def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:

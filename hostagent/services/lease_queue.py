@@ -75,7 +75,8 @@ def _view_by_pools(m: LeaseCore, order: list[Lease], now: float) -> dict[str, tu
     out: dict[str, tuple[int, float | None]] = {}
     groups: dict[frozenset[str], list[float]] = {}  # usable GPUs -> when each frees (now for a free one), sorted
     cursor: dict[frozenset[str], tuple[int, float]] = {}
-    frees = functools.cache(lambda gid: expected_free_at(m, gid, now))  # (each GPU once)
+    memo = _Usable(m)
+    frees = functools.cache(lambda gid: expected_free_at(m, gid, now, memo))  # (each GPU once)
     for pos, lease in enumerate(order, start=1):
         usable = frozenset(g.id for g in feasible(m, lease.request))
         if usable not in groups:
@@ -99,7 +100,8 @@ def _view_with_bookings(m: LeaseCore, order: list[Lease], now: float) -> dict[st
     its whole duration, past the leases holding them now (until `expected_free_at`), the bookings, and the leases queued
     ahead of it (each in its own window, holding its GPUs from then on, as :func:`_view_by_pools` assumes)."""
     cal = [h for h in bookings.holds(m, now) if h.booking]
-    cal += [Hold(gid, now, max(now, expected_free_at(m, gid, now)), m.claims.get(gid, "")) for gid in m.gpus
+    memo = _Usable(m)
+    cal += [Hold(gid, now, max(now, expected_free_at(m, gid, now, memo)), m.claims.get(gid, "")) for gid in m.gpus
             if not is_free(m, gid)]
     out: dict[str, tuple[int, float | None]] = {}
     for pos, lease in enumerate(order, start=1):
@@ -112,7 +114,7 @@ def _view_with_bookings(m: LeaseCore, order: list[Lease], now: float) -> dict[st
     return out
 
 
-def expected_free_at(m: LeaseCore, gpu_id: str, now: float) -> float:
+def expected_free_at(m: LeaseCore, gpu_id: str, now: float, usable: _Usable | None = None) -> float:
     """When a claimed GPU is expected to free, for the queue (a request weighing a wait for it, every queued
     request's ETA): `busy_until` (its lease's expiry, or its reclaim deadline), or sooner where its lease is ACTIVE and
     stated no length (its expiry is then only `leases.default_duration_s`): having run as long as it has, what the
@@ -122,8 +124,21 @@ def expected_free_at(m: LeaseCore, gpu_id: str, now: float) -> float:
     lease = m.leases.get(m.claims.get(gpu_id, ""))
     if lease is None or lease.state is not S.ACTIVE or lease.granted_at is None or lease.request.duration_s:
         return end
-    left = m.left_run_s(lease.request.task_type, max(0.0, now - lease.granted_at))
-    return end if left is None else min(end, now + left)
+    rate = running_rate(lease, usable or _Usable(m))  # the records' run times are at rate 1: its run so far, its left
+    left = m.left_run_s(lease.request.task_type, max(0.0, now - lease.granted_at) * rate)
+    return end if left is None else min(end, now + left / rate)
+
+
+def running_rate(lease: Lease, usable: _Usable) -> float:
+    """The relative rate a granted lease runs at as the active model predicts it: its slowest GPU's (a set runs at
+    the pace of its slowest); 1.0 where no model covers its request. The model's run times are at rate 1 (the task
+    type's typical rate), so a lease that has run `t` seconds has done `t * rate` of it and takes `left / rate`
+    seconds for what is left (as the simulator counts a running job). Asked of the decision's memo: one prediction
+    per request shape, as for the queued."""
+    ranked = usable.ranked(lease.request)
+    rates = [] if ranked is None else [ranked.by_id.get(d.gpu_id, 0.0) for d in lease.devices]
+    low = min(rates) if rates else 0.0
+    return low if low > 0 else 1.0
 
 
 def _consume(pool: list[float], state: tuple[int, float], takes: list[int]) -> tuple[int, float]:
@@ -321,7 +336,7 @@ class _Usable:
         """When a claimed GPU is expected to free (:func:`expected_free_at`), once per GPU and decision."""
         got = self._ends.get(gpu_id)
         if got is None:
-            got = self._ends[gpu_id] = expected_free_at(self.m, gpu_id, now)
+            got = self._ends[gpu_id] = expected_free_at(self.m, gpu_id, now, self)
         return got
 
     def better_in(self, request: LeaseRequest, by_id: dict[str, float], best: float, now: float) -> Line | None:
@@ -437,15 +452,17 @@ def _shape(request: LeaseRequest) -> tuple[object, ...]:
             request.data_scale, request.precision, request.numa_policy)
 
 
-def _running_by_task(m: LeaseCore, now: float) -> dict[str, list[float]]:
-    """How long each ACTIVE lease on the host's GPUs has run so far, by task type: the queue counts them in a task
-    type's expected run time (`domain.assignment.expected_run_s`: short leases end first, so the ended alone would
-    price every wait for a better GPU as if leases were short)."""
+def _running_by_task(m: LeaseCore, now: float, usable: _Usable) -> dict[str, list[float]]:
+    """How much each ACTIVE lease on the host's GPUs has run so far at rate 1 (its time so far times its predicted
+    rate: :func:`running_rate`), by task type: the queue counts them in a task type's expected run time
+    (`domain.assignment.expected_run_s`: short leases end first, so the ended alone would price every wait for a
+    better GPU as if leases were short)."""
     out: dict[str, list[float]] = {}
     for lease_id in set(m.claims.values()):  # (a lease on several GPUs: once)
         lease = m.leases.get(lease_id)
         if lease is not None and lease.state is S.ACTIVE and lease.granted_at is not None:
-            out.setdefault(lease.request.task_type, []).append(max(0.0, now - lease.granted_at))
+            done = max(0.0, now - lease.granted_at) * running_rate(lease, usable)
+            out.setdefault(lease.request.task_type, []).append(done)
     return out
 
 
@@ -489,7 +506,7 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
             task = request.task_type
             if task not in run_of:
                 if running is None:
-                    running = _running_by_task(m, now)
+                    running = _running_by_task(m, now, usable)
                 run_of[task] = m.typical_run_s(task, running.get(task, ()))
             run_s = run_of[task]
         n, since = m.queue_passes.get(x.id, (0, None))

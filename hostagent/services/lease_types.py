@@ -152,9 +152,11 @@ class LeaseCore(Protocol):
     relative_rates: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None]
     # each GPU's log-space standard deviation of relative_rates' prediction (None: none): efficiencies within it tie
     rate_uncertainty: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None]
-    # (task type, how long each of its running leases has run) -> its expected run time by the model's records
+    # (task type, how much each of its running leases has run) -> its expected run time by the model's records; run
+    # times at rate 1, the task type's typical rate (a lease that ran t s at relative rate r has run t * r)
     typical_run_s: Callable[[str, Sequence[float]], float | None]
-    # (task type, how long a lease of it has run) -> how much longer it is expected to go on by the model's records
+    # (task type, how much a lease of it has run) -> how much more it is expected to run by the model's records (at
+    # rate 1: lease_queue.expected_free_at divides by the lease's rate)
     left_run_s: Callable[[str, float], float | None]
     # equal while relative_rates and rate_uncertainty answer the same for the same request and GPUs (None: unknown)
     rates_token: Callable[[], object]

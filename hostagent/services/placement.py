@@ -136,16 +136,17 @@ class Placer:
         return out
 
     def typical_run_s(self, task_type: str, running: Sequence[float] = ()) -> float | None:
-        """The task type's expected run time by the active model's records (None: no model, or too few), its leases
-        still running counted too (`running`: how long each has run so far; see LearnedScorer.typical_run_s)."""
+        """The task type's expected run time at rate 1 by the active model's records (None: no model, or too few), its
+        leases still running counted too (`running`: how much each has run so far at rate 1; see
+        LearnedScorer.typical_run_s)."""
         fn = getattr(self.scorer, "typical_run_s", None)
         if fn is None:
             return None
         return fn(task_type, running) if running else fn(task_type)
 
     def left_run_s(self, task_type: str, done: float) -> float | None:
-        """How much longer a lease of the task type that has run `done` seconds is expected to go on by the active
-        model's records (None: no model, or no history of the type; see LearnedScorer.left_run_s)."""
+        """How much more, at rate 1, a lease of the task type that has done `done` (at rate 1) is expected to run by
+        the active model's records (None: no model, or no history of the type; see LearnedScorer.left_run_s)."""
         fn = getattr(self.scorer, "left_run_s", None)
         return None if fn is None else fn(task_type, done)
 

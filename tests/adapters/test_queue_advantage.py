@@ -628,8 +628,9 @@ async def test_the_queue_prices_each_kind_of_work_once_whatever_its_length(tmp_p
     m.relative_rates = lambda request, gpus: (asked.append(request) if gpus else None) or real(request, gpus)
     await free_a_t4(rig, fillers)
     # three bert requests of different lengths are one kind of work: one prediction for them, one for ncf, each
-    # made for the work alone (no length, no priority: they move every GPU's prediction alike)
-    assert sorted(r.task_type for r in asked) == ["bert", "ncf"], asked
+    # made for the work alone (no length, no priority: they move every GPU's prediction alike); and one for the
+    # running fillers (the rate each runs at: how much of its run it has done, and how long the rest takes)
+    assert sorted(r.task_type for r in asked) == ["bert", "filler", "ncf"], asked
     assert all(r.duration_s is None and r.priority == 0 for r in asked), asked
 
 
@@ -701,8 +702,39 @@ def test_only_active_leases_count_as_runs_still_going_each_once(tmp_path: Path) 
         m.leases[lease_id] = dataclasses.replace(lease, state=state, granted_at=granted)
         for gid in gpus:
             m.claims[gid] = lease_id
-    got = lease_queue._running_by_task(m, now)
+    got = lease_queue._running_by_task(m, now, lease_queue._Usable(m))
     assert sorted(got["bert"]) == [100.0, 300.0] and got["ncf"] == [0.0] and set(got) == {"bert", "ncf"}
+
+
+def test_a_running_lease_is_counted_and_dated_at_the_rate_of_its_gpus(tmp_path: Path) -> None:
+    # the records' run times are at rate 1 (the task type's typical rate; TableModel: three a100-job leases of
+    # 120 s). An a100-job lease on an A100 runs at 9 (TableModel's rates): 10 s there is 90 s of such a run, so it
+    # is expected to need 30 s more at rate 1, 3.3 s on its A100; one on a T4 (rate 1) that has run 10 s, 110 s
+    # more. A lease on a pair runs at its slower GPU's rate. Without a model (no rates): the times as they are.
+    rig = make_rig(tmp_path, scenario="demo16")
+    rig.runtime.placer.use(TableModel(), "v-table")
+    m = rig.runtime.manager
+    now = m.clock()
+    a100s = [g for g, gpu in m.gpus.items() if "A100" in gpu.model]
+    t4s = [g for g, gpu in m.gpus.items() if "T4" in gpu.model]
+    held = {"l-a100": [a100s[0]], "l-t4": [t4s[0]], "l-pair": [a100s[1], t4s[1]]}
+    for lease_id, gpus in held.items():
+        lease = new_lease(lease_id, f"uuid-{lease_id}", lease_id, LeaseRequest(task_type="a100-job", gpus=len(gpus)),
+                          now - 1000)
+        devices = tuple(LeaseDevice(gid, (m.gpus[gid].address,), ("nvidia",), 0) for gid in gpus)
+        m.leases[lease_id] = dataclasses.replace(lease, state=S.ACTIVE, granted_at=now - 10, devices=devices,
+                                                 expires_at=now - 10 + m.policy.default_duration_s)
+        for gid in gpus:
+            m.claims[gid] = lease_id
+    usable = lease_queue._Usable(m)
+    assert lease_queue.running_rate(m.leases["l-a100"], usable) == 9.0
+    assert lease_queue.running_rate(m.leases["l-pair"], usable) == 1.0
+    assert sorted(lease_queue._running_by_task(m, now, usable)["a100-job"]) == [10.0, 10.0, 90.0]
+    assert usable.frees_at(a100s[0], now) == pytest.approx(now + 30 / 9)
+    assert usable.frees_at(t4s[0], now) == pytest.approx(now + 110)
+    assert usable.frees_at(a100s[1], now) == usable.frees_at(t4s[1], now) == pytest.approx(now + 110)
+    rig.runtime.placer.use(None, None)  # no model: no rates (and no records to date a GPU by)
+    assert lease_queue.running_rate(m.leases["l-a100"], lease_queue._Usable(m)) == 1.0
 
 
 def test_a_busy_gpu_is_dated_by_the_records_only_where_its_active_lease_stated_no_length(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from hostagent.domain.errors import InvalidInput, NotFound
 from hostagent.domain.placement import PlacementRequest, place
 from hostagent.learn import lifecycle
 from hostagent.learn.forest import CompiledForest
-from hostagent.learn.model import LearnedScorer, ModelBundle, fit, matrix_base, run_history
+from hostagent.learn.model import LearnedScorer, ModelBundle, at_rate_one, fit, matrix_base, run_history
 from hostagent.learn.records import examples_from_records, tenant_weights
 from tests.support.placement import TRUTH, FakeStore, OnlyThese, dev, gpu_rows, store_records
 
@@ -236,6 +236,7 @@ def test_the_model_keeps_each_task_types_mean_run_time() -> None:
     recs = store_records(60)
     for i, r in enumerate(recs):
         r["held_s"] = 100.0 * 1.1 ** i  # a skewed spread of lengths: the mean is well above the median
+        r["usage"]["work_mean"] = 10.0  # each at its task type's typical rate: its run time at rate 1 is its time held
     recs[0]["outcome"] = "failed"  # a failed lease says nothing of how long the work takes
     bundle = fit(examples_from_records(recs, gpu_rows()))
     for task in ("a", "b", "c"):
@@ -254,9 +255,10 @@ def test_the_model_expects_a_run_time_from_its_last_leases_and_those_still_runni
     recs = store_records(70)
     for i, r in enumerate(recs):
         r["task_type"], r["held_s"] = "a", 100.0 if i < 60 else 1000.0
+        r["usage"]["work_mean"] = 10.0  # at the typical rate: run times at rate 1 are the times held
     recs[0]["outcome"] = "failed"
     bundle = fit(examples_from_records(recs, gpu_rows()))
-    assert bundle.run_hist["a"] == [100.0] * 40 + [1000.0] * 10
+    assert bundle.run_hist["a"] == pytest.approx([100.0] * 40 + [1000.0] * 10)
     assert bundle.run_s["a"] == pytest.approx((59 * 100 + 10 * 1000) / 69)  # the mean over every lease, as before
     scorer = LearnedScorer(bundle)
     assert scorer.typical_run_s("a") == pytest.approx(14000 / 50)
@@ -276,6 +278,7 @@ def test_the_model_expects_a_run_time_from_its_last_leases_and_those_still_runni
     few = store_records(6)
     for i, r in enumerate(few):
         r["task_type"], r["held_s"] = ("b" if i < 3 else "c"), 50.0 + i
+        r["usage"]["work_mean"] = 10.0
     few[0]["held_s"], few[5]["held_s"] = 500.0, 0.0
     assert run_history(examples_from_records(few, gpu_rows())) == {"b": [51.0, 52.0, 500.0]}
     assert run_history(examples_from_records(few, gpu_rows()), keep=2) == {"b": [52.0, 500.0]}
@@ -283,6 +286,30 @@ def test_the_model_expects_a_run_time_from_its_last_leases_and_those_still_runni
     bundle.run_hist = {}
     assert LearnedScorer(bundle).typical_run_s("a", [500.0]) == bundle.run_s["a"]
     assert LearnedScorer(bundle).left_run_s("a", 500.0) is None  # (its GPUs are dated by their leases' expiry)
+
+
+def test_run_times_are_at_the_task_types_typical_rate_not_the_time_held() -> None:
+    # the same work (1000 units) done by every "a" lease: on X at 20/s in 50 s, on Y at 5/s in 200 s. The model's
+    # relative rates are relative to the task type's typical rate (the geometric mean of its records': 10/s), so
+    # each lease ran 100 s at rate 1, whichever GPU it had: the queue expects 100 s at rate 1 (200 s on a GPU at
+    # half the typical rate, 50 s at twice it), not the 125 s the times held average to
+    recs = store_records(41)
+    for i, r in enumerate(recs):
+        fast = i % 2 == 0
+        r["task_type"], r["held_s"] = "a", 50.0 if fast else 200.0
+        r["devices"][0].update(gpu_id="g0" if fast else "g1", model="X" if fast else "Y")
+        r["usage"]["work_mean"] = 20.0 if fast else 5.0
+    recs[-1]["usage"]["work_mean"], recs[-1]["held_s"] = None, 300.0  # no work rate reported: its time held
+    examples = examples_from_records(recs, gpu_rows())
+    bundle = fit(examples)
+    assert bundle.norms["a"] == pytest.approx(math.log(10.0))
+    assert bundle.run_hist["a"] == pytest.approx([100.0] * 40 + [300.0])
+    assert bundle.run_s["a"] == pytest.approx((40 * 100 + 300) / 41)
+    assert at_rate_one(examples[0], bundle.norms) == pytest.approx(100.0)
+    assert at_rate_one(examples[0], {}) == 50.0  # a task type with no typical rate: the time held
+    # one that has done 50 s at rate 1 (100 s on a GPU at half the typical rate): the mean excess of all 41
+    assert LearnedScorer(bundle).left_run_s("a", 50.0) == pytest.approx((40 * 50 + 250) / 41)
+    assert sorted(run_history(examples)["a"]) == [50.0] * 20 + [200.0] * 20 + [300.0]  # (without the norms: held)
 
 
 def _young_bundle(n: int, seed: int, slow: float | None = None) -> ModelBundle:
