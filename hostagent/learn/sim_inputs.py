@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hostagent.domain.errors import InvalidInput
 
+
 @dataclass(frozen=True, slots=True)
 class Table:
     """Ground truth: throughput of each job type on each GPU model, and each job type's memory need."""

@@ -12,7 +12,9 @@ warm-up exploration: the same decisions), then knows the table as ``matching-ora
 
 Ground truth: a job's run time on a set of n devices is ``work / (n * min_i thr(job_type, model_i) * health_i)``
 (synchronous data parallel: the slowest device paces the step). Under the simple rules and the greedy `oracle`
-jobs wait in arrival order and the head of the queue is placed whenever enough eligible devices are free. Under
+jobs wait in arrival order and the head of the queue is placed whenever enough eligible devices are free. Before its
+first model, `model` serves the queue as the agent's queue does before it has one: in serve order, and behind a head
+that cannot start a job may backfill where it cannot delay it (`domain.admission.backfill_share`). Under
 `model` (once trained) and `matching-oracle` the queue is the agent's: priority then age, and of the jobs that
 could start, the one `domain.assignment.choose` picks (comparative advantage within the fairness bound;
 `learn/sim_queue.py` builds its candidates as `services.lease_queue` does), then placed by the same `place()`.
