@@ -717,11 +717,13 @@ def test_a_running_lease_is_counted_and_dated_at_the_rate_of_its_gpus(tmp_path: 
     now = m.clock()
     a100s = [g for g, gpu in m.gpus.items() if "A100" in gpu.model]
     t4s = [g for g, gpu in m.gpus.items() if "T4" in gpu.model]
-    held = {"l-a100": [a100s[0]], "l-t4": [t4s[0]], "l-pair": [a100s[1], t4s[1]]}
+    held = {"l-a100": [a100s[0]], "l-t4": [t4s[0]], "l-pair": [a100s[1], t4s[1]], "l-gone": [a100s[2]]}
     for lease_id, gpus in held.items():
         lease = new_lease(lease_id, f"uuid-{lease_id}", lease_id, LeaseRequest(task_type="a100-job", gpus=len(gpus)),
                           now - 1000)
         devices = tuple(LeaseDevice(gid, (m.gpus[gid].address,), ("nvidia",), 0) for gid in gpus)
+        if lease_id == "l-gone":  # and a GPU this host no longer lists (no prediction for it)
+            devices += (LeaseDevice("gpu-gone", ("0000:ff:00.0",), ("nvidia",), 99),)
         m.leases[lease_id] = dataclasses.replace(lease, state=S.ACTIVE, granted_at=now - 10, devices=devices,
                                                  expires_at=now - 10 + m.policy.default_duration_s)
         for gid in gpus:
@@ -729,7 +731,8 @@ def test_a_running_lease_is_counted_and_dated_at_the_rate_of_its_gpus(tmp_path: 
     usable = lease_queue._Usable(m)
     assert lease_queue.running_rate(m.leases["l-a100"], usable) == 9.0
     assert lease_queue.running_rate(m.leases["l-pair"], usable) == 1.0
-    assert sorted(lease_queue._running_by_task(m, now, usable)["a100-job"]) == [10.0, 10.0, 90.0]
+    assert lease_queue.running_rate(m.leases["l-gone"], usable) == 1.0  # a GPU without a prediction: rate unknown
+    assert sorted(lease_queue._running_by_task(m, now, usable)["a100-job"]) == [10.0, 10.0, 10.0, 90.0]
     assert usable.frees_at(a100s[0], now) == pytest.approx(now + 30 / 9)
     assert usable.frees_at(t4s[0], now) == pytest.approx(now + 110)
     assert usable.frees_at(a100s[1], now) == usable.frees_at(t4s[1], now) == pytest.approx(now + 110)

@@ -307,6 +307,10 @@ def test_run_times_are_at_the_task_types_typical_rate_not_the_time_held() -> Non
     assert bundle.run_s["a"] == pytest.approx((40 * 100 + 300) / 41)
     assert at_rate_one(examples[0], bundle.norms) == pytest.approx(100.0)
     assert at_rate_one(examples[0], {}) == 50.0  # a task type with no typical rate: the time held
+    # in any unit: a work rate of 0.5/s where 0.25/s is typical is twice the typical rate; a rate of 0 says nothing
+    slow_unit = {"a": math.log(0.25)}
+    assert at_rate_one(dataclasses.replace(examples[0], work_rate=0.5), slow_unit) == pytest.approx(100.0)
+    assert at_rate_one(dataclasses.replace(examples[0], work_rate=0.0), slow_unit) == 50.0
     # one that has done 50 s at rate 1 (100 s on a GPU at half the typical rate): the mean excess of all 41
     assert LearnedScorer(bundle).left_run_s("a", 50.0) == pytest.approx((40 * 50 + 250) / 41)
     assert sorted(run_history(examples)["a"]) == [50.0] * 20 + [200.0] * 20 + [300.0]  # (without the norms: held)
