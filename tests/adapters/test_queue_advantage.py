@@ -709,15 +709,16 @@ def test_only_active_leases_count_as_runs_still_going_each_once(tmp_path: Path) 
 def test_a_running_lease_is_counted_and_dated_at_the_rate_of_its_gpus(tmp_path: Path) -> None:
     # the records' run times are at rate 1 (the task type's typical rate; TableModel: three a100-job leases of
     # 120 s). An a100-job lease on an A100 runs at 9 (TableModel's rates): 10 s there is 90 s of such a run, so it
-    # is expected to need 30 s more at rate 1, 3.3 s on its A100; one on a T4 (rate 1) that has run 10 s, 110 s
-    # more. A lease on a pair runs at its slower GPU's rate. Without a model (no rates): the times as they are.
+    # is expected to need 30 s more at rate 1, 3.3 s on its A100; one on a T4 (rate 0.5 here) that has run 10 s,
+    # 5 s of it: 115 s more at rate 1, 230 s on its T4. A lease on a pair runs at its slower GPU's rate; one with a
+    # GPU the model cannot rate, at an unknown rate (1). Without a model (no rates): the times as they are.
     rig = make_rig(tmp_path, scenario="demo16")
-    rig.runtime.placer.use(TableModel(), "v-table")
+    rig.runtime.placer.use(SlowT4(), "v-table")
     m = rig.runtime.manager
     now = m.clock()
     a100s = [g for g, gpu in m.gpus.items() if "A100" in gpu.model]
     t4s = [g for g, gpu in m.gpus.items() if "T4" in gpu.model]
-    held = {"l-a100": [a100s[0]], "l-t4": [t4s[0]], "l-pair": [a100s[1], t4s[1]], "l-gone": [a100s[2]]}
+    held = {"l-a100": [a100s[0]], "l-t4": [t4s[0]], "l-pair": [a100s[1], t4s[1]], "l-gone": [t4s[2]]}
     for lease_id, gpus in held.items():
         lease = new_lease(lease_id, f"uuid-{lease_id}", lease_id, LeaseRequest(task_type="a100-job", gpus=len(gpus)),
                           now - 1000)
@@ -730,12 +731,12 @@ def test_a_running_lease_is_counted_and_dated_at_the_rate_of_its_gpus(tmp_path: 
             m.claims[gid] = lease_id
     usable = lease_queue._Usable(m)
     assert lease_queue.running_rate(m.leases["l-a100"], usable) == 9.0
-    assert lease_queue.running_rate(m.leases["l-pair"], usable) == 1.0
+    assert lease_queue.running_rate(m.leases["l-pair"], usable) == 0.5
     assert lease_queue.running_rate(m.leases["l-gone"], usable) == 1.0  # a GPU without a prediction: rate unknown
-    assert sorted(lease_queue._running_by_task(m, now, usable)["a100-job"]) == [10.0, 10.0, 10.0, 90.0]
+    assert sorted(lease_queue._running_by_task(m, now, usable)["a100-job"]) == [5.0, 5.0, 10.0, 90.0]
     assert usable.frees_at(a100s[0], now) == pytest.approx(now + 30 / 9)
-    assert usable.frees_at(t4s[0], now) == pytest.approx(now + 110)
-    assert usable.frees_at(a100s[1], now) == usable.frees_at(t4s[1], now) == pytest.approx(now + 110)
+    assert usable.frees_at(t4s[0], now) == pytest.approx(now + 230)
+    assert usable.frees_at(a100s[1], now) == usable.frees_at(t4s[1], now) == pytest.approx(now + 230)
     rig.runtime.placer.use(None, None)  # no model: no rates (and no records to date a GPU by)
     assert lease_queue.running_rate(m.leases["l-a100"], lease_queue._Usable(m)) == 1.0
 
@@ -819,6 +820,16 @@ def test_a_waiting_leases_eta_is_when_its_gpu_frees_never_sooner_than_the_queue_
     m.queue_waits["l-q1"], m.queue_waits["l-q2"] = now + 60, now - 30  # one waits a minute; one wait long past
     m.queue_cache = None
     assert lease_queue.view(m) == {"l-q0": (1, now), "l-q1": (2, now + 60), "l-q2": (3, now)}
+
+
+class SlowT4(TableModel):
+    """The table model with a100-job at half its typical rate on a T4 (a rate below 1)."""
+
+    def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
+        got = super().score(request, devices)
+        if request.task_type != "a100-job":
+            return got
+        return [0.5 if "T4" in d.model else r for r, d in zip(got, devices)]
 
 
 class OnlyBert(TableModel):
