@@ -114,17 +114,18 @@ def _view_with_bookings(m: LeaseCore, order: list[Lease], now: float) -> dict[st
     return out
 
 
-def expected_free_at(m: LeaseCore, gpu_id: str, now: float, usable: _Usable | None = None) -> float:
+def expected_free_at(m: LeaseCore, gpu_id: str, now: float, usable: _Usable) -> float:
     """When a claimed GPU is expected to free, for the queue (a request weighing a wait for it, every queued
     request's ETA): `busy_until` (its lease's expiry, or its reclaim deadline), or sooner where its lease is ACTIVE and
     stated no length (its expiry is then only `leases.default_duration_s`): having run as long as it has, what the
     model's records of its task type say it goes on for (`domain.assignment.run_left_s`, as the simulator dates a
-    busy GPU). The grant path's backfilling keeps to `busy_until`: a backfill must not delay the head past it."""
+    busy GPU), at the rate its GPUs run it (:func:`running_rate`, from `usable`: the caller's memo of predictions). The
+    grant path's backfilling keeps to `busy_until`: a backfill must not delay the head past it."""
     end = busy_until(m, gpu_id, now)
     lease = m.leases.get(m.claims.get(gpu_id, ""))
     if lease is None or lease.state is not S.ACTIVE or lease.granted_at is None or lease.request.duration_s:
         return end
-    rate = running_rate(lease, usable or _Usable(m))  # the records' run times are at rate 1: its run so far, its left
+    rate = running_rate(lease, usable)  # the records' run times are at rate 1: its run so far, and what is left
     left = m.left_run_s(lease.request.task_type, max(0.0, now - lease.granted_at) * rate)
     return end if left is None else min(end, now + left / rate)
 
