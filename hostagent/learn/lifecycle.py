@@ -24,7 +24,7 @@ import numpy as np
 from hostagent.domain.errors import InvalidInput, NotFound
 from hostagent.learn import MODEL_KIND
 from hostagent.learn.model import TARGETS, LearnedScorer, ModelBundle, fit, target_values
-from hostagent.learn.records import Example, TrainingSource, load_examples
+from hostagent.learn.records import Example, TrainingSource, load_examples, mixed_sets
 
 log = logging.getLogger("hostagent.learn")
 
@@ -90,8 +90,9 @@ def hosts_of(examples: Sequence[Example]) -> dict[str, int]:
 
 def evaluate_bundle(bundle: ModelBundle, examples: Sequence[Example], *, seed: int = 0) -> dict[str, Any]:
     """Figures of one model on labelled examples: error (log-space for work rate, else absolute) and rank accuracy."""
-    if bundle.target == "work_rate":
-        ex = [e for e in examples if e.work_rate is not None and e.work_rate > 0]
+    if bundle.target == "work_rate":  # (a mixed set's rate is the slowest model's: no pair's, as in training)
+        mixed = mixed_sets(examples)
+        ex = [e for e in examples if e.work_rate is not None and e.work_rate > 0 and e.lease_key not in mixed]
         y = np.array([e.work_rate for e in ex], dtype=float)
     else:
         ex, y, _ = target_values(examples, bundle.target)
@@ -125,7 +126,8 @@ def _baseline_error(train: Sequence[Example], hold: Sequence[Example], target: s
     if target != "work_rate":
         return None
     _, _, norms = target_values(train, target)
-    ex = [e for e in hold if e.work_rate and e.work_rate > 0 and e.request.task_type in norms]
+    mixed = mixed_sets(hold)
+    ex = [e for e in hold if e.work_rate and e.work_rate > 0 and e.request.task_type in norms and e.lease_key not in mixed]
     if not ex:
         return None
     return float(np.mean([abs(norms[e.request.task_type] - math.log(e.work_rate)) for e in ex]))  # type: ignore[arg-type]

@@ -151,6 +151,19 @@ def implausible(examples: Sequence[Example], *, decades: float = IMPLAUSIBLE_DEC
     return out
 
 
+def mixed_sets(examples: Sequence[Example]) -> set[tuple[str, str]]:
+    """The leases (`Example.lease_key`) whose devices are of more than one GPU model. A job spread over several GPUs
+    runs at its slowest device's pace (each step waits for every device), and the work rate a lease reports is per
+    device of the set: on a set of one GPU model that is the model's own rate, on a mixed set only the slowest model's;
+    for the faster ones it is a floor. Read as their rate it teaches that a fast GPU is slow for the task type (on a
+    busy host, where a two-GPU job takes whatever two GPUs are free, every fast GPU paired with a slow one), so a
+    mixed set's work rate is not learnt as any pair's rate; it still counts for the job's run time."""
+    models: dict[tuple[str, str], set[str]] = {}
+    for e in examples:
+        models.setdefault(e.lease_key, set()).add(e.device.model)
+    return {key for key, seen in models.items() if len(seen) > 1}
+
+
 def tenant_weights(tenants: Sequence[str], share: float = TENANT_MAX_SHARE) -> list[float]:
     """A weight per example so that no tenant carries more than `share` of the total weight (or an equal part,
     when fewer than 1/share tenants have records): the largest tenants' examples are scaled down to a common cap,

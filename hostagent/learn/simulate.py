@@ -289,8 +289,9 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
     cold = policy == COLD_ORACLE  # the learned policy's cold start until first_training completions, then the table
     scorer: Scorer | None = (None if policy in LEARNED or (cold and first_training > 0)
                              else rules["matching-oracle" if cold else policy])
-    # the learned policy trains as soon as it has first_training finished jobs, then each time its records double,
-    # at most every retrain_every completions: a young model improves fast
+    # the learned policy trains as soon as it has first_training finished jobs (short of the lifecycle's labelled
+    # records then, at each end until it has them), then each time its records double, at most every retrain_every
+    # completions: a young model improves fast
     completed, next_train = done_before, first_training
     if recorder is not None and done_before > 0:
         scorer = recorder.retrain()
@@ -331,7 +332,8 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
                                       _set_rate(table, job, [by_id[g] for g in gpu_ids]) / len(gpu_ids), req, why)
                     if completed >= next_train:
                         scorer = recorder.retrain() or scorer
-                        next_train = completed + min(retrain_every, completed)
+                        # too few labelled records yet (a lease on a mixed set labels none): again at the next end
+                        next_train = completed + (min(retrain_every, completed) if scorer is not None else 1)
             while arrivals and arrivals[0].arrival_s <= now:
                 queue.append(arrivals.popleft())
             if policy in QUEUE_AWARE:  # the agent's serve order: priority, then age

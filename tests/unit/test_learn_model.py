@@ -17,7 +17,15 @@ from hostagent.domain.errors import InvalidInput, NotFound
 from hostagent.domain.placement import PlacementRequest, place
 from hostagent.learn import lifecycle
 from hostagent.learn.forest import CompiledForest
-from hostagent.learn.model import LearnedScorer, ModelBundle, at_rate_one, fit, matrix_base, run_history
+from hostagent.learn.model import (
+    LearnedScorer,
+    ModelBundle,
+    at_rate_one,
+    fit,
+    matrix_base,
+    run_history,
+    target_values,
+)
 from hostagent.learn.records import examples_from_records, tenant_weights
 from tests.support.placement import TRUTH, FakeStore, OnlyThese, dev, gpu_rows, store_records
 
@@ -314,6 +322,40 @@ def test_run_times_are_at_the_task_types_typical_rate_not_the_time_held() -> Non
     # one that has done 50 s at rate 1 (100 s on a GPU at half the typical rate): the mean excess of all 41
     assert LearnedScorer(bundle).left_run_s("a", 50.0) == pytest.approx((40 * 50 + 250) / 41)
     assert sorted(run_history(examples)["a"]) == [50.0] * 20 + [200.0] * 20 + [300.0]  # (without the norms: held)
+
+
+def _paced_by_the_slowest(recs: list[dict[str, Any]], n: int, devices: list[tuple[str, str]]) -> None:
+    """Append `n` finished two-GPU leases of task "a" on `devices`: each device reports the set's pace, the slowest
+    model's rate (one step waits for both)."""
+    slowest = min(TRUTH[("a", m)] for _, m in devices)
+    for i in range(n):
+        t = recs[-1]["created_at"] + 60.0
+        recs.append({**recs[0], "id": f"M{len(recs)}", "task_type": "a", "request": {"task_type": "a", "gpus": 2},
+                     "created_at": t, "granted_at": t, "ended_at": t + 30.0,
+                     "devices": [{"gpu_id": g, "model": m, "memory_bytes": recs[0]["devices"][0]["memory_bytes"],
+                                  "numa_node": 0} for g, m in devices],
+                     "usage": {"n": 3, "work_mean": slowest * (1.0 + 0.01 * (i % 3)), "util_mean": 90.0}})
+
+
+def test_a_set_of_mixed_gpu_models_teaches_no_pairs_rate() -> None:
+    # "a" runs ten times as fast on X as on Y. Two-GPU leases on an X and a Y run at Y's pace and report it for both
+    # devices: read as the X's rate, sixty of them would pull X towards Y's. They label neither, nor count in the
+    # held-out figures; a set of one model (two X) is its own rate and is learnt from
+    recs = store_records(120, seed=5)
+    _paced_by_the_slowest(recs, 60, [("g0", "X"), ("g1", "Y")])
+    _paced_by_the_slowest(recs, 10, [("g0", "X"), ("g2", "X")])
+    examples = examples_from_records(recs, gpu_rows())
+    scorer = LearnedScorer(fit(examples))
+    got = scorer.score(PlacementRequest(task_type="a"), [dev("g0", "X"), dev("g1", "Y")])
+    assert math.log(got[0] / got[1]) == pytest.approx(math.log(10.0), abs=0.1)
+    labelled, _, _ = target_values(examples, "work_rate")
+    sets = [e for e in labelled if e.lease_id.startswith("M")]
+    assert {e.lease_id for e in sets} == {f"M{i}" for i in range(180, 190)}  # the ten sets of two X
+    assert len(sets) == 20 and {e.device.model for e in sets} == {"X"}  # both devices of each
+    figures = lifecycle.evaluate_bundle(scorer.bundle, examples)
+    assert figures["n"] == len(examples) - 120
+    # the mixed sets still count for the task type's run time (they did the work at that pace)
+    assert len(fit(examples).run_hist["a"]) == 50  # the last 50 of task type "a": the sets of two
 
 
 def _young_bundle(n: int, seed: int, slow: float | None = None) -> ModelBundle:

@@ -44,6 +44,16 @@ def test_oracle_and_trained_model_pick_the_fast_device_first_fit_does_not(tmp_pa
     assert out["mean_regret"] == 0.0 and out["mean_jct_s"] == pytest.approx(10.0)
 
 
+def test_short_of_labelled_records_the_model_trains_at_the_first_end_that_has_them() -> None:
+    # the first job takes both devices, an X and a Y: a mixed set, whose work rate labels neither. After the 4th job
+    # ends the store holds 3 labelled records (< 4): no model yet; the 5th end brings the 4th, and it trains then,
+    # not after its records double (the 8th)
+    jobs = [Job(0, 0.0, "a", 100.0, 2)] + _sparse_jobs(20)[1:]
+    fig = run_policy("model", TABLE, HOST, jobs, seed=0, warmup_jobs=4, retrain_every=1000, min_records=4)
+    assert [t["decision"] for t in fig.trainings[:2]] == ["insufficient-records", "promoted"]
+    assert 3000 < fig.trainings[0]["at"] < 4000 and 4000 < fig.trainings[1]["at"] < 5000
+
+
 def test_model_warm_starts_with_the_records_and_model_of_its_history(tmp_path: Path) -> None:
     history, jobs = _sparse_jobs(120), _sparse_jobs(40)
     with pytest.raises(InvalidInput, match="model-warm needs a history trace"):
