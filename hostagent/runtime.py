@@ -461,8 +461,8 @@ class Runtime:
             settle_heap()  # the follower settles it after a switch
 
     async def _retrain(self) -> None:
-        """Scheduled retraining: a new model replaces the current one only if it does at least as well. Its fit runs
-        on placement.train_threads threads: a host's CPUs are its guests' vCPUs."""
+        """Scheduled retraining: a new model replaces the current one unless it does worse beyond the records'
+        noise. Its fit runs on placement.train_threads threads: a host's CPUs are its guests' vCPUs."""
         from hostagent.learn.lifecycle import train
 
         pl = self.settings.placement

@@ -88,8 +88,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("model", help="placement model: train, evaluate, show, rollback, simulate")
     msub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     q = _store_action(msub, "train", "train on the store's records, every host's (on a store the fleet shares: one "
-                                     "fleet model); promote only if at least as good (every agent on the store follows "
-                                     "the active model within placement.model_check_interval_s)")
+                                     "fleet model); promote unless worse than the active model beyond the recent "
+                                     "records' noise (every agent on the store follows the active model within "
+                                     "placement.model_check_interval_s)")
     q.add_argument("--target", choices=["work_rate", "utilization", "completion"], help="outcome to predict")
     q.add_argument("--min-records", type=int, help="labelled records needed (default placement.min_records)")
     _store_action(msub, "evaluate", "figures of a version (default: the active one) on recent records").add_argument(

@@ -1,7 +1,8 @@
 """Model lifecycle: train | evaluate | show | rollback, over the usage store (library functions the CLI wires).
 
 A candidate is fitted on all but the most recent records and scored on those recent, held-out records next to
-the active model. It replaces the active model only if it does at least as well there; either way the version
+the active model. It replaces the active model unless it does worse there beyond the records' noise (`NOISE_Z`
+standard errors of the paired per-record difference); either way the version
 is saved with its figures and the decision, so ``show`` tells the whole story. The promoted artifact is refitted
 on every record (the held-out ones are the freshest: leaving them out of the model in service would throw away
 exactly what changed most recently).
@@ -32,6 +33,10 @@ KIND = MODEL_KIND
 MIN_RECORDS = 100  # below this the cold-start rule keeps deciding
 HOLDOUT_FRACTION = 0.2
 HOLDOUT_MIN = 20  # fewer fresh records than this cannot judge a candidate against the active model
+# A candidate whose held-out error is higher than the active model's is still promoted unless the difference, paired
+# record by record, exceeds this many standard errors (a one-sided test at 95 %): it was fitted on every record the
+# active model saw and more, and near the reported rates' own noise a difference of 1e-5 would otherwise decide
+NOISE_Z = 1.645
 MAX_RANK_PAIRS = 20000
 
 
@@ -90,6 +95,16 @@ def hosts_of(examples: Sequence[Example]) -> dict[str, int]:
 
 def evaluate_bundle(bundle: ModelBundle, examples: Sequence[Example], *, seed: int = 0) -> dict[str, Any]:
     """Figures of one model on labelled examples: error (log-space for work rate, else absolute) and rank accuracy."""
+    ex, y, pred, errors = _scored(bundle, examples)
+    if not ex:
+        return {"n": 0, "error": None, "rank_accuracy": None}
+    return {"n": len(ex), "error": float(np.mean(errors)), "rank_accuracy": _rank_accuracy(ex, y, pred, seed)}
+
+
+def _scored(bundle: ModelBundle, examples: Sequence[Example]) -> tuple[list[Example], np.ndarray, np.ndarray,
+                                                                       np.ndarray]:
+    """The examples labelled for the model's target, their labels, its predictions and its error on each (log-space
+    for work rate, else absolute)."""
     if bundle.target == "work_rate":  # (a mixed set's rate is the slowest model's: no pair's, as in training)
         mixed = mixed_sets(examples)
         ex = [e for e in examples if e.work_rate is not None and e.work_rate > 0 and e.lease_key not in mixed]
@@ -97,13 +112,25 @@ def evaluate_bundle(bundle: ModelBundle, examples: Sequence[Example], *, seed: i
     else:
         ex, y, _ = target_values(examples, bundle.target)
     if not ex:
-        return {"n": 0, "error": None, "rank_accuracy": None}
+        return [], y, y, y
     pred = bundle.predict_examples(ex)
     if bundle.target == "work_rate":
-        error = float(np.mean(np.abs(np.log(np.maximum(pred, 1e-12)) - np.log(y))))
-    else:
-        error = float(np.mean(np.abs(pred - y)))
-    return {"n": len(ex), "error": error, "rank_accuracy": _rank_accuracy(ex, y, pred, seed)}
+        return ex, y, pred, np.abs(np.log(np.maximum(pred, 1e-12)) - np.log(y))
+    return ex, y, pred, np.abs(pred - y)
+
+
+def worse_by(candidate: ModelBundle, current: ModelBundle, examples: Sequence[Example]) -> tuple[float, float] | None:
+    """How much larger the candidate's error is than the current model's on the same held-out examples: the mean of
+    the per-example differences and its standard error (None: fewer than two examples both can be judged on, or
+    models of different targets)."""
+    if candidate.target != current.target:
+        return None
+    ex, _, _, mine = _scored(candidate, examples)
+    _, _, _, theirs = _scored(current, examples)
+    if len(ex) < 2:
+        return None
+    d = mine - theirs
+    return float(np.mean(d)), float(np.std(d, ddof=1)) / math.sqrt(len(d))
 
 
 def _rank_accuracy(ex: Sequence[Example], y: np.ndarray, pred: np.ndarray, seed: int) -> float | None:
@@ -213,8 +240,16 @@ def train(store: ModelStore, *, target: str = "work_rate", since: float | None =
                 else ("kept-current", "candidate cannot be scored on recent records")
         elif cand["error"] <= cur["error"] * (1.0 + tolerance):
             decision, why = "promoted", f"held-out error {cand['error']:.4f} <= active {cur['error']:.4f}"
+        elif (gap := worse_by(candidate, cur_bundle, recent)) is not None and gap[0] <= NOISE_Z * gap[1]:
+            figures["worse_by"] = {"mean": gap[0], "se": gap[1]}
+            decision, why = "promoted", (f"held-out error {cand['error']:.4f} against active {cur['error']:.4f}: "
+                                         f"higher by {gap[0]:.4f} +- {gap[1]:.4f} per record, within the records' "
+                                         "noise")
         else:
-            decision, why = "kept-current", f"held-out error {cand['error']:.4f} > active {cur['error']:.4f}"
+            if gap is not None:
+                figures["worse_by"] = {"mean": gap[0], "se": gap[1]}
+            decision, why = "kept-current", f"held-out error {cand['error']:.4f} > active {cur['error']:.4f}" + (
+                f" (higher by {gap[0]:.4f} +- {gap[1]:.4f} per record, beyond the records' noise)" if gap else "")
     figures["decision"] = decision
     figures["reason"] = why
     final = fit(labelled, target=target, params=params) if refit_all and decision == "promoted" else candidate

@@ -23,7 +23,8 @@ def dev(gpu_id: str, model: str = "X", mem_gib: float = 16, numa: int | None = 0
 def store_records(n: int, *, seed: int = 0, start: float = 1.6e9, truth: dict[tuple[str, str], float] = TRUTH,
                   gpus: Sequence[tuple[str, str]] = (("g0", "X"), ("g1", "Y"), ("g2", "X"), ("g3", "Y")),
                   noise: float = 0.03) -> list[dict[str, Any]]:
-    """Records shaped like ``UsageStore.training_records()``: one finished single-GPU lease each."""
+    """Records shaped like ``UsageStore.training_records()``: one finished single-GPU lease each (ids unique per seed
+    and start, as a host's lease ids are)."""
     rng = random.Random(seed)
     jobs = sorted({j for j, _ in truth})
     out = []
@@ -33,7 +34,7 @@ def store_records(n: int, *, seed: int = 0, start: float = 1.6e9, truth: dict[tu
         rate = truth[(job, model)] * math.exp(rng.gauss(0, noise))
         t = start + 60.0 * i
         out.append({
-            "id": f"L{i}", "host_id": "h1", "task_type": job, "data_scale": None, "precision": None,
+            "id": f"L{seed}-{start:.0f}-{i}", "host_id": "h1", "task_type": job, "data_scale": None, "precision": None,
             "min_memory_gib": 0.0, "duration_s": None, "priority": 0, "request": {"task_type": job},
             "created_at": t, "granted_at": t, "ended_at": t + 30.0, "outcome": "released", "held_s": 30.0,
             "devices": [{"gpu_id": gpu_id, "model": model, "memory_bytes": 16 * GIB, "numa_node": 0}],
