@@ -25,7 +25,7 @@ import numpy as np
 from hostagent.domain.errors import InvalidInput, NotFound
 from hostagent.learn import MODEL_KIND
 from hostagent.learn.model import TARGETS, LearnedScorer, ModelBundle, fit, target_values
-from hostagent.learn.records import Example, TrainingSource, load_examples, mixed_sets
+from hostagent.learn.records import Example, TrainingSource, load_examples, own_rates
 
 log = logging.getLogger("hostagent.learn")
 
@@ -106,8 +106,7 @@ def _scored(bundle: ModelBundle, examples: Sequence[Example]) -> tuple[list[Exam
     """The examples labelled for the model's target, their labels, its predictions and its error on each (log-space
     for work rate, else absolute)."""
     if bundle.target == "work_rate":  # (a mixed set's rate is the slowest model's: no pair's, as in training)
-        mixed = mixed_sets(examples)
-        ex = [e for e in examples if e.work_rate is not None and e.work_rate > 0 and e.lease_key not in mixed]
+        ex = [e for e, own in zip(examples, own_rates(examples)) if own]
         y = np.array([e.work_rate for e in ex], dtype=float)
     else:
         ex, y, _ = target_values(examples, bundle.target)
@@ -153,8 +152,7 @@ def _baseline_error(train: Sequence[Example], hold: Sequence[Example], target: s
     if target != "work_rate":
         return None
     _, _, norms = target_values(train, target)
-    mixed = mixed_sets(hold)
-    ex = [e for e in hold if e.work_rate and e.work_rate > 0 and e.request.task_type in norms and e.lease_key not in mixed]
+    ex = [e for e, own in zip(hold, own_rates(hold)) if own and e.request.task_type in norms]
     if not ex:
         return None
     return float(np.mean([abs(norms[e.request.task_type] - math.log(e.work_rate)) for e in ex]))  # type: ignore[arg-type]

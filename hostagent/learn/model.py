@@ -31,7 +31,7 @@ from hostagent.learn.features import FeatureEncoder, fit_vocabulary
 from hostagent.learn.forest import CompiledForest
 from hostagent.learn.matrix import ThroughputMatrix
 from hostagent.domain.terms import scaling_totals
-from hostagent.learn.records import FAILED_OUTCOMES, Example, mixed_sets, tenant_weights
+from hostagent.learn.records import FAILED_OUTCOMES, Example, own_rates, tenant_weights
 
 TARGETS = ("work_rate", "utilization", "completion")
 FORMAT = 1
@@ -48,7 +48,7 @@ _TRUSTED_EXACT = ("functools.partial",)  # HistGradientBoosting keeps partial(ch
 def target_values(examples: Sequence[Example], target: str) -> tuple[list[Example], np.ndarray, dict[str, float]]:
     """The examples that have a label for ``target``, their labels and the per-task normalisers (log space). For
     the work rate, a lease on GPUs of several models reports the slowest one's rate: it labels none of them
-    (`records.mixed_sets`), unless it failed."""
+    (`records.own_rates`), unless it failed."""
     if target not in TARGETS:
         raise InvalidInput(f"target must be one of {', '.join(TARGETS)}", field="target")
     if target == "utilization":
@@ -56,8 +56,7 @@ def target_values(examples: Sequence[Example], target: str) -> tuple[list[Exampl
         return kept, np.array([max(0.0, min(1.0, e.util_pct / 100.0)) for e in kept]), {}  # type: ignore[operator]
     if target == "completion":
         return list(examples), np.array([0.0 if e.outcome == "failed" else 1.0 for e in examples]), {}
-    mixed = mixed_sets(examples)  # (their work rate is the slowest GPU model's: no pair's rate)
-    rated = [e.work_rate is not None and e.work_rate > 0 and e.lease_key not in mixed for e in examples]
+    rated = own_rates(examples)  # (a mixed set's work rate is the slowest GPU model's: no pair's rate)
     logs: dict[str, list[float]] = {}
     for e, ok in zip(examples, rated):
         if ok:

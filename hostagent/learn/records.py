@@ -164,6 +164,13 @@ def mixed_sets(examples: Sequence[Example]) -> set[tuple[str, str]]:
     return {key for key, seen in models.items() if len(seen) > 1}
 
 
+def own_rates(examples: Sequence[Example]) -> list[bool]:
+    """For each example, whether it reports its device's own work rate: a rate above 0, on a lease that is not a
+    mixed set (:func:`mixed_sets`). Training labels only these with a rate, and the held-out figures judge on them."""
+    mixed = mixed_sets(examples)
+    return [e.work_rate is not None and e.work_rate > 0 and e.lease_key not in mixed for e in examples]
+
+
 def tenant_weights(tenants: Sequence[str], share: float = TENANT_MAX_SHARE) -> list[float]:
     """A weight per example so that no tenant carries more than `share` of the total weight (or an equal part,
     when fewer than 1/share tenants have records): the largest tenants' examples are scaled down to a common cap,
