@@ -95,14 +95,21 @@ def hosts_of(examples: Sequence[Example]) -> dict[str, int]:
 
 def evaluate_bundle(bundle: ModelBundle, examples: Sequence[Example], *, seed: int = 0) -> dict[str, Any]:
     """Figures of one model on labelled examples: error (log-space for work rate, else absolute) and rank accuracy."""
-    ex, y, pred, errors = _scored(bundle, examples)
+    return _figures(_scored(bundle, examples), seed)
+
+
+Scored = tuple[list[Example], np.ndarray, np.ndarray, np.ndarray]  # examples judged, labels, predictions, errors
+
+
+def _figures(scored: Scored, seed: int = 0) -> dict[str, Any]:
+    """evaluate_bundle's figures from one model's scores."""
+    ex, y, pred, errors = scored
     if not ex:
         return {"n": 0, "error": None, "rank_accuracy": None}
     return {"n": len(ex), "error": float(np.mean(errors)), "rank_accuracy": _rank_accuracy(ex, y, pred, seed)}
 
 
-def _scored(bundle: ModelBundle, examples: Sequence[Example]) -> tuple[list[Example], np.ndarray, np.ndarray,
-                                                                       np.ndarray]:
+def _scored(bundle: ModelBundle, examples: Sequence[Example]) -> Scored:
     """The examples labelled for the model's target, their labels, its predictions and its error on each (log-space
     for work rate, else absolute)."""
     if bundle.target == "work_rate":  # (a mixed set's rate is the slowest model's: no pair's, as in training)
@@ -118,15 +125,11 @@ def _scored(bundle: ModelBundle, examples: Sequence[Example]) -> tuple[list[Exam
     return ex, y, pred, np.abs(pred - y)
 
 
-def worse_by(candidate: ModelBundle, current: ModelBundle, examples: Sequence[Example]) -> tuple[float, float] | None:
-    """How much larger the candidate's error is than the current model's on the same held-out examples: the mean of
-    the per-example differences and its standard error (None: fewer than two examples both can be judged on, or
-    models of different targets)."""
-    if candidate.target != current.target:
-        return None
-    ex, _, _, mine = _scored(candidate, examples)
-    _, _, _, theirs = _scored(current, examples)
-    if len(ex) < 2:
+def worse_by(mine: np.ndarray, theirs: np.ndarray) -> tuple[float, float] | None:
+    """How much larger one model's errors (`mine`) are than another's (`theirs`) on the same held-out examples of
+    one target (`_scored`): the mean of the per-example differences and its standard error (None: fewer than
+    two)."""
+    if len(mine) < 2:
         return None
     d = mine - theirs
     return float(np.mean(d)), float(np.std(d, ddof=1)) / math.sqrt(len(d))
@@ -222,14 +225,16 @@ def train(store: ModelStore, *, target: str = "work_rate", since: float | None =
                                  f"(< {HOLDOUT_MIN}): nothing fresh to judge a candidate on")
             return TrainResult("kept-current", None, figures)
     candidate = fit(older, target=target, params=params)
-    cand = evaluate_bundle(candidate, recent)
+    cand_scored = _scored(candidate, recent)  # (each model's held-out predictions are made once)
+    cand = _figures(cand_scored)
     figures.update({"train_n": len(older), "holdout_n": len(recent), "candidate": cand,
                     "baseline_error": _baseline_error(older, recent, target)})
     if current is None:
         decision, why = "promoted", "no active model"
     else:
         cur_version, cur_bundle = current
-        cur = evaluate_bundle(cur_bundle, recent) if cur_bundle.target == target else {"n": 0, "error": None}
+        cur_scored = _scored(cur_bundle, recent) if cur_bundle.target == target else None
+        cur = _figures(cur_scored) if cur_scored is not None else {"n": 0, "error": None}
         figures["current"] = {"version": cur_version, **cur}
         if cur_bundle.target != target:
             decision, why = "promoted", f"active model predicts {cur_bundle.target!r}, the operator asked for {target!r}"
@@ -238,16 +243,16 @@ def train(store: ModelStore, *, target: str = "work_rate", since: float | None =
                 else ("kept-current", "candidate cannot be scored on recent records")
         elif cand["error"] <= cur["error"] * (1.0 + tolerance):
             decision, why = "promoted", f"held-out error {cand['error']:.4f} <= active {cur['error']:.4f}"
-        elif (gap := worse_by(candidate, cur_bundle, recent)) is not None and gap[0] <= NOISE_Z * gap[1]:
-            figures["worse_by"] = {"mean": gap[0], "se": gap[1]}
-            decision, why = "promoted", (f"held-out error {cand['error']:.4f} against active {cur['error']:.4f}: "
-                                         f"higher by {gap[0]:.4f} +- {gap[1]:.4f} per record, within the records' "
-                                         "noise")
         else:
-            if gap is not None:
+            gap = worse_by(cand_scored[3], cur_scored[3]) if cur_scored is not None else None
+            said = f"held-out error {cand['error']:.4f} > active {cur['error']:.4f}"
+            if gap is None:
+                decision, why = "kept-current", said
+            else:
                 figures["worse_by"] = {"mean": gap[0], "se": gap[1]}
-            decision, why = "kept-current", f"held-out error {cand['error']:.4f} > active {cur['error']:.4f}" + (
-                f" (higher by {gap[0]:.4f} +- {gap[1]:.4f} per record, beyond the records' noise)" if gap else "")
+                by = f"higher by {gap[0]:.4f} +- {gap[1]:.4f} per record"
+                decision, why = (("promoted", f"{said}: {by}, within the records' noise") if gap[0] <= NOISE_Z * gap[1]
+                                 else ("kept-current", f"{said} ({by}, beyond the records' noise)"))
     figures["decision"] = decision
     figures["reason"] = why
     final = fit(labelled, target=target, params=params) if refit_all and decision == "promoted" else candidate
