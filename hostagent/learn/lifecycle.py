@@ -77,10 +77,13 @@ class TrainResult:
         return {"decision": self.decision, "version": self.version, "metrics": self.metrics}
 
 
-def split_recent(examples: Sequence[Example], fraction: float) -> tuple[list[Example], list[Example]]:
-    """Older part and most recent part, split on lease boundaries (all devices of a lease fall on one side)."""
+def split_recent(examples: Sequence[Example], fraction: float, *,
+                 at_least: int = 1) -> tuple[list[Example], list[Example]]:
+    """Older part and most recent part, split on lease boundaries (all devices of a lease fall on one side): the
+    newest `fraction` of the leases, or `at_least` of them where that is more, but never more than half (what is
+    judged is fitted on at least as many)."""
     leases = sorted({(e.created_at, e.lease_key) for e in examples})
-    n_hold = max(1, int(round(len(leases) * fraction))) if leases else 0
+    n_hold = min(max(1, int(round(len(leases) * fraction)), at_least), max(1, len(leases) // 2)) if leases else 0
     recent = set(key for _, key in leases[len(leases) - n_hold:])
     return [e for e in examples if e.lease_key not in recent], [e for e in examples if e.lease_key in recent]
 
@@ -212,7 +215,9 @@ def train(store: ModelStore, *, target: str = "work_rate", since: float | None =
         except Exception as exc:  # noqa: BLE001 - an artifact that cannot be read must not block its replacement
             log.warning("the active model cannot be loaded (%s): training as if there were none", exc)
             figures["active_unreadable"] = str(exc)[:200]
-    older, recent = split_recent(labelled, holdout_fraction)
+    # with an active model, hold back enough records to judge a candidate on: on a young host the newest fifth of a
+    # few dozen is too few, and the first model, fitted on the fewest records, would stay until records doubled again
+    older, recent = split_recent(labelled, holdout_fraction, at_least=HOLDOUT_MIN if current is not None else 1)
     if current is not None:
         # judge on records the active model has not seen, or the comparison favours it unfairly
         cutoff = current[1].trained_until

@@ -162,6 +162,39 @@ def test_a_candidate_worse_only_by_the_records_noise_replaces_the_active_model(
         assert "within the records' noise" in m["reason"]
 
 
+def test_a_young_hosts_second_model_is_judged_on_enough_fresh_records() -> None:
+    # the agent's first model comes at placement.min_records (30). At 62 records, 32 of them newer than it, the
+    # newest fifth (12) was too few to judge a candidate on (HOLDOUT_MIN 20): the model fitted on 30 records stayed
+    # until the records doubled again. The lifecycle now holds back the 20 newest, all fresh
+    store = FakeStore(store_records(30))
+    first = lifecycle.train(store, now=1.7e9, min_records=30)  # type: ignore[arg-type]
+    assert first.decision == "promoted"
+    store.records += store_records(32, seed=1, start=1.7e9)
+    again = lifecycle.train(store, now=1.7e9 + 10, min_records=30)  # type: ignore[arg-type]
+    m = again.metrics
+    assert m["holdout_n"] == lifecycle.HOLDOUT_MIN and m["train_n"] == 62 - lifecycle.HOLDOUT_MIN, m["reason"]
+    assert m["current"]["n"] == lifecycle.HOLDOUT_MIN and "nothing fresh" not in m["reason"]
+    assert again.decision == "promoted" and store.get_model_version(None)["version"] == again.version
+    # never more than half held back: 30 + 8 newer leaves 19 to judge on, too few, and the first model stays
+    store = FakeStore(store_records(30))
+    lifecycle.train(store, now=1.7e9, min_records=30)  # type: ignore[arg-type]
+    store.records += store_records(8, seed=1, start=1.7e9)
+    few = lifecycle.train(store, now=1.7e9 + 10, min_records=30)  # type: ignore[arg-type]
+    assert few.decision == "kept-current" and "nothing fresh" in few.metrics["reason"]
+    assert few.metrics["reason"].startswith("8 recent record(s)")
+
+
+def test_split_recent_holds_back_a_fraction_or_at_least_a_number_but_never_more_than_half() -> None:
+    examples = examples_from_records(store_records(50), gpu_rows())
+    leases = {e.lease_key for e in examples}
+    assert len(leases) == 50
+    for fraction, at_least, held in ((0.2, 1, 10), (0.2, 20, 20), (0.2, 40, 25), (0.9, 1, 25), (0.01, 1, 1)):
+        older, recent = lifecycle.split_recent(examples, fraction, at_least=at_least)
+        assert len({e.lease_key for e in recent}) == held, (fraction, at_least)
+        assert max(e.created_at for e in older) <= min(e.created_at for e in recent)
+        assert len(older) + len(recent) == len(examples)
+
+
 def test_failed_leases_count_as_slow_and_bad_target_is_refused() -> None:
     recs = store_records(200)
     for r in recs:
