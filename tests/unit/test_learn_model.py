@@ -168,7 +168,7 @@ def test_a_young_hosts_second_model_is_judged_on_enough_fresh_records() -> None:
     # until the records doubled again. The lifecycle now holds back the 20 newest, all fresh
     store = FakeStore(store_records(30))
     first = lifecycle.train(store, now=1.7e9, min_records=30)  # type: ignore[arg-type]
-    assert first.decision == "promoted"
+    assert first.decision == "promoted" and first.metrics["holdout_n"] == 6  # no model to judge: the newest fifth
     store.records += store_records(32, seed=1, start=1.7e9)
     again = lifecycle.train(store, now=1.7e9 + 10, min_records=30)  # type: ignore[arg-type]
     m = again.metrics
