@@ -175,7 +175,8 @@ def test_a_young_hosts_second_model_is_judged_on_enough_fresh_records() -> None:
     assert m["holdout_n"] == lifecycle.HOLDOUT_MIN and m["train_n"] == 62 - lifecycle.HOLDOUT_MIN, m["reason"]
     assert m["current"]["n"] == lifecycle.HOLDOUT_MIN and "nothing fresh" not in m["reason"]
     assert again.decision == "promoted" and store.get_model_version(None)["version"] == again.version
-    # never more than half held back: 30 + 8 newer leaves 19 to judge on, too few, and the first model stays
+    # never more than half held back: of 30 + 8, the 19 newest hold only the 8 the first model has not seen, too few
+    # to judge on, and the first model stays
     store = FakeStore(store_records(30))
     lifecycle.train(store, now=1.7e9, min_records=30)  # type: ignore[arg-type]
     store.records += store_records(8, seed=1, start=1.7e9)
