@@ -23,6 +23,12 @@ load 0.95: mean completion time 1.8x the matching oracle's). Priorities are neve
 priority among the requests that can start is compared; a lower one starts only on GPUs that every request of a
 higher priority would rather leave for a better one (and where the caller's backfilling lets it).
 
+A request that cannot start now is not compared, and holds nobody back here: the caller keeps the head of the queue
+its GPUs (EASY backfilling: those behind it are offered only what cannot delay it). Until 2026-11-30 a due request
+that could not start stopped every other, even on GPUs it could never use (too little memory for it): in the
+simulator, where it applied (the agent's queue offers only requests that can start), it left GPUs idle while jobs
+that could use them waited.
+
 Waiting for a better GPU: a request that knows its expected run time (on a typical device) and when the GPUs of its
 best rate are expected to free waits when its wait plus the run there is predicted to end sooner than running now on
 the free set. Requests waiting for the same GPUs stand in line for them (`best_on`): the due first, then in serve
@@ -149,11 +155,6 @@ def _choose(candidates: Sequence[Candidate], fairness: Fairness, now: float, fre
                     "first in serve order (strict order)")
     declined: dict[str, str] = {}  # requests of a higher priority that would rather wait for a better GPU
     for top in levels:
-        blocked = next((c for c in sorted((c for c in candidates if c.now is None and c.priority >= top),
-                                          key=lambda c: c.order) if c.due(fairness, now)), None)
-        if blocked is not None:  # its turn has come and it cannot start: nobody passes it again
-            return Pick(None, f"{blocked.id} is due (passed over {blocked.passes} time(s)) and waits for its GPUs",
-                        waiting=declined)
         cls = sorted((c for c in ready if c.priority == top), key=lambda c: c.order)
         waiting = _waiting(cls, fairness, now, free_in)
         declined.update(waiting)

@@ -110,8 +110,11 @@ def _work(request: PlacementRequest) -> tuple[object, ...]:
 
 def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], views_free: Sequence[DeviceView],
          free: Sequence[bool], fits: Callable[[PlacementRequest, int], bool], scorer: Scorer,
-         running_on: dict[int, Running], now: float) -> tuple[int | None, Pick]:
-    """The job (index) to start now among the first `WINDOW` waiting ones (in serve order), or None."""
+         running_on: dict[int, Running], now: float,
+         room_of: Callable[[PlacementRequest], Sequence[bool]] | None = None) -> tuple[int | None, Pick]:
+    """The job (index) to start now among the first `WINDOW` waiting ones (in serve order), or None. Only the jobs
+    that can start now are candidates, as in the agent's queue. `room_of`: where the head (the first) cannot start,
+    the GPUs each job behind it may take without delaying it (EASY backfilling, `simulate._backfill_room`)."""
     cands: list[Candidate] = []
     if waiting and not all(scorer.covers(req) for _, req in waiting[:WINDOW]):
         # as the agent's queue: where the model does not cover every request, strict serve order (the first)
@@ -126,13 +129,14 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
         if len(usable) < req.count:
             continue
         ranked = sorted(usable, key=lambda i: -sc[i])
-        at_best = ranked[req.count - 1]
-        best = sc[at_best]
-        open_ = [i for i in ranked if free[i]]
-        at_now = open_[req.count - 1] if len(open_) >= req.count else None
-        now_rate = sc[at_now] if at_now is not None else None
+        may = free if room_of is None or order == 0 else room_of(req)  # the free GPUs it may take now
+        open_ = [i for i in ranked if may[i]]
+        if len(open_) < req.count:
+            continue  # it cannot start now: not a candidate (the head is kept its GPUs by `room_of`)
+        at_best, at_now = ranked[req.count - 1], open_[req.count - 1]
+        best, now_rate = sc[at_best], sc[at_now]
         sd = 0.0
-        if at_now is not None and sc[at_now] < best:  # its efficiency: the ratio of two predictions, each uncertain
+        if now_rate < best:  # its efficiency: the ratio of two predictions, each uncertain
             sds = state.sds(scorer, req, views_free)
             sd = math.hypot(sds[at_now], sds[at_best])
         passes, since = state.passes.get(jidx, (0, None))
@@ -141,7 +145,7 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
             typical = getattr(scorer, "typical_run_s", None)
             run_s = typical(req.task_type) if typical is not None else None
         cand = Candidate(str(jidx), order, req.priority, now_rate, best, passes, since, run_s, sd=sd, count=req.count)
-        if run_s is not None and now_rate is not None and best > now_rate:
+        if run_s is not None and best > now_rate:
             # it may wait for the GPUs of its best rate (a set: for `count` of them), in line with every job whose
             # best they are too: when each is expected to free (0 for a free one)
             ends = []

@@ -349,11 +349,23 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
                     said = ("queue: backfilled behind the head of the queue (it cannot start yet)",)
                 if policy in QUEUE_AWARE and scorer is not None:
                     waiting = [(j.index, _request(table, j)) for j in itertools.islice(queue, sim_queue.WINDOW)]
-                    picked, pick = sim_queue.pick(qstate, waiting, base_views, free, fits, scorer, running_on, now)
+                    head = waiting[0][1]
+                    room_of: Callable[[PlacementRequest], list[bool]] | None = None
+                    if sum(1 for i in range(len(host)) if free[i] and fits(head, i)) < head.count:
+                        # the head cannot start: those behind it compete only for the GPUs they may take without
+                        # delaying it (EASY), as in the agent's queue (services.lease_queue._next_grant)
+                        def room_of(r: PlacementRequest, head: PlacementRequest = head) -> list[bool]:
+                            return _backfill_room(head, r, free, started, fits, now)
+                    picked, pick = sim_queue.pick(qstate, waiting, base_views, free, fits, scorer, running_on, now,
+                                                  room_of=room_of)
                     if picked is None:
                         break
                     job = jobs[picked]
                     said = (f"queue: {pick.reason}",)
+                    if room_of is not None:  # (the head cannot start: the one picked is behind it)
+                        room = room_of(_request(table, job))
+                        views = [base_views[i] if room[i] else busy_views[i] for i in range(len(host))]
+                        said += ("queue: backfilled behind the head of the queue (it cannot start yet)",)
                 request = _request(table, job)
                 need = request.min_memory_gib
                 ex = exploration if scorer is not None else replace(exploration, epsilon=warmup_epsilon)

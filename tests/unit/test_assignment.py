@@ -171,15 +171,13 @@ def test_the_fairness_bound_stops_starvation() -> None:
     assert due.chosen == "A" and "served in turn: passed over 3 time(s)" in due.reason
     assert choose([poor(1, since=0.0), good], F, now=99.0).chosen == "B"
     assert choose([poor(1, since=0.0), good], F, now=100.0).chosen == "A"  # first passed over 100 s ago
-    # a due request that cannot start now holds the others back: nobody passes it again
+    # a due request that cannot start now holds nobody back here, not even from GPUs it could never use: the caller
+    # keeps the head of the queue its GPUs (EASY backfilling); until 2026-11-30 it stopped every other request
     stuck = Candidate("A", 0, 0, now=None, best=10.0, passes=3)
     held = choose([stuck, good], F, now=0.0)
-    assert held.chosen is None and "A is due" in held.reason
+    assert held.chosen == "B" and held.passed == ()
     # a due request is never passed over by a waiting one either
     assert choose([poor(3), Candidate("B", 1, 0, now=10.0, best=10.0, run_s=1.0, better_in_s=0.0)], F, 0.0).chosen == "A"
-    # of several due requests that cannot start, the earliest in serve order is the one named, whatever the order given
-    stuck_too = Candidate("Z", 2, 0, now=None, best=10.0, passes=4)
-    assert "A is due" in choose([stuck_too, good, stuck], F, now=0.0).reason
     # a bound of 0 passes: every request is due, so the one closest to its best rate goes (serve order among equals)
     assert choose([poor(0), good], Fairness(max_passes=0, max_delay_s=100.0), now=0.0).chosen == "B"
     assert choose([poor(0), Candidate("B", 1, 0, 1.0, 10.0)], Fairness(max_passes=0), now=0.0).chosen == "A"
@@ -268,10 +266,11 @@ def test_priorities_are_never_inverted() -> None:
     assert pick.chosen == "L" and pick.passed == () and list(pick.waiting) == ["H"]
     assert pick.reason == ("first in serve order; every request of a higher priority that could start would rather "
                            "wait for a better GPU")
-    # a due request of the lower priority that cannot start holds that priority back, not the higher one's wait
+    # a due request of the lower priority that cannot start holds nobody back (the caller's backfilling keeps the
+    # head its GPUs)
     stuck_low = Candidate("S", 2, 0, now=None, best=10.0, passes=3)
     held = choose([high_waits, low_but_perfect, stuck_low], F, now=0.0)
-    assert held.chosen is None and held.reason.startswith("S is due") and list(held.waiting) == ["H"]
+    assert held.chosen == "L" and list(held.waiting) == ["H"]
     # of two lower-priority requests the model cannot tell apart, the first in serve order takes the GPU the higher
     # one declines, and the pick says it was unsure
     unsure_low = [high_waits, Candidate("L1", 1, 0, now=1.0, best=10.0, sd=2.5),
@@ -295,9 +294,10 @@ def test_every_decision_says_why_in_words_and_counts_whom_it_passed() -> None:
     pick = choose([Candidate("A", 0, 0, 9.0, 10.0), Candidate("B", 1, 0, 9.0, 10.0), due], F, now=0.0)
     assert pick.chosen == "C" and pick.passed == ("A", "B")
     assert pick.reason == "served in turn: passed over 3 time(s) (fairness bound: 3 times or 100 s)"
-    # a request that cannot start and is due by time (passed over once, 150 s ago) holds the others back
+    # a request that cannot start, due by time (passed over once, 150 s ago), is not passed over again by one that
+    # starts: it was not offered the GPUs
     late = Candidate("A", 0, 0, now=None, best=10.0, passes=1, passed_since=0.0)
-    assert choose([late, Candidate("B", 1, 0, 10.0, 10.0)], F, now=150.0).chosen is None
+    assert choose([late, Candidate("B", 1, 0, 10.0, 10.0)], F, now=150.0).passed == ()
     # a request that gains nothing on the GPUs free now (efficiency 0) is never the one compared against: no division
     # by its zero, and it is passed over by one that gains
     zero = choose([Candidate("A", 0, 0, 0.0, 10.0, sd=0.5), Candidate("B", 1, 0, 5.0, 10.0, sd=0.5)], F, 0.0)

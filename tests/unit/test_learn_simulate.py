@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from hostagent.domain.assignment import Fairness
 from hostagent.domain.errors import InvalidInput
 from hostagent.learn import datasets, simulate
 from hostagent.learn.simulate import Job, SimGpu, Table, check_inputs, run_policy
@@ -116,6 +117,25 @@ def test_the_first_day_backfills_behind_a_head_that_must_wait_as_the_agents_queu
     pair = [Job(0, 0.0, "a", 10_000.0, 1), Job(1, 1.0, "a", 1000.0, 2), Job(2, 2.0, "a", 100.0, 1)]
     fig = run_policy("matching-oracle-cold", TABLE, host, pair, **kw)
     # the head starts when job 0 ends (1000 s) and holds both for 50 s; job 2 starts after it
+    assert fig.wait[1] == pytest.approx(999.0) and fig.wait[2] == pytest.approx(1048.0)
+
+
+def test_once_the_queue_compares_a_head_that_cannot_start_keeps_only_what_it_could_use_as_the_agents_queue() -> None:
+    # matching-oracle compares from its first job. Every request is due at once (a bound of 0 passes): job 1 ("big",
+    # 20 GiB) heads the queue and cannot start while job 0 holds y0; x0 (16 GiB) it can never use. Until 2026-11-30 a
+    # due request that could not start stopped every other, and job 2 waited the 1000 s for y0 with x0 free
+    jobs = [Job(0, 0.0, "big", 5000.0, 1), Job(1, 1.0, "big", 5000.0, 1), Job(2, 2.0, "a", 100.0, 1)]
+    kw = dict(seed=0, warmup_jobs=0, retrain_every=1000, min_records=0)
+    for fairness in (Fairness(max_passes=0), Fairness()):
+        fig = run_policy("matching-oracle", TABLE, HOST, jobs, fairness=fairness, **kw)
+        assert fig.wait[2] == 0.0 and fig.jct[2] == pytest.approx(10.0)  # on x0 at once
+        assert fig.wait[1] == pytest.approx(999.0)  # and the head starts when y0 frees
+    # a free GPU the head could use is its own, as in the agent's queue (EASY backfilling): a 2-GPU head with one of
+    # its GPUs free keeps it from a request behind it (which, stating no duration, would hold it past the head's
+    # start); until 2026-11-30 the simulator let job 2 take it at once, which the agent would not
+    host = [SimGpu("x0", "X", 16, 0), SimGpu("x1", "X", 16, 0)]
+    pair = [Job(0, 0.0, "a", 10_000.0, 1), Job(1, 1.0, "a", 1000.0, 2), Job(2, 2.0, "a", 100.0, 1)]
+    fig = run_policy("matching-oracle", TABLE, host, pair, **kw)
     assert fig.wait[1] == pytest.approx(999.0) and fig.wait[2] == pytest.approx(1048.0)
 
 
