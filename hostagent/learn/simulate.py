@@ -16,8 +16,9 @@ jobs wait in arrival order and the head of the queue is placed whenever enough e
 first model, `model` serves the queue as the agent's queue does before it has one: in serve order, and behind a head
 that cannot start a job may backfill where it cannot delay it (`domain.admission.backfill_share`). Under
 `model` (once trained) and `matching-oracle` the queue is the agent's: priority then age, and of the jobs that
-could start, the one `domain.assignment.choose` picks (comparative advantage within the fairness bound;
-`learn/sim_queue.py` builds its candidates as `services.lease_queue` does), then placed by the same `place()`.
+could start (behind a head that cannot, only within the room that cannot delay it, as on the first day), the one
+`domain.assignment.choose` picks (comparative advantage within the fairness bound; `learn/sim_queue.py` builds its
+candidates as `services.lease_queue` does), then placed by the same `place()`.
 
 Usage: ``python -m hostagent.learn.simulate --throughputs T.csv --host H.csv --trace R.csv [--seeds N]
 [--policies a,b] [--warmup-jobs N] [--history-trace H.csv] [--json]``.
