@@ -137,6 +137,20 @@ def test_once_the_queue_compares_a_head_that_cannot_start_keeps_only_what_it_cou
     pair = [Job(0, 0.0, "a", 10_000.0, 1), Job(1, 1.0, "a", 1000.0, 2), Job(2, 2.0, "a", 100.0, 1)]
     fig = run_policy("matching-oracle", TABLE, host, pair, **kw)
     assert fig.wait[1] == pytest.approx(999.0) and fig.wait[2] == pytest.approx(1048.0)
+    # and the one behind is placed within its room, not on the GPU kept for the head: job 2 ("b", 10x faster on Y)
+    # runs on x0 (16 GiB, which the 2-GPU "big" head can never use), not on the free y1 the head waits to pair
+    host = [SimGpu("y0", "Y", 24, 0), SimGpu("y1", "Y", 24, 0), SimGpu("x0", "X", 16, 0)]
+    kept = [Job(0, 0.0, "big", 5000.0, 1), Job(1, 1.0, "big", 1000.0, 2), Job(2, 2.0, "b", 100.0, 1)]
+    fig = run_policy("matching-oracle", TABLE, host, kept, **kw)
+    assert fig.wait[2] == 0.0 and fig.jct[2] == pytest.approx(100.0)  # at rate 1 on x0
+    assert fig.wait[1] == pytest.approx(999.0)
+    # a job behind the head with no room (another "big": only the Y GPUs fit it, and the free one is kept) is not a
+    # candidate, so it does not stop one that has room: job 3 ("a") starts on x0 at once
+    more = [Job(0, 0.0, "big", 5000.0, 1), Job(1, 1.0, "big", 1000.0, 2), Job(2, 2.0, "big", 100.0, 1),
+            Job(3, 3.0, "a", 100.0, 1)]
+    fig = run_policy("matching-oracle", TABLE, host, more, **kw)
+    assert fig.wait[3] == 0.0 and fig.jct[3] == pytest.approx(10.0)
+    assert fig.wait[1] == pytest.approx(999.0) and fig.wait[2] > 999.0
 
 
 def test_memory_need_is_a_hard_filter_for_every_policy() -> None:
