@@ -114,7 +114,7 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
          room_of: Callable[[PlacementRequest], Sequence[bool]] | None = None) -> tuple[int | None, Pick]:
     """The job (index) to start now among the first `WINDOW` waiting ones (in serve order), or None. Only the jobs
     that can start now are candidates, as in the agent's queue. `room_of`: where the head (the first) cannot start,
-    the GPUs each job behind it may take without delaying it (EASY backfilling, `simulate._backfill_room`)."""
+    the GPUs each job behind it may take without delaying it (EASY backfilling, `simulate._head_room`)."""
     cands: list[Candidate] = []
     if waiting and not all(scorer.covers(req) for _, req in waiting[:WINDOW]):
         # as the agent's queue: where the model does not cover every request, strict serve order (the first)

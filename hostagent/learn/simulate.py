@@ -355,8 +355,11 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
                     if sum(1 for i in range(len(host)) if free[i] and fits(head, i)) < head.count:
                         # the head cannot start: those behind it compete only for the GPUs they may take without
                         # delaying it (EASY), as in the agent's queue (services.lease_queue._next_grant)
-                        def room_of(r: PlacementRequest, head: PlacementRequest = head) -> list[bool]:
-                            return _backfill_room(head, r, free, started, fits, now)
+                        # (the head's room is the same for each of them: worked out once per decision)
+                        may = _head_room(head, free, started, fits, now)
+
+                        def room_of(r: PlacementRequest, may: set[int] = may) -> list[bool]:
+                            return [i in may and fits(r, i) for i in range(len(host))]
                     picked, pick = sim_queue.pick(qstate, waiting, base_views, free, fits, scorer, running_on, now,
                                                   room_of=room_of)
                     if picked is None:
@@ -410,16 +413,22 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
 def _backfill_room(head: PlacementRequest, request: PlacementRequest, free: Sequence[bool], started: Sequence[float],
                    fits: Callable[[PlacementRequest, int], bool], now: float) -> list[bool]:
     """Which devices `request` may take behind a `head` that cannot start, as the agent's queue decides
-    (`domain.admission.backfill_share`, EASY backfilling). A simulated job states no duration, so, as a lease that
-    names none, each running job is expected to end `DEFAULT_DURATION_S` after it started and the request to last
-    as long."""
+    (`domain.admission.backfill_share`, EASY backfilling): those of :func:`_head_room` it fits."""
+    may = _head_room(head, free, started, fits, now)
+    return [i in may and fits(request, i) for i in range(len(free))]
+
+
+def _head_room(head: PlacementRequest, free: Sequence[bool], started: Sequence[float],
+               fits: Callable[[PlacementRequest, int], bool], now: float) -> set[int]:
+    """The free devices a job behind a `head` that cannot start may take without delaying it, whatever the job (it
+    still has to fit them). A simulated job states no duration, so, as a lease that names none, each running job is
+    expected to end `DEFAULT_DURATION_S` after it started and the one behind to last as long."""
     usable = [i for i in range(len(free)) if fits(head, i)]
     sh = shadow(now, sum(1 for i in usable if free[i]), [started[i] + DEFAULT_DURATION_S for i in usable
                                                          if not free[i]], head.count)
     room, _ = backfill_share(sh, now, DEFAULT_DURATION_S, [i for i in usable if free[i]],
                              [i for i in range(len(free)) if free[i] and not fits(head, i)])
-    may = set(room)
-    return [i in may and fits(request, i) for i in range(len(free))]
+    return set(room)
 
 
 def _best_rate(table: Table, job: Job, host: Sequence[SimGpu], free: Sequence[bool], index: dict[str, int],
