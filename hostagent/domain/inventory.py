@@ -14,6 +14,9 @@ PCI_CLASS_DISPLAY = 0x03
 DISPLAY_SUBCLASSES = (0x00, 0x02, 0x80)  # VGA, 3D controller, other display
 
 
+PROBE_CLAIM_PREFIX = "probe:"  # a claim on a GPU held by a probe, not a lease: "probe:<gpu id>"
+
+
 class GpuState(str, enum.Enum):
     """Device-level state shown to operators and used by placement."""
 
@@ -21,6 +24,7 @@ class GpuState(str, enum.Enum):
     LEASED = "leased"
     WARNED = "warned"
     DETACH_PENDING = "detach-pending"
+    PROBING = "probing"  # held by a health or task probe between leases (placement cannot take it meanwhile)
     QUARANTINED = "quarantined"
     UNAVAILABLE = "unavailable"  # group not viable or IOMMU off
 

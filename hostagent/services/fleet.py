@@ -34,8 +34,7 @@ log = logging.getLogger("hostagent.fleet")
 
 FORMAT = 1  # the layout of hosts.info; a reader shows what it knows of a newer one
 STALE_INTERVALS = 3.0  # a host not heard from in this many of its publish intervals is marked stale
-STATES = [s.value for s in (GpuState.FREE, GpuState.LEASED, GpuState.WARNED, GpuState.DETACH_PENDING,
-                            GpuState.QUARANTINED, GpuState.UNAVAILABLE)]
+STATES = [s.value for s in GpuState]
 UNKNOWN = "unknown"  # a GPU whose state no agent published (an agent older than the fleet view)
 STOP_TIMEOUT_S = 3.0  # the last publish of a stopping agent waits this long at most
 

@@ -22,7 +22,7 @@ from typing import Any
 from hostagent.domain.capabilities import Measured
 from hostagent.domain.terms import Scaling
 from hostagent.domain.errors import Conflict, Forbidden, InvalidInput, InvalidTransition, NotFound
-from hostagent.domain.inventory import Gpu, GpuState
+from hostagent.domain.inventory import PROBE_CLAIM_PREFIX, Gpu, GpuState
 from hostagent.domain.admission import DAY_S, LEDGER_MAX, Ledger
 from hostagent.domain.numa import VmNuma
 from hostagent.domain.lease import Lease, LeaseRequest, LeaseState, Step
@@ -249,6 +249,8 @@ class LeaseManager:
         if gpu_id in self.quarantined:
             return GpuState.QUARANTINED
         lid = self.claims.get(gpu_id)
+        if lid is not None and lid.startswith(PROBE_CLAIM_PREFIX):
+            return GpuState.PROBING  # not leased: a probe holds it between leases (it once read "leased")
         if lid is not None:
             lease = self.leases.get(lid)
             if lease is not None and lease.state is S.DETACH_PENDING:

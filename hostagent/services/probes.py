@@ -26,12 +26,10 @@ from typing import Any
 
 from hostagent.domain.capabilities import WRONG_ANSWER, Measured
 from hostagent.domain.errors import Conflict, HostAgentError, NotFound
-from hostagent.domain.inventory import Gpu
+from hostagent.domain.inventory import PROBE_CLAIM_PREFIX, Gpu
 from hostagent.domain.lease import Lease, LeaseState
 
 log = logging.getLogger("hostagent.probes")
-
-PROBE_CLAIM_PREFIX = "probe:"
 
 
 @dataclass(frozen=True, slots=True)

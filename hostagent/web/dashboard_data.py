@@ -44,8 +44,7 @@ from hostagent.web.dashboard_source import DashboardSource, Notes
 RANGES: dict[str, int] = {"1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400}
 DEFAULT_RANGE = "24h"
 LEASE_WINDOWS: dict[str, int | None] = {"24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400, "all": None}
-STATE_ORDER = [s.value for s in (GpuState.FREE, GpuState.LEASED, GpuState.WARNED, GpuState.DETACH_PENDING,
-                                 GpuState.QUARANTINED, GpuState.UNAVAILABLE)]
+STATE_ORDER = [s.value for s in GpuState]
 RECLAIM_KINDS = ("strike-one", "strike-cleared", "strike-two", "reclaim", "reclaim-outcome", "preempt",
                  "preempt-withdrawn")
 LIVE_STATES = frozenset(s for s in LeaseState if not s.terminal)

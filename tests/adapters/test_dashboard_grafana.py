@@ -6,8 +6,10 @@ flat line on the board and still pass such a check."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,23 @@ def nonzero(s: Scrape, name: str, matchers: list[tuple[str, str, str]]) -> list[
     return [v for (n, labels), v in s.samples.items() if n == name and v != 0 and matches(dict(labels), matchers)]
 
 
+class HeldHealthRunner(FakeHealthRunner):
+    """A health runner that holds the probe of the GPUs in `held` (in the probe's worker thread) until `gate`
+    opens, saying when it started: the GPU reads `probing` meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: set[str] = set()
+        self.started = threading.Event()
+        self.gate = threading.Event()
+
+    def run(self, gpu: Any, budget_s: float) -> Any:
+        if gpu.id in self.held:
+            self.started.set()
+            self.gate.wait(30)
+        return super().run(gpu, budget_s)
+
+
 def test_board_is_well_formed() -> None:
     doc = json.loads(GRAFANA.read_text())
     assert doc["uid"] and doc["title"] and doc["panels"]
@@ -88,11 +107,12 @@ def test_board_is_well_formed() -> None:
 
 async def test_every_board_query_has_data_after_an_exercise(tmp_path: Path, aiohttp_client: Any) -> None:
     """One run that moves everything the board draws: a guest reporting, an idle reclaim, a warning, a stuck detach,
-    a quarantine, a GPU the host preflight refuses (a failed lease: a step failure and a 500), a queued request, and
-    a usage store that cannot be reached (spooling, with samples waiting to be written); then one scrape."""
+    a quarantine, a GPU the host preflight refuses (a failed lease: a step failure and a 500), a queued request, a
+    probe under way, and a usage store that cannot be reached (spooling, with samples waiting to be written); then
+    one scrape."""
     clock = Clock(time.time())
-    health = FakeHealthRunner()
-    rig, app, _ = topology_rig(tmp_path, runners=[health], clock=clock, reclaim=RECLAIM,
+    health = HeldHealthRunner()
+    rig, app, parts = topology_rig(tmp_path, runners=[health], clock=clock, reclaim=RECLAIM,
                                vms=("vm-a", "vm-b", "vm-c", "vm-d", "vm-e", "vm-f"),
                                store={"flush_interval_s": 60.0, "flush_batch": 10_000})
     rig.extra["clock"] = clock
@@ -136,6 +156,9 @@ async def test_every_board_query_has_data_after_an_exercise(tmp_path: Path, aioh
         path.write_text("0\n")
     assert len(free()) == 3
     await lease("vm-f", status=202, gpus=4, accept_deferred=True)  # more than is free: it waits
+    health.held.add(free()[0])
+    probing = parts.probes.schedule(free()[0], actor="test")  # held open across the scrape: a GPU probing
+    await asyncio.get_running_loop().run_in_executor(None, health.started.wait, 10)
     fault = StoreFault(rt.store.store.engine)
     fault.unreachable()
     try:
@@ -146,6 +169,8 @@ async def test_every_board_query_has_data_after_an_exercise(tmp_path: Path, aioh
         s = await scrape(rig.client, rig.operator)
     finally:
         fault.remove()
+        health.gate.set()
+        await probing
 
     doc = json.loads(GRAFANA.read_text())
     assert set(CANNOT_MOVE) <= {name for e in exprs(doc) for name, _ in selectors(e)}, "CANNOT_MOVE: not on the board"

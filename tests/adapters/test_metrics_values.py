@@ -147,7 +147,7 @@ async def test_every_documented_metric_has_a_value_test(tmp_path: Path, aiohttp_
 async def test_gpus_leases_transitions_steps_and_requests(tmp_path: Path, aiohttp_client: Any) -> None:
     rig = await start_rig(make_rig(tmp_path), aiohttp_client)
     s0 = await op(rig)
-    assert s0.by_label("hostagent_gpus", "state") == {"free": 8, "leased": 0, "warned": 0, "detach-pending": 0,
+    assert s0.by_label("hostagent_gpus", "state") == {"free": 8, "leased": 0, "warned": 0, "detach-pending": 0, "probing": 0,
                                                       "quarantined": 0, "unavailable": 0}
     a = await post_lease(rig.client, rig, "vm-a", gpus=2)
     await post_lease(rig.client, rig, "vm-b", gpus=1)
@@ -323,7 +323,7 @@ async def test_per_gpu_state_holder_and_guest_samples(tmp_path: Path, aiohttp_cl
     samples = ("hostagent_gpu_utilization_percent", "hostagent_gpu_memory_used_bytes",
                "hostagent_gpu_sample_age_seconds", "hostagent_gpu_sampled")
     s0 = await op(rig)
-    assert len([k for k in s0.samples if k[0] == "hostagent_gpu_state"]) == 8 * 6  # every GPU, every state
+    assert len([k for k in s0.samples if k[0] == "hostagent_gpu_state"]) == 8 * 7  # every GPU, every state
     assert gpu_labels(s0, "hostagent_gpu_state", "state") == dict.fromkeys(gpus, "free")
     assert gpu_series(s0, "hostagent_gpu_memory_total_bytes") == {g: 40 * gib for g in gpus}
     assert all(gpu_series(s0, name) == {} for name in ("hostagent_gpu_holder", *samples))
@@ -378,7 +378,7 @@ async def test_per_gpu_state_holder_and_guest_samples(tmp_path: Path, aiohttp_cl
     assert gpu_labels(s5, "hostagent_gpu_holder", "domain") == {g2: "vm-b"}
     assert all(set(gpu_series(s5, name)) <= {g2} for name in samples)
     assert gpu_series(s5, "hostagent_gpu_sampled") == {g2: 0}
-    assert len([k for k in s5.samples if k[0] == "hostagent_gpu_state"]) == 8 * 6
+    assert len([k for k in s5.samples if k[0] == "hostagent_gpu_state"]) == 8 * 7
 
 
 # ---- the reaper ------------------------------------------------------------------------------------------------

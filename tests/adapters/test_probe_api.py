@@ -106,12 +106,15 @@ async def test_gpu_is_claimed_while_probed(tmp_path: Path, aiohttp_client: Any) 
     task = parts.probes.schedule(ALL[0], actor="test")
     await runner.started.wait()
     assert rig.runtime.manager.claims[ALL[0]] == f"probe:{ALL[0]}"
+    states = {g["id"]: g["state"] for g in (await (await client.get("/v1/gpus", headers=rig.auth("operator"))).json())["gpus"]}
+    assert states[ALL[0]] == "probing", states  # not "leased": no lease holds it (it once read so)
     r = await client.post("/v1/leases", json={"gpus": 8, "accept_deferred": True}, headers=rig.auth("vm-a"))
     queued = await r.json()
     assert r.status == 202 and queued["state"] == "QUEUED"
     runner.gate.set()
     await task
     assert ALL[0] not in rig.runtime.manager.claims or not rig.runtime.manager.claims[ALL[0]].startswith("probe:")
+    assert rig.runtime.manager.gpu_state(ALL[0]).value in ("free", "leased")  # back to free, or the queued lease has it
     for _ in range(200):
         body = await (await client.get(f"/v1/leases/{queued['id']}", headers=rig.auth("vm-a"))).json()
         if body["state"] == "ACTIVE":

@@ -20,13 +20,21 @@ from tests.support.waits import wait_until
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
 
-def released(d: Demo, lease: dict[str, Any]) -> None:
-    """Wait until a released lease has ended and its GPUs read free in the inventory (the release ends when the
-    guest lets go)."""
+def release(d: Demo, lease: dict[str, Any], token: str) -> None:
+    """Release a lease and wait until it has ended, its GPUs have had the probe the agent runs on a GPU back from a
+    lease (`probes.after_lease_delay_s` later; the GPU reads `probing` meanwhile) and they read free in the
+    inventory: every test reads the host as it stays, not mid-detach or mid-probe (a GPU being probed once read
+    "leased" and a clean-clone CI run counted it)."""
     gone = {x["gpu_id"] for x in lease["devices"]}
+    before = {g: p["last_probe"] for g, p in d.api("GET", "/v1/probes", d.operator)[1]["gpus"].items() if g in gone}
+    status, body = d.api("DELETE", f"/v1/leases/{lease['id']}", token)
+    assert status == 200, body
 
     def settled() -> bool:
         if d.api("GET", f"/v1/leases/{lease['id']}", d.operator)[1]["state"] != "RELEASED":
+            return False
+        probed = d.api("GET", "/v1/probes", d.operator)[1]["gpus"]
+        if any(probed[g]["last_probe"] == before[g] for g in gone):
             return False
         return all(g["state"] == "free" for g in d.api("GET", "/v1/gpus", d.operator)[1]["gpus"] if g["id"] in gone)
     assert wait_until(settled, timeout=30.0), f"the release of {lease['id']}"
@@ -45,9 +53,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
         d.heartbeat(vms[1], b, [20, 30, 25, 40, 35])
         d.heartbeat(vms[2], c, [2, 1, 0, 3])
         d.heartbeat(vms[3], ended, [50, 55])
-        status, body = d.api("DELETE", f"/v1/leases/{ended['id']}", d.vm_token(vms[3]))
-        assert status == 200, body
-        released(d, ended)  # every test reads the host after it, not mid-detach
+        release(d, ended, d.vm_token(vms[3]))
         d.extra = {"a": a, "b": b, "c": c, "ended": ended}  # type: ignore[attr-defined]
         yield d
     finally:
@@ -83,8 +89,7 @@ def test_overview_shows_every_gpu_and_counts(browser: Browser, demo: Demo) -> No
     expect(rows).to_have_count(len(gpus))
     leased = sum(1 for g in gpus if g["state"] == "leased")
     assert leased == 4
-    # the tiles are the page's own refresh (every dashboard.refresh_s, 5 s): given three of them to agree with the
-    # API (a clean-clone CI run once saw the previous test's released lease still counted for 5 s; not reproduced)
+    # the tiles are the page's own refresh (every dashboard.refresh_s, 5 s): given three of them to agree with the API
     expect(page.locator("[data-count=leased] .n")).to_have_text(str(leased), timeout=15_000)
     expect(page.locator("[data-count=free] .n")).to_have_text(str(sum(1 for g in gpus if g["state"] == "free")),
                                                               timeout=15_000)
@@ -176,8 +181,7 @@ def test_overview_refreshes_without_reload(browser: Browser, demo: Demo) -> None
         expect(page.locator("[data-count=leased] .n")).to_have_text(str(before + 1))
         assert page.evaluate("window.__no_reload") == 42  # same document: fetched, not reloaded
     finally:
-        demo.api("DELETE", f"/v1/leases/{new['id']}", demo.operator)
-        released(demo, new)  # the next test reads the host as the fixture left it
+        release(demo, new, demo.operator)  # the next test reads the host as the fixture left it
     page.context.close()
 
 
