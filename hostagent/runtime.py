@@ -631,6 +631,7 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
     manager.relative_rates, manager.typical_run_s = placer.relative_rates, placer.typical_run_s
     manager.left_run_s = placer.left_run_s
     manager.rate_uncertainty, manager.rates_token = placer.rate_uncertainty, placer.rates_token
+    manager.doubt = placer.doubt
     tokens = TokenBook(settings.auth.operator_token_sha256, journal.lookup_token)
     rt = Runtime(settings=settings, inventory=inventory, host=host, hypervisor=hypervisor, journal=journal,
                  manager=manager, tokens=tokens, clock=clock, placer=placer)

@@ -459,6 +459,16 @@ def explore(request: PlacementRequest, scored: Scored, best: str, exploration: E
                  "of the best)" if bounded else f"rule=explore: tried {alt} at random (epsilon={ex.epsilon:g})")
 
 
+def doubt_draw(exploration: Exploration | None, rng: random.Random | None, priority: int) -> float:
+    """A draw for a queued request's doubt in deciding whether to wait for a better GPU (`domain.assignment`,
+    `Candidate.doubt`): standard normal where the request may explore (exploration on, `epsilon` above 0, its priority
+    at or under `max_priority`), else 0 (the prediction itself: the decision is deterministic)."""
+    ex = exploration
+    if ex is None or rng is None or ex.epsilon <= 0 or priority > ex.max_priority:
+        return 0.0
+    return rng.gauss(0.0, 1.0)
+
+
 def place(request: PlacementRequest, devices: Sequence[DeviceView], *, scorer: Scorer | None = None,
           exploration: Exploration | None = None, rng: random.Random | None = None,
           distance: Distance | None = None, top_k: int = 5) -> Decision:

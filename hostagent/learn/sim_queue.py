@@ -15,7 +15,8 @@ once it has outlived them all, as long again as it has run; a job that would wai
 told when each of them frees, and which they are (jobs waiting for the same GPUs stand in line for them:
 `domain.assignment`). Each job's efficiency carries the deviation of its two predictions (the scorer's
 `uncertainty`, as the agent's placer passes it; 0 for a scorer that knows the table), so jobs the model cannot tell
-apart keep serve order.
+apart keep serve order, and a job that would wait for a better GPU weighs the wait against a draw of its rate now
+within that deviation (`QueueState.doubt`, the learned policy's: `domain.assignment`, Thompson sampling).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class QueueState:
     scorer_id: int = 0
     waits: int = 0  # decisions in which some job chose to wait for a better GPU
     passed_total: int = 0  # times a job was passed over
+    # request -> its draw of the model's doubt for a wait decision (`domain.placement.doubt_draw`, as the agent's
+    # placer draws it); None: no draws (the prediction itself)
+    doubt: Callable[[PlacementRequest], float] | None = None
+    drawn: int = 0  # jobs a draw started rather than kept waiting for a better GPU
 
     def scores(self, scorer: Scorer, request: PlacementRequest, views: Sequence[DeviceView]) -> list[float]:
         """The scorer's prediction for every device of the host (free or not), cached per scorer and request."""
@@ -146,6 +151,8 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
             run_s = typical(req.task_type) if typical is not None else None
         cand = Candidate(str(jidx), order, req.priority, now_rate, best, passes, since, run_s, sd=sd, count=req.count)
         if run_s is not None and best > now_rate:
+            if sd and state.doubt is not None:  # a draw only where it may decide: a wait weighed, a doubt to draw in
+                cand.doubt = state.doubt(req)
             # it may wait for the GPUs of its best rate (a set: for `count` of them), in line with every job whose
             # best they are too: when each is expected to free (0 for a free one)
             ends = []
@@ -170,6 +177,7 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
         state.passes[int(p)] = (n + 1, now if since is None else since)
     state.passed_total += len(decision.passed)
     state.waits += bool(decision.waiting)
+    state.drawn += decision.chosen in decision.drawn
     chosen = int(decision.chosen)
     state.passes.pop(chosen, None)
     return chosen, decision

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import heapq
 import itertools
 import json
@@ -57,6 +58,7 @@ from hostagent.domain.placement import (
     Exploration,
     PlacementRequest,
     Scorer,
+    doubt_draw,
     place,
 )
 
@@ -302,6 +304,8 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
     queue: deque[Job] = deque()
     arrivals = deque(jobs)
     qstate = sim_queue.QueueState(fairness)
+    if policy in LEARNED:  # the model's doubt drawn in each wait decision, as the agent's placer draws it
+        qstate.doubt = functools.partial(_doubt, exploration, random.Random(seed * 31 + 13))
     running_on: dict[int, sim_queue.Running] = {}  # device index -> the job on it (queue-aware policies)
     started = [0.0] * len(host)  # device index -> when the job on it started (the first day's backfilling)
 
@@ -416,6 +420,11 @@ def _backfill_room(head: PlacementRequest, request: PlacementRequest, free: Sequ
     (`domain.admission.backfill_share`, EASY backfilling): those of :func:`_head_room` it fits."""
     may = _head_room(head, free, started, fits, now)
     return [i in may and fits(request, i) for i in range(len(free))]
+
+
+def _doubt(exploration: Exploration, rng: random.Random, request: PlacementRequest) -> float:
+    """A job's draw of the model's doubt for a wait decision (`domain.placement.doubt_draw`)."""
+    return doubt_draw(exploration, rng, request.priority)
 
 
 def _head_room(head: PlacementRequest, free: Sequence[bool], started: Sequence[float],

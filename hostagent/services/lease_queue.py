@@ -515,6 +515,8 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
         cand = Candidate(x.id, rank[x.id], request.priority, now_rate, best, n, since, run_s, sd=sd, count=count)
         if better is not None:  # it may stand in line for the GPUs of its best rate
             cand.stand_in_line(better.frees_in, better.gpus)
+            if sd and run_s is not None:  # a draw only where it may decide: a wait to weigh, a doubt to draw in
+                cand.doubt = m.doubt(request)
         cands.append(cand)
     pick = choose(cands, m.policy.fairness, now)
     for lease_id, why in pick.waiting.items():
@@ -539,9 +541,10 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
     m.queue_notes.pop(pick.chosen, None)
     m.queue_waits.pop(pick.chosen, None)
     x, free, count, why = by_lease[pick.chosen]
-    if not pick.passed and not pick.waiting and was_passed is None and not pick.unsure:
+    drawn = pick.drawn.get(pick.chosen)
+    if not pick.passed and not pick.waiting and was_passed is None and not pick.unsure and drawn is None:
         return x, free, count, why  # in its turn, nobody passed, nothing in doubt: nothing to explain
-    return x, free, count, "; ".join(w for w in (why, pick.reason) if w)
+    return x, free, count, "; ".join(w for w in (why, pick.reason, drawn) if w)
 
 
 async def preempt_for_head(m: LeaseCore) -> tuple[str, ...]:

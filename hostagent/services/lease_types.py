@@ -160,6 +160,9 @@ class LeaseCore(Protocol):
     left_run_s: Callable[[str, float], float | None]
     # equal while relative_rates and rate_uncertainty answer the same for the same request and GPUs (None: unknown)
     rates_token: Callable[[], object]
+    # a queued request -> its draw of the model's doubt in one wait-for-a-better-GPU decision (domain.assignment's
+    # Candidate.doubt; 0: the prediction itself, as where the operator turned exploration off)
+    doubt: Callable[[LeaseRequest], float]
     queue_passes: dict[str, tuple[int, float]]  # queued lease -> (times passed over, since when)
     queue_notes: dict[str, str]  # queued lease -> why it waits (passed over, waiting for a better GPU)
     queue_waits: dict[str, float]  # queued lease waiting for a better GPU -> when that GPU is expected to free

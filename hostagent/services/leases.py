@@ -129,6 +129,7 @@ class LeaseManager:
         # what relative_rates' answers depend on besides the request and GPUs (None: unknown, the queue asks again
         # at every decision); the runtime sets the placer's
         self.rates_token: Callable[[], object] = lambda: None
+        self.doubt: Callable[[LeaseRequest], float] = lambda request: 0.0  # the runtime sets the placer's
         self.queue_passes: dict[str, tuple[int, float]] = {}
         self.queue_notes: dict[str, str] = {}
         self.queue_waits: dict[str, float] = {}

@@ -22,6 +22,7 @@ from hostagent.domain.placement import (
     PlacementRequest,
     Scorer,
     choose_set,
+    doubt_draw,
     explore,
     score_devices,
 )
@@ -155,6 +156,13 @@ class Placer:
         model, or where they hold fewer than two counts of it)."""
         totals = getattr(getattr(self.scorer, "bundle", None), "scaling", {}).get(task_type)
         return Scaling(task_type, totals) if totals else None
+
+    def doubt(self, request: LeaseRequest) -> float:
+        """A queued request's draw of the model's doubt in one decision whether to wait for a better GPU (the queue's
+        Thompson sampling: domain.assignment), from the placer's seeded generator: standard normal where the request
+        may explore (`placement.explore_epsilon` above 0, its priority at or under `placement.explore_max_priority`),
+        else 0."""
+        return doubt_draw(self.exploration, self.rng, request.priority)
 
     def rates_token(self) -> tuple[object, ...]:
         """What relative_rates' and rate_uncertainty's answers depend on besides the request and the GPUs asked

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import html
+import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -146,8 +147,9 @@ async def test_a_request_is_passed_over_only_where_the_model_tells_the_two_apart
                                                                                sd: float) -> None:
     # bert would run at 10 % of its best on the freed T4, ncf at 100 %: a log gap of ln 10 = 2.3. Where the model
     # knows bert's rates to sd 0.5 (combined 0.71) ncf goes first; to sd 2.0 (combined 2.83) the two count as equal
-    # and bert, first in serve order, keeps its turn (the placer passes the model's deviations to the queue)
-    rig = make_rig(tmp_path, scenario="demo16")
+    # and bert, first in serve order, keeps its turn (the placer passes the model's deviations to the queue). No
+    # draws of the model's doubt (exploration off): at sd 2.0 one could make bert wait for a better GPU instead
+    rig = make_rig(tmp_path, scenario="demo16", placement={"explore_epsilon": 0.0})
     rig.runtime.placer.use(Unsure(sd), "v-unsure")
     rig = await start_rig(rig, aiohttp_client)
     fillers, bert, ncf = await full_host_and_two_queued(rig)
@@ -427,6 +429,56 @@ async def test_a_lone_request_waits_for_a_better_gpu_and_takes_it_when_it_frees(
     assert r.status == 200, await r.text()
     await until(lambda: m.leases[bert["id"]].state is S.ACTIVE, 10, "bert granted the A100")
     assert m.leases[bert["id"]].gpu_ids == (a100,) and t4 not in m.claims
+
+
+class UnsureTable(TableModel):
+    """The table model, unsure of every rate to a log-space deviation of 0.5 (a ratio of two: 0.71)."""
+
+    def uncertainty(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
+        return [0.5 for _ in devices]
+
+
+class Draws(random.Random):
+    """The placer's generator with every normal draw fixed (uniform draws as seeded: 0.99, so nothing explores)."""
+
+    def __init__(self, z: float) -> None:
+        super().__init__(0)
+        self.z = z
+        self.gaussed = 0
+
+    def gauss(self, mu: float = 0.0, sigma: float = 1.0) -> float:
+        self.gaussed += 1
+        return mu + sigma * self.z
+
+    def random(self) -> float:
+        return 0.99
+
+
+@pytest.mark.parametrize("epsilon", [0.05, 0.0])
+async def test_a_draw_within_the_models_doubt_may_start_a_request_that_would_wait(tmp_path: Path, aiohttp_client: Any,
+                                                                                epsilon: float) -> None:
+    # bert alone: 600 s on the freed T4 by the prediction against 60 s for an A100 to free plus 60 s there, so it
+    # waits. The model is unsure of the ratio (0.71): the placer draws where within it the T4's rate lies, here 2.5
+    # deviations up (1.77 in log space): 600 * exp(-1.77) = 102 s on the T4, sooner than 120 s, and bert starts there
+    # and says why. With exploration off (`placement.explore_epsilon` 0) nothing is drawn: it waits, as predicted
+    rig = make_rig(tmp_path, scenario="demo16", clock=Clock(), placement={"explore_epsilon": epsilon})
+    rig.runtime.placer.use(UnsureTable(), "v-unsure")
+    rig.runtime.placer.rng = draws = Draws(2.5)
+    rig = await start_rig(rig, aiohttp_client)
+    m = rig.runtime.manager
+    fillers = await fill(rig, short_a100=True)
+    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", accept_deferred=True)
+    t4 = await free_a_t4(rig, fillers)
+    got = await view(rig, "vm-a", bert["id"])
+    if epsilon == 0:
+        assert got["state"] == "QUEUED" and t4 not in m.claims and draws.gaussed == 0, got
+        assert got["queue"]["note"].startswith("waiting for a better GPU: predicted to end in 120 s there (free in 60 "
+                                               "s) against 600 s on the GPUs free now (10% of its best rate)"), got
+        return
+    assert got["state"] == "ACTIVE" and [d["gpu_id"] for d in got["devices"]] == [t4] and draws.gaussed >= 1, got
+    assert ("started rather than wait for a better GPU by a draw within the model's doubt of its rate on the GPUs "
+            "free now (deviation 0.71, drawn +2.50): 102 s here against 120 s there (free in 60 s); by the prediction "
+            "alone 600 s here") in " ".join(got["reasons"]), got["reasons"]
 
 
 @pytest.mark.parametrize("stated", [None, 7200])

@@ -441,3 +441,90 @@ def test_a_place_in_line_keeps_every_other_gpu_of_the_line() -> None:
     big = Candidate("B", 0, 0, now=0.25, best=1.0, run_s=100.0, better_in_s=5.0, later_s=(), best_on="X", count=2)
     single = Candidate("C", 1, 0, now=0.25, best=1.0, run_s=100.0, better_in_s=5.0, later_s=(), best_on="X")
     assert list(choose([big, single], F, now=0.0).waiting) == ["C"]
+
+
+def test_a_draw_within_the_models_doubt_weighs_the_wait_and_says_when_it_decided() -> None:
+    # A: 1000 s of work at rate 1; the free GPU runs it at 0.5 (2000 s), its best (1.0) frees in 400 s: 1400 s.
+    # By the prediction it waits. The model is unsure of the ratio (sd 0.5): a draw of +1.5 deviations puts the
+    # rate now at 0.5 * e^0.75 = 1.0585 (945 s, sooner than 1400 s): it starts, and says the draw decided
+    def a(doubt: float, now: float = 0.5, sd: float = 0.5) -> Candidate:
+        return Candidate("A", 0, 0, now=now, best=1.0, run_s=1000.0, better_in_s=400.0, sd=sd, doubt=doubt)
+
+    assert a(0.0).gains_by_waiting() == (1400.0, 2000.0)
+    started = choose([a(1.5)], F, now=0.0)
+    assert started.chosen == "A" and started.waiting == {}
+    assert started.drawn == {"A": "started rather than wait for a better GPU by a draw within the model's doubt of "
+                                  "its rate on the GPUs free now (deviation 0.50, drawn +1.50): 945 s here against "
+                                  "1400 s there (free in 400 s); by the prediction alone 2000 s here"}
+    # a smaller draw (+0.5: 0.5 * e^0.25 = 0.642, 1558 s) still waits; its reason gives the drawn and predicted ends
+    kept = choose([a(0.5)], F, now=0.0)
+    assert kept.chosen is None and kept.drawn == {}
+    assert kept.waiting["A"] == ("waiting for a better GPU: predicted to end in 1400 s there (free in 400 s) against "
+                                 "1558 s on the GPUs free now (50% of its best rate; drawn +0.50 deviations of 0.50 "
+                                 "within the model's doubt; 2000 s as predicted)")
+    # a draw down may decide a wait: at 0.8 it starts by the prediction (1250 s < 1400 s); drawn -1 deviation,
+    # 0.8 * e^-0.5 = 0.485 (2061 s), it waits, and says the prediction alone would have started it
+    assert choose([a(0.0, now=0.8)], F, now=0.0).chosen == "A"
+    down = choose([a(-1.0, now=0.8)], F, now=0.0)
+    assert down.chosen is None and down.drawn == {}
+    assert down.waiting["A"] == ("waiting for a better GPU: predicted to end in 1400 s there (free in 400 s) against "
+                                 "2061 s on the GPUs free now (80% of its best rate; drawn -1.00 deviations of 0.50 "
+                                 "within the model's doubt, which decided: by the prediction alone it would start "
+                                 "now, 1250 s here)")
+    # a model sure of the ratio (sd 0), or no draw: the prediction decides, whatever the draw
+    assert choose([a(3.0, sd=0.0)], F, now=0.0).chosen is None
+    assert choose([a(0.0)], F, now=0.0).waiting["A"].endswith("(50% of its best rate)")
+
+
+def test_the_draw_is_the_placers_only_where_the_request_may_explore() -> None:
+    import random
+
+    from hostagent.domain.placement import Exploration, doubt_draw
+
+    ex = Exploration(epsilon=0.05, max_priority=5)
+    assert [doubt_draw(ex, random.Random(7), p) for p in (0, 5)] == [random.Random(7).gauss(0.0, 1.0)] * 2
+    rng = random.Random(7)
+    assert doubt_draw(ex, rng, 6) == 0.0 and rng.random() == random.Random(7).random()  # above the bound: none drawn
+    assert doubt_draw(Exploration(epsilon=0.0, max_priority=5), rng, 0) == 0.0  # exploration off: the prediction
+    assert doubt_draw(None, rng, 0) == 0.0 and doubt_draw(ex, None, 0) == 0.0
+
+
+def test_the_simulator_draws_the_models_doubt_where_a_job_weighs_a_wait() -> None:
+    # as test_the_simulator_prices_a_wait_with_the_jobs_still_running: the job waits for X (82 s there against 85 s
+    # on Y). With a model unsure of the ratio (0.5 per prediction: 0.71) and a draw of +1 deviation, Y's rate is
+    # drawn at e^0.71 = 2.03 (42 s on Y): it starts on Y. Without draws (`QueueState.doubt` None) it waits
+    from collections import deque
+
+    from hostagent.domain.placement import PlacementRequest
+    from hostagent.learn import sim_queue
+
+    table = Table({("a", "X"): 2.0, ("a", "Y"): 1.0}, {"a": 0.0})
+    views, oracle = sim_host(table, [("gx", "X"), ("gy", "Y")])
+
+    class Unsure:
+        def covers(self, request: Any) -> bool:
+            return True
+
+        def score(self, request: Any, devices: Any) -> Any:
+            return oracle.score(request, devices)
+
+        def uncertainty(self, request: Any, devices: Any) -> list[float]:
+            return [0.5] * len(devices)
+
+    request = PlacementRequest(count=1, task_type="a")
+    ran = sim_queue.Running("a", 0.0, 2.0)
+    asked: list[Any] = []
+
+    def draw(r: Any) -> float:
+        asked.append(r)
+        return 1.0
+
+    for doubt in (None, draw):
+        state = sim_queue.QueueState(F, runs={"a": deque([10.0])}, doubt=doubt)
+        got, pick = sim_queue.pick(state, [(1, request)], views, [False, True], lambda r, i: True, Unsure(), {0: ran},
+                                   40.0)
+        if doubt is None:
+            assert got is None and "against 85 s" in pick.waiting["1"] and state.drawn == 0
+        else:
+            assert got == 1 and "1" in pick.drawn and "42 s here against 82 s there" in pick.drawn["1"], pick
+            assert asked == [request] and state.drawn == 1
