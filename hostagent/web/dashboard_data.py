@@ -396,6 +396,8 @@ class DashboardData(DashboardSource):
                 "check_s": self.rt.settings.placement.model_check_interval_s,
                 "decisions": decisions, "notes": notes.items, "now": self.clock(),
                 "queue_order": self.rt.settings.leases.queue_order, "fairness": m.policy.fairness,
+                "explore": {"epsilon": self.rt.settings.placement.explore_epsilon,
+                            "max_priority": self.rt.settings.placement.explore_max_priority},
                 "queue": [{"id": x.id, "vm": x.domain_name, "task": x.request.task_type,
                            "position": m.queue_position(x), "note": m.queue_notes.get(x.id)} for x in m.queue()]}
 

@@ -126,6 +126,8 @@ async def test_a_freed_t4_goes_to_the_request_that_gains_most_from_it(tmp_path: 
     # the rule in force, in words: waiting in line for a better GPU, and who of several served in turn goes first
     assert "waits (when every request that could start would rather wait, the free GPUs stay free)" in placement
     assert "is served in turn (of several, the one that gains most from the GPUs free first)" in placement
+    assert "its wait is weighed against a draw within the model's doubt, afresh at each decision (priority 5 and " \
+           "under; placement.explore_epsilon 0.05)" in placement  # exploration on, as by default
     assert "comparative advantage: 100% of its best rate" in placement[placement.index("Recent placement decisions"):]
     for page in ("/", f"/ui/leases/{bert['id']}"):
         assert note in html.unescape(await (await rig.client.get(page)).text()), page
@@ -470,6 +472,10 @@ async def test_a_draw_within_the_models_doubt_may_start_a_request_that_would_wai
     bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", accept_deferred=True)
     t4 = await free_a_t4(rig, fillers)
     got = await view(rig, "vm-a", bert["id"])
+    await operator_login(rig)
+    placement = html.unescape(await (await rig.client.get("/ui/model")).text())
+    assert ("Waits are weighed on the predictions alone (placement.explore_epsilon = 0: no draws of the model's "
+            "doubt)" in placement) is (epsilon == 0), placement  # the rule in force, in words
     if epsilon == 0:
         assert got["state"] == "QUEUED" and t4 not in m.claims and draws.gaussed == 0, got
         assert got["queue"]["note"].startswith("waiting for a better GPU: predicted to end in 120 s there (free in 60 "
