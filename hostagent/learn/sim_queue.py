@@ -50,12 +50,9 @@ class QueueState:
     runs: dict[str, deque[float]] = field(default_factory=dict)  # task type -> recent run times at rate 1
     cache: dict[tuple[object, ...], list[float]] = field(default_factory=dict)  # request key -> score per device
     scorer_id: int = 0
-    waits: int = 0  # decisions in which some job chose to wait for a better GPU
-    passed_total: int = 0  # times a job was passed over
     # request -> its draw of the model's doubt for a wait decision (`domain.placement.doubt_draw`, as the agent's
     # placer draws it); None: no draws (the prediction itself)
     doubt: Callable[[PlacementRequest], float] | None = None
-    drawn: int = 0  # jobs a draw started rather than kept waiting for a better GPU
 
     def scores(self, scorer: Scorer, request: PlacementRequest, views: Sequence[DeviceView]) -> list[float]:
         """The scorer's prediction for every device of the host (free or not), cached per scorer and request."""
@@ -175,9 +172,6 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
     for p in decision.passed:
         n, since = state.passes.get(int(p), (0, None))
         state.passes[int(p)] = (n + 1, now if since is None else since)
-    state.passed_total += len(decision.passed)
-    state.waits += bool(decision.waiting)
-    state.drawn += decision.chosen in decision.drawn
     chosen = int(decision.chosen)
     state.passes.pop(chosen, None)
     return chosen, decision
