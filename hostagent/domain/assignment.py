@@ -48,7 +48,7 @@ A ratio the model is sure of (a deviation of a few hundredths) decides as before
 interactions' spread) is now and then drawn fast enough to start, so it gets records and its deviation, and the
 draws, shrink. Without the draws a request whose free set the model underrates (a rare GPU nobody has run its kind
 on) waits for a better GPU at every decision and the model never learns otherwise: on the synthetic table the
-single G3 sat idle 52 GPU-hours of trace 26 at load 0.95 while jobs waited (32 with the draws). A draw of 0 (the
+single G3 sat idle 52 GPU-hours of trace 26 at load 0.95 while jobs waited (32 under the table). A draw of 0 (the
 default, and what the callers pass where the operator turned exploration off) is the prediction itself. Its reason
 says when a draw decided (`Pick.drawn`: the requests a draw started rather than kept waiting).
 
