@@ -135,8 +135,8 @@ class Candidate:
         if self.now is None or self.run_s is None or at is None or self.now <= 0 or self.best <= 0:
             return None
         start_now = self.run_s / self.now
-        if drawn and self.doubt and self.sd:
-            start_now *= math.exp(-self.doubt * self.sd)  # run time over the drawn rate, now * exp(doubt * sd)
+        if drawn:  # run time over the drawn rate, now * exp(doubt * sd) (exp(0) is exactly 1: no draw, no change)
+            start_now *= math.exp(-self.doubt * self.sd)
         wait = max(0.0, at) + self.run_s / self.best
         return (wait, start_now) if wait < start_now else None
 
@@ -211,7 +211,7 @@ def _waiting(cls: Sequence[Candidate], fairness: Fairness, now: float, free_in: 
         if gain is None:
             for t in taken:
                 heapq.heappush(line, t)
-            if c.doubt and c.sd and (plain := c.gains_by_waiting(at, drawn=False)) is not None:
+            if (plain := c.gains_by_waiting(at, drawn=False)) is not None:  # it would wait but for its draw
                 drawn[c.id] = (f"started rather than wait for a better GPU by a draw within the model's doubt of its "
                                f"rate on the GPUs free now (deviation {c.sd:.2f}, drawn {c.doubt:+.2f}): "
                                f"{plain[1] * math.exp(-c.doubt * c.sd):.0f} s here against {plain[0]:.0f} s there "
@@ -224,17 +224,18 @@ def _waiting(cls: Sequence[Candidate], fairness: Fairness, now: float, free_in: 
         waiting[c.id] = (f"waiting for a better GPU: predicted to end in {gain[0]:.0f} s there (free in {at:.0f} s"
                          + (f", {_nth(n)} in line for it" if n > 1 else "")
                          + f") against {gain[1]:.0f} s on the GPUs free now ({c.efficiency:.0%} of its best rate"
-                         + (f"; {_drawn_note(c, at)}" if c.doubt and c.sd else "") + ")")
+                         + (f"; {_drawn_note(c, gain)}" if c.doubt and c.sd else "") + ")")
     return waiting
 
 
-def _drawn_note(c: Candidate, at: float) -> str:
-    """How the draw moved a waiting request's end on the GPUs free now, and whether it decided the wait."""
-    plain = c.gains_by_waiting(at, drawn=False)
-    if plain is None:
+def _drawn_note(c: Candidate, gain: tuple[float, float]) -> str:
+    """How the draw moved a waiting request's end on the GPUs free now (`gain`: its ends there and here, as drawn),
+    and whether it decided the wait (by the prediction alone, not waiting ends no later)."""
+    predicted = gain[1] * math.exp(c.doubt * c.sd)  # the end here by the prediction alone
+    if predicted <= gain[0]:
         return (f"drawn {c.doubt:+.2f} deviations of {c.sd:.2f} within the model's doubt, which decided: by the "
-                f"prediction alone it would start now, {c.run_s / c.now if c.run_s and c.now else 0:.0f} s here")
-    return f"drawn {c.doubt:+.2f} deviations of {c.sd:.2f} within the model's doubt; {plain[1]:.0f} s as predicted"
+                f"prediction alone it would start now, {predicted:.0f} s here")
+    return f"drawn {c.doubt:+.2f} deviations of {c.sd:.2f} within the model's doubt; {predicted:.0f} s as predicted"
 
 
 def _nth(n: int) -> str:

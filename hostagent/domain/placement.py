@@ -466,7 +466,7 @@ def doubt_draw(exploration: Exploration | None, rng: random.Random | None, prior
     ex = exploration
     if ex is None or rng is None or ex.epsilon <= 0 or priority > ex.max_priority:
         return 0.0
-    return rng.gauss(0.0, 1.0)
+    return rng.gauss()  # (mean 0, deviation 1: the defaults)
 
 
 def place(request: PlacementRequest, devices: Sequence[DeviceView], *, scorer: Scorer | None = None,

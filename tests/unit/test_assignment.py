@@ -471,8 +471,26 @@ def test_a_draw_within_the_models_doubt_weighs_the_wait_and_says_when_it_decided
                                  "2061 s on the GPUs free now (80% of its best rate; drawn -1.00 deviations of 0.50 "
                                  "within the model's doubt, which decided: by the prediction alone it would start "
                                  "now, 1250 s here)")
+    # second in line for the better GPU: its place frees when the first's run there ends (100 s + 100 s), so the
+    # draw is weighed against 200 s + 300 s there; +1 deviation puts it at 600 * e^-0.5 = 364 s here: it starts
+    def line(doubt: float) -> list[Candidate]:
+        first = Candidate("A", 0, 0, now=0.1, best=1.0, run_s=100.0)
+        second = Candidate("B", 1, 0, now=0.5, best=1.0, run_s=300.0, sd=0.5, doubt=doubt)
+        for c in (first, second):
+            c.stand_in_line([100.0], "X")
+        return [first, second]
+
+    second = choose(line(1.0), F, now=0.0)
+    assert second.chosen == "B" and list(second.waiting) == ["A"]
+    assert second.drawn["B"].endswith("(deviation 0.50, drawn +1.00): 364 s here against 500 s there (free in 200 s); "
+                                      "by the prediction alone 600 s here"), second.drawn
+    kept = choose(line(0.2), F, now=0.0)  # +0.2: 600 * e^-0.1 = 543 s, later than 500 s: it waits, 2nd in line
+    assert kept.waiting["B"] == ("waiting for a better GPU: predicted to end in 500 s there (free in 200 s, 2nd in "
+                                 "line for it) against 543 s on the GPUs free now (50% of its best rate; drawn +0.20 "
+                                 "deviations of 0.50 within the model's doubt; 600 s as predicted)")
     # a model sure of the ratio (sd 0), or no draw: the prediction decides, whatever the draw
-    assert choose([a(3.0, sd=0.0)], F, now=0.0).chosen is None
+    sure = choose([a(3.0, sd=0.0)], F, now=0.0)
+    assert sure.chosen is None and sure.waiting["A"].endswith("(50% of its best rate)") and sure.drawn == {}
     assert choose([a(0.0)], F, now=0.0).waiting["A"].endswith("(50% of its best rate)")
 
 
