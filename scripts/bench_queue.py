@@ -130,6 +130,7 @@ class Bench:
         m.relative_rates = placer.relative_rates
         m.rate_uncertainty, m.rates_token = placer.rate_uncertainty, placer.rates_token
         m.typical_run_s, m.left_run_s = placer.typical_run_s, placer.left_run_s
+        m.doubt = placer.doubt  # the draws of the model's doubt in the wait (exploration on, as by default)
         probe = {g.id: self.rng.uniform(0.9, 1.05) for g in gpus}
         placer.topology_place = make_topology_place(
             m, Topology.from_gpus(gpus), scorer=lambda: placer.scorer, probe_score=probe.get,
