@@ -25,7 +25,8 @@ def human_topology(body: dict[str, Any]) -> None:
     """Print the tree, the best set per size and the NVLink cliques."""
     states = {g["id"]: g["state"] for g in body["gpus"]}
     _print_tree(body["tree"], states)
-    print("GPU marks: [.] free  [L] leased  [Q] quarantined  [W] warned  [D] detach-pending  [P] probing  [U] unavailable")
+    print("GPU marks: [.] free  [L] leased  [Q] quarantined  [W] warned  [D] detach-pending  [P] probing  "
+          "[U] unavailable")
     if body.get("nvlink"):
         print("NVLink cliques: " + "; ".join(" ".join(c) for c in body["nvlink"]))
     print(f"free: {body['free']['count']} GPU(s), block capacity {body['free']['capacity']:.0%}")

@@ -147,8 +147,8 @@ async def test_every_documented_metric_has_a_value_test(tmp_path: Path, aiohttp_
 async def test_gpus_leases_transitions_steps_and_requests(tmp_path: Path, aiohttp_client: Any) -> None:
     rig = await start_rig(make_rig(tmp_path), aiohttp_client)
     s0 = await op(rig)
-    assert s0.by_label("hostagent_gpus", "state") == {"free": 8, "leased": 0, "warned": 0, "detach-pending": 0, "probing": 0,
-                                                      "quarantined": 0, "unavailable": 0}
+    assert s0.by_label("hostagent_gpus", "state") == {"free": 8, "leased": 0, "warned": 0, "detach-pending": 0,
+                                                      "probing": 0, "quarantined": 0, "unavailable": 0}
     a = await post_lease(rig.client, rig, "vm-a", gpus=2)
     await post_lease(rig.client, rig, "vm-b", gpus=1)
     s1 = await op(rig)

@@ -106,7 +106,8 @@ async def test_gpu_is_claimed_while_probed(tmp_path: Path, aiohttp_client: Any) 
     task = parts.probes.schedule(ALL[0], actor="test")
     await runner.started.wait()
     assert rig.runtime.manager.claims[ALL[0]] == f"probe:{ALL[0]}"
-    states = {g["id"]: g["state"] for g in (await (await client.get("/v1/gpus", headers=rig.auth("operator"))).json())["gpus"]}
+    gpus = (await (await client.get("/v1/gpus", headers=rig.auth("operator"))).json())["gpus"]
+    states = {g["id"]: g["state"] for g in gpus}
     assert states[ALL[0]] == "probing", states  # not "leased": no lease holds it (it once read so)
     r = await client.post("/v1/leases", json={"gpus": 8, "accept_deferred": True}, headers=rig.auth("vm-a"))
     queued = await r.json()

@@ -441,7 +441,7 @@ class UnsureTable(TableModel):
 
 
 class Draws(random.Random):
-    """The placer's generator with every normal draw fixed (uniform draws as seeded: 0.99, so nothing explores)."""
+    """The placer's generator with every normal draw fixed, and every uniform one 0.99 (so nothing explores)."""
 
     def __init__(self, z: float) -> None:
         super().__init__(0)
