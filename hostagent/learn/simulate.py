@@ -360,10 +360,8 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
                         # the head cannot start: those behind it compete only for the GPUs they may take without
                         # delaying it (EASY), as in the agent's queue (services.lease_queue._next_grant)
                         # (the head's room is the same for each of them: worked out once per decision)
-                        may = _head_room(head, free, started, fits, now)
-
-                        def room_of(r: PlacementRequest, may: set[int] = may) -> list[bool]:
-                            return [i in may and fits(r, i) for i in range(len(host))]
+                        room_of = functools.partial(_fitting, _head_room(head, free, started, fits, now), fits,
+                                                    len(host))
                     picked, pick = sim_queue.pick(qstate, waiting, base_views, free, fits, scorer, running_on, now,
                                                   room_of=room_of)
                     if picked is None:
@@ -418,8 +416,13 @@ def _backfill_room(head: PlacementRequest, request: PlacementRequest, free: Sequ
                    fits: Callable[[PlacementRequest, int], bool], now: float) -> list[bool]:
     """Which devices `request` may take behind a `head` that cannot start, as the agent's queue decides
     (`domain.admission.backfill_share`, EASY backfilling): those of :func:`_head_room` it fits."""
-    may = _head_room(head, free, started, fits, now)
-    return [i in may and fits(request, i) for i in range(len(free))]
+    return _fitting(_head_room(head, free, started, fits, now), fits, len(free), request)
+
+
+def _fitting(may: set[int], fits: Callable[[PlacementRequest, int], bool], n: int,
+             request: PlacementRequest) -> list[bool]:
+    """Which of `n` devices `request` may take: those in `may` that it fits."""
+    return [i in may and fits(request, i) for i in range(n)]
 
 
 def _doubt(exploration: Exploration, rng: random.Random, request: PlacementRequest) -> float:

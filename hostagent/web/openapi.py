@@ -7,6 +7,7 @@ from typing import Any
 from hostagent import __version__
 from hostagent.config import LeaseSettings
 from hostagent.domain.capabilities import FEATURES
+from hostagent.domain.inventory import GpuState
 from hostagent.domain.lease import (
     LABEL_FIELDS,
     LABEL_PATTERN,
@@ -209,8 +210,7 @@ def document(*, max_duration_s: int = LeaseSettings.max_duration_s) -> dict[str,
                                                                     "class": {"type": "string"},
                                                                     "driver": _NULLABLE_STR,
                                                                     "name": {"type": "string"}}}},
-            "state": {"type": "string", "enum": ["free", "leased", "warned", "detach-pending", "probing",
-                                                 "quarantined", "unavailable"]},
+            "state": {"type": "string", "enum": [s.value for s in GpuState]},
             "missing_functions": {"type": "array", "items": {"type": "string"},
                                   "description": "functions the kernel took off the PCI bus (removed through sysfs, "
                                                  "or fallen off) and not back yet; the GPU is quarantined meanwhile"},
