@@ -185,19 +185,25 @@ def philly_trace(data: Path, table: list[dict[str, object]], host: list[dict[str
             t += g
             times.append(t)
         window = [(ts, d, n) for ts, (_, d, n) in zip(times, window)]
-    thr = {(str(r["job_type"]), str(r["gpu_model"])): float(r["throughput"]) for r in table}  # type: ignore[arg-type]
-    types = sorted({j for j, _ in thr})
-    absent = sorted({(j, str(g["gpu_model"])) for j in types for g in host if (j, str(g["gpu_model"])) not in thr})
-    if absent:
-        raise InvalidInput(f"the table has no throughput for {absent[0][0]} on {absent[0][1]}", field="table")
+    # a pair the table leaves out (or gives 0) is one the job type cannot run on (sim_inputs.Table)
+    thr = {(str(r["job_type"]), str(r["gpu_model"])): float(str(r["throughput"])) for r in table
+           if float(str(r["throughput"])) > 0}
+    models = {str(g["gpu_model"]) for g in host}
+    if unknown := sorted(models - {m for _, m in thr}):
+        raise InvalidInput(f"the table has no throughput for GPU model {unknown[0]}", field="table")
     # harmonic mean: the rate at which a job type's work gets done on a device picked at random from this host
     # (the mean *time* per unit of work), so that "offered load" is the load that random placement would see
-    need = {j: max(float(r.get("memory_gib") or 0.0) for r in table if r["job_type"] == j) for j in types}  # type: ignore[arg-type]
+    need = {j: max(float(r.get("memory_gib") or 0.0) for r in table if r["job_type"] == j) for j, _ in thr}  # type: ignore[arg-type]
     mean_rate: dict[str, float] = {}
-    for j in types:
-        fits = [g for g in host if float(str(g["memory_gib"])) + 1e-9 >= need[j]]
+    for j in sorted(need):
+        fits = [g for g in host if float(str(g["memory_gib"])) + 1e-9 >= need[j] and (j, str(g["gpu_model"])) in thr]
         slowness = [1.0 / (thr[(j, str(g["gpu_model"]))] * float(str(g.get("health_factor", 1.0)))) for g in fits]
-        mean_rate[j] = len(fits) / sum(slowness) if fits else 1.0
+        if fits:  # a job type no GPU of this host can run is not drawn
+            mean_rate[j] = len(fits) / sum(slowness)
+    types = sorted(mean_rate)
+    if not types:
+        raise InvalidInput("no job type of the table can run on any GPU of this host (memory, or no throughput "
+                           "for the host's GPU models)", field="table")
     durations = [min(max_duration_s, max(min_duration_s, d)) for _, d, _ in window]
     gpu_seconds = sum(d * n for d, (_, _, n) in zip(durations, window))
     span = window[-1][0] - window[0][0] or 1.0

@@ -186,7 +186,8 @@ def offered_load(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job]) -> f
     host offers during the arrival span: the generator's definition, measured back from a trace."""
     busy = 0.0
     for j in jobs:
-        fits = [g for g in host if g.memory_gib + 1e-9 >= table.need_gib.get(j.job_type, 0.0)]
+        fits = [g for g in host if g.memory_gib + 1e-9 >= table.need_gib.get(j.job_type, 0.0)
+                and table.runs(j.job_type, g.model)]
         rate = len(fits) / sum(1.0 / (table.thr[(j.job_type, g.model)] * g.health) for g in fits) if fits else 1.0
         busy += j.work / rate * j.num_gpus
     span = (jobs[-1].arrival_s - jobs[0].arrival_s) if jobs else 0.0

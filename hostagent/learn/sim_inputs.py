@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hostagent.domain.errors import InvalidInput
@@ -14,10 +14,23 @@ from hostagent.domain.errors import InvalidInput
 
 @dataclass(frozen=True, slots=True)
 class Table:
-    """Ground truth: throughput of each job type on each GPU model, and each job type's memory need."""
+    """Ground truth: throughput of each job type on each GPU model, and each job type's memory need. A pair the table
+    leaves out (or gives a throughput of 0) is one the job type cannot run on: published benchmark tables have such
+    holes where a model ran out of memory or was not measured on a card."""
 
     thr: dict[tuple[str, str], float]
     need_gib: dict[str, float]
+    # the job types the table has no throughput for on some of its GPU models
+    holed: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        models = {m for _, m in self.thr}
+        object.__setattr__(self, "holed", frozenset(j for j, _ in self.thr
+                                                    if any((j, m) not in self.thr for m in models)))
+
+    def runs(self, job_type: str, model: str) -> bool:
+        """Whether the job type can run on the GPU model (the table has its throughput)."""
+        return (job_type, model) in self.thr
 
     @property
     def job_types(self) -> list[str]:
@@ -82,17 +95,23 @@ def _float(row: dict[str, str], key: str, where: str, default: float | None = No
 
 
 def load_table(path: Path | str) -> Table:
-    """Read ``job_type,gpu_model,throughput[,memory_gib]``; a job type needs the most memory any of its rows says."""
+    """Read ``job_type,gpu_model,throughput[,memory_gib]``; a job type needs the most memory any of its rows says. A
+    throughput of 0, like a row left out, says the job type cannot run on that GPU model."""
     thr: dict[tuple[str, str], float] = {}
     need: dict[str, float] = {}
     for i, r in enumerate(_rows(path, ("job_type", "gpu_model", "throughput")), start=2):
         where = f"{path}:{i}"
-        t = _float(r, "throughput", where)
-        if t <= 0:
-            raise InvalidInput(f"{where}: throughput must be > 0", field="throughput")
+        try:
+            t = _float(r, "throughput", where)
+        except InvalidInput as exc:
+            raise InvalidInput(f"{exc}; where the job type cannot run on that GPU model (out of memory, not "
+                               "measured), write 0 or leave the row out", field="throughput") from exc
+        if t < 0:
+            raise InvalidInput(f"{where}: throughput must be >= 0 (0: cannot run there)", field="throughput")
         key = (r["job_type"].strip(), r["gpu_model"].strip())
-        thr[key] = t
-        need[key[0]] = max(need.get(key[0], 0.0), _float(r, "memory_gib", where, 0.0))
+        if t > 0:
+            thr[key] = t
+            need[key[0]] = max(need.get(key[0], 0.0), _float(r, "memory_gib", where, 0.0))
     if not thr:
         raise InvalidInput(f"{path}: empty throughput table", field="throughputs")
     return Table(thr, need)
@@ -132,18 +151,26 @@ def load_trace(path: Path | str) -> list[Job]:
 
 
 def check_inputs(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job]) -> tuple[list[Job], list[str]]:
-    """Refuse inputs the table cannot score; drop (and say so) jobs no set of devices on this host could run."""
-    missing = sorted({(j, g.model) for j in {x.job_type for x in jobs} for g in host if (j, g.model) not in table.thr})
-    if missing:
-        raise InvalidInput(f"the throughput table has no row for {missing[0][0]} on {missing[0][1]} "
-                           f"({len(missing)} missing pair(s))", field="throughputs")
+    """Refuse inputs the table cannot score (a GPU model or a job type it has no row for: most often a name spelt
+    two ways); drop (and say so) jobs no set of devices on this host could run: too many GPUs, too much memory, or
+    too few of the GPU models the table lets their type run on."""
+    models = set(table.models)
+    if unknown := sorted({g.model for g in host} - models):
+        raise InvalidInput(f"the throughput table has no row for GPU model {unknown[0]} ({len(unknown)} of the host's "
+                           f"GPU model(s) unknown; the table's are {', '.join(sorted(models))})", field="throughputs")
+    types = set(table.job_types)
+    if unknown := sorted({j.job_type for j in jobs} - types):
+        raise InvalidInput(f"the throughput table has no row for job type {unknown[0]} ({len(unknown)} of the "
+                           "trace's job type(s) unknown)", field="throughputs")
     kept, notes = [], []
     for j in jobs:
-        fits = sum(1 for g in host if g.memory_gib + 1e-9 >= table.need_gib.get(j.job_type, 0.0))
+        fits = sum(1 for g in host if g.memory_gib + 1e-9 >= table.need_gib.get(j.job_type, 0.0)
+                   and table.runs(j.job_type, g.model))
         if fits >= j.num_gpus:
             kept.append(j)
     if len(kept) < len(jobs):
-        notes.append(f"{len(jobs) - len(kept)} job(s) dropped: more GPUs or memory than this host has")
+        notes.append(f"{len(jobs) - len(kept)} job(s) dropped: more GPUs or memory than this host has (of the GPU "
+                     "models the table lets them run on)")
     return [replace(j, index=k) for k, j in enumerate(kept)], notes
 
 

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from hostagent.domain.admission import backfill_share, shadow
+from hostagent.domain.capabilities import Capabilities
 from hostagent.domain.errors import InvalidInput
 from hostagent.domain.lease import DEFAULT_DURATION_S
 from hostagent.domain.assignment import Fairness
@@ -126,11 +127,11 @@ def rule_scorers(table: Table, host: Sequence[SimGpu], rng: random.Random,
         "fastest-model": _RuleScorer("fastest-model", lambda r, ds: [
             rank.get(d.model, 0.0) - 1e-9 * order[d.gpu_id] for d in ds]),
         "oracle": _RuleScorer("oracle", lambda r, ds: [
-            table.thr[(r.task_type, d.model)] * health[d.gpu_id] for d in ds]),
+            table.thr.get((r.task_type, d.model), 0.0) * health[d.gpu_id] for d in ds]),
         "matching-oracle": _RuleScorer("matching-oracle", lambda r, ds: [
-            table.thr[(r.task_type, d.model)] * health[d.gpu_id] for d in ds]),
+            table.thr.get((r.task_type, d.model), 0.0) * health[d.gpu_id] for d in ds]),
         "noisy-oracle": _RuleScorer("noisy-oracle", lambda r, ds: [
-            noisy[(r.task_type, d.model)] * health[d.gpu_id] for d in ds]),
+            noisy.get((r.task_type, d.model), 0.0) * health[d.gpu_id] for d in ds]),
     }
 
 
@@ -226,7 +227,28 @@ class RunFigures:
 
 def _request(table: Table, job: Job) -> PlacementRequest:
     return PlacementRequest(count=job.num_gpus, task_type=job.job_type, min_memory_gib=table.need_gib.get(job.job_type, 0.0),
-                            priority=job.priority, numa_policy="preferred")
+                            priority=job.priority, numa_policy="preferred", requires=_needs(table, job.job_type))
+
+
+# a table's hole (a job type it gives no throughput for on a GPU model) is a feature the job type requires, and every
+# GPU model the table has its row for provides: the real place() filters it out as it does a GPU that lacks bf16
+def _feature(job_type: str) -> str:
+    return f"runs {job_type}"
+
+
+def _needs(table: Table, job_type: str) -> tuple[str, ...]:
+    """What a job of this type requires of a GPU: to be of a model the table has its throughput for (nothing where
+    the table has it for every model)."""
+    return (_feature(job_type),) if job_type in table.holed else ()
+
+
+def _views(table: Table, host: Sequence[SimGpu]) -> list[DeviceView]:
+    """The host's devices as the placement code sees them, each with the job types it can run as its features."""
+    return [DeviceView(gpu_id=g.gpu_id, model=g.model, vendor="NVIDIA Corporation",
+                       memory_bytes=int(g.memory_gib * GIB), numa_node=g.numa_node, probe_score=g.health,
+                       capabilities=Capabilities(frozenset(_feature(j) for j in table.job_types if table.runs(j, g.model)),
+                                                 f"the throughput table's rows for {g.model}"))
+            for g in host]
 
 
 def _set_rate(table: Table, job: Job, gpus: Sequence[SimGpu]) -> float:
@@ -282,9 +304,7 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
     rng = random.Random(seed)
     rules = rule_scorers(table, host, random.Random(seed * 31 + 7), noise_rng=random.Random(seed * 31 + 11))
     by_id = {g.gpu_id: g for g in host}
-    base_views = [DeviceView(gpu_id=g.gpu_id, model=g.model, vendor="NVIDIA Corporation",
-                             memory_bytes=int(g.memory_gib * GIB), numa_node=g.numa_node, probe_score=g.health)
-                  for g in host]
+    base_views = _views(table, host)
     busy_views = [replace(v, free=False) for v in base_views]
     free = [True] * len(host)
     index = {g.gpu_id: i for i, g in enumerate(host)}
@@ -310,7 +330,7 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
     started = [0.0] * len(host)  # device index -> when the job on it started (the first day's backfilling)
 
     def fits(request: PlacementRequest, i: int) -> bool:
-        return host[i].memory_gib + 1e-9 >= request.min_memory_gib
+        return host[i].memory_gib + 1e-9 >= request.min_memory_gib and table.runs(request.task_type, host[i].model)
     seq = 0
     try:
         while arrivals or queue or running:
@@ -447,7 +467,8 @@ def _best_rate(table: Table, job: Job, host: Sequence[SimGpu], free: Sequence[bo
                chosen: Sequence[str], need: float) -> float:
     """Rate of the fastest set of ``num_gpus`` devices that were free and fitted the job at decision time."""
     rates = sorted((table.thr[(job.job_type, g.model)] * g.health for g in host
-                    if (free[index[g.gpu_id]] or g.gpu_id in chosen) and g.memory_gib + 1e-9 >= need),
+                    if (free[index[g.gpu_id]] or g.gpu_id in chosen) and g.memory_gib + 1e-9 >= need
+                    and table.runs(job.job_type, g.model)),
                    reverse=True)
     if len(rates) < job.num_gpus:
         return 0.0

@@ -74,6 +74,10 @@ def test_speedup_spread_and_offered_load() -> None:
     # harmonic-mean rate of "a" over X and Y: 2 / (1/10 + 1/1) = 1.81818; 2 jobs of work 10 over 100 s on 2 GPUs
     jobs = [Job(0, 0.0, "a", 10.0, 1), Job(1, 100.0, "a", 10.0, 1)]
     assert evaluate.offered_load(TABLE, host, jobs) == pytest.approx(2 * 10 / (2 / 1.1) / 200)
+    # where the table has no throughput for "a" on Y, "a" runs on X alone, at 10
+    holed = Table({("a", "X"): 10.0, ("b", "X"): 1.0, ("b", "Y"): 10.0}, {})
+    assert evaluate.offered_load(holed, host, jobs) == pytest.approx(2 * 10 / 10 / 200)
+    assert evaluate.speedup_spread(holed, ["X", "Y"]) == pytest.approx(1.0)  # no type has a rate on both
 
 
 def _inputs(tmp_path: Path) -> tuple[Path, Path, Path]:

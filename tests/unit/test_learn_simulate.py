@@ -165,10 +165,47 @@ def test_memory_need_is_a_hard_filter_for_every_policy() -> None:
 
 
 def test_inputs_are_checked() -> None:
-    with pytest.raises(InvalidInput, match="no row for a on Z"):
+    with pytest.raises(InvalidInput, match="no row for GPU model Z .*the table's are X, Y"):
         check_inputs(TABLE, [SimGpu("z", "Z", 16, 0)], [Job(0, 0, "a", 1, 1)])
+    with pytest.raises(InvalidInput, match="no row for job type c"):
+        check_inputs(TABLE, HOST, [Job(0, 0, "c", 1, 1)])
     kept, notes = check_inputs(TABLE, HOST, [Job(0, 0, "big", 1, 2), Job(1, 1, "a", 1, 2)])
     assert [j.job_type for j in kept] == ["a"] and "1 job(s) dropped" in notes[0]
+    # a hole in the table: "b" runs only on X, so a 2-GPU "b" job cannot run on this host of one X and one Y
+    holed = Table({k: v for k, v in TABLE.thr.items() if k != ("b", "Y")}, TABLE.need_gib)
+    assert holed.holed == {"b"} and not holed.runs("b", "Y") and holed.runs("b", "X")
+    kept, notes = check_inputs(holed, HOST, [Job(0, 0, "b", 1, 2), Job(1, 1, "b", 1, 1), Job(2, 2, "a", 1, 2)])
+    assert [(j.job_type, j.num_gpus) for j in kept] == [("b", 1), ("a", 2)] and "1 job(s) dropped" in notes[0]
+
+
+def test_a_table_s_holes_are_gpu_models_the_job_type_cannot_run_on(tmp_path: Path) -> None:
+    # benchmark tables leave out (or give 0 for) the pairs that ran out of memory or were not measured
+    (tmp_path / "t.csv").write_text("job_type,gpu_model,throughput\na,X,10\na,Y,1\nb,X,1\nb,Y,0\n")
+    table = simulate.load_table(tmp_path / "t.csv")
+    assert table.thr == {("a", "X"): 10.0, ("a", "Y"): 1.0, ("b", "X"): 1.0} and table.holed == {"b"}
+    (tmp_path / "oom.csv").write_text("job_type,gpu_model,throughput\na,X,10\na,Y,OOM\n")
+    with pytest.raises(InvalidInput, match="'OOM' is not a number; .*write 0 or leave the row out"):
+        simulate.load_table(tmp_path / "oom.csv")
+    (tmp_path / "neg.csv").write_text("job_type,gpu_model,throughput\na,X,-1\n")
+    with pytest.raises(InvalidInput, match="must be >= 0"):
+        simulate.load_table(tmp_path / "neg.csv")
+    # "b" is 10x faster on X than "a" on Y would suggest, and cannot run on Y at all: under every policy, the
+    # learned one included, every "b" job runs on x0 (at 1/s: 100 s; jobs far apart, so none waits), though first-fit
+    # takes y0 for every "a" job
+    jobs = _sparse_jobs(120)
+    for policy in simulate.DEFAULT_POLICIES:
+        fig = run_policy(policy, table, HOST, jobs, seed=3, warmup_jobs=40, retrain_every=1000, min_records=30)
+        assert all(fig.jct[j.index] == pytest.approx(100.0) for j in jobs if j.job_type == "b"), policy
+        assert max(fig.regret[j.index] for j in jobs if j.job_type == "b") == 0.0, policy
+    first = run_policy("first-fit", table, HOST, jobs, seed=3, warmup_jobs=40, retrain_every=1000, min_records=30)
+    assert first.jct[0] == pytest.approx(100.0)  # "a" on y0, at 1/s
+    # the placement code says why Y was left out: the job type's requirement, from the table
+    request = simulate._request(table, jobs[1])
+    decision = simulate.place(request, simulate._views(table, HOST), scorer=None)
+    assert decision.chosen == ("x0",)
+    assert any(gpu == "y0" and "lacks runs b (the throughput table's rows for Y)" in why
+               for gpu, why in decision.dropped)
+    assert simulate._request(table, jobs[0]).requires == ()  # "a" runs everywhere: no requirement
 
 
 def test_cli_reads_the_three_csvs_and_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -229,8 +266,17 @@ def test_generators_from_a_small_copy_of_the_data(tmp_path: Path) -> None:
     assert busy / (span * 2) == pytest.approx(0.5, rel=1e-6)
     with pytest.raises(InvalidInput, match="no sia/ folder"):
         datasets.data_dir(tmp_path / "nowhere")
-    with pytest.raises(InvalidInput, match="no throughput for bert on V100"):
+    with pytest.raises(InvalidInput, match="no throughput for GPU model V100"):
         datasets.philly_trace(data, table[:2], datasets.host_from_mix("V100:1"), jobs=10, load=0.5, seed=0)
+    # a pair the table leaves out is one the job type cannot run on: a type no GPU of the host runs is not drawn,
+    # and the load is that of the GPUs each type can run on
+    holed = [r for r in table if not (r["job_type"] == "ncf" and r["gpu_model"] in ("A100", "T4"))]
+    trace = datasets.philly_trace(data, holed, host, jobs=50, load=0.5, seed=0)
+    assert {r["job_type"] for r in trace} == {"bert"}
+    busy = sum(float(r["work"]) / rate["bert"] * int(r["num_gpus"]) for r in trace)  # type: ignore[arg-type]
+    assert busy / (float(trace[-1]["arrival_s"]) * 2) == pytest.approx(0.5, rel=1e-6)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="no job type of the table can run on any GPU of this host"):
+        datasets.philly_trace(data, [{**r, "memory_gib": 64} for r in table], host, jobs=10, load=0.5, seed=0)
     assert datasets.main(["--data", str(data), "all", "--out", str(tmp_path / "out"), "--jobs", "40"]) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "alibaba_host.csv", "roofline_host.csv", "roofline_table.csv", "roofline_trace.csv", "sia_host.csv",
@@ -266,3 +312,15 @@ def test_noisy_oracle_is_the_table_off_by_a_few_per_cent_drawn_once_per_run() ->
     jobs = _sparse_jobs(40)
     noisy = run_policy("noisy-oracle", TABLE, HOST, jobs, seed=0, warmup_jobs=0, retrain_every=1000, min_records=40)
     assert all(abs(noisy.jct[j.index] - 10.0) < 1e-9 for j in jobs)  # tenfold differences survive a 3 % error
+
+
+def test_a_job_that_cannot_run_on_the_free_gpu_does_not_hold_up_one_behind_it_that_can() -> None:
+    # "b" cannot run on Y. x0 is busy with a "b" job for 100 s when a second one arrives, then "big" (only y0 has
+    # its 20 GiB): the second "b" must wait for x0, and "big" starts on y0 at once, both on the first day (the serve
+    # order's backfilling) and once the queue compares (matching-oracle)
+    table = Table({k: v for k, v in TABLE.thr.items() if k != ("b", "Y")}, TABLE.need_gib)
+    jobs = [Job(0, 0.0, "b", 100.0, 1), Job(1, 1.0, "b", 10.0, 1), Job(2, 2.0, "big", 50.0, 1)]
+    for policy in ("model", "matching-oracle"):
+        fig = run_policy(policy, table, HOST, jobs, seed=0, warmup_jobs=0, retrain_every=100, min_records=50)
+        assert fig.wait[0] == 0.0 and fig.wait[2] == 0.0, policy
+        assert fig.jct[2] == pytest.approx(10.0) and fig.wait[1] == pytest.approx(99.0), policy
