@@ -8,7 +8,8 @@
   job types drawn uniformly from the table; ``work = duration * harmonic-mean rate of the job type on this
   host``, so a Philly duration is what the job takes, on average, on a device picked at random; gaps scaled to a target offered load.
 - ``synthetic-table``: seeded synthetic throughputs (per-model base speed x per-(job, model) log-normal affinity)
-  and memory needs (4..20 GiB), to show the harness on a table that is not Sia's.
+  and memory needs (4..20 GiB), to show the harness on a table that is not Sia's; ``--holes`` leaves a share of the
+  pairs out (job types that cannot run on some GPU models, as in published benchmark tables).
 - ``roofline-table``: throughputs from the roofline model over vendor spec-sheet figures (`ROOFLINE_GPUS`: peak
   FP32 and dense FP16-tensor TFLOP/s, memory bandwidth, memory size) for job types defined by their arithmetic
   intensity (`ROOFLINE_JOBS`: FLOPs per byte of memory traffic, FP16-tensor or FP32, memory need). One unit of
@@ -94,9 +95,27 @@ def sia_table(data: Path) -> list[dict[str, object]]:
     return [{"job_type": j, "gpu_model": m, "throughput": round(t, 6)} for (j, m), t in sorted(best.items())]
 
 
-def synthetic_table(seed: int, models: Sequence[str], job_types: int = 8) -> list[dict[str, object]]:
-    """A seeded synthetic table: base speed per model x log-normal affinity per (job, model); memory needs 4..20 GiB."""
-    rng = random.Random(seed)
+def synthetic_table(seed: int, models: Sequence[str], job_types: int = 8, holes: float = 0.0) -> list[dict[str, object]]:
+    """A seeded synthetic table: base speed per model x log-normal affinity per (job, model); memory needs 4..20 GiB.
+    ``holes``: the share of (job, model) pairs left out (the job type cannot run on that model, as where a published
+    benchmark ran out of memory), drawn from a stream of their own, so the rows kept are those of the table without
+    holes; every job type keeps at least one model."""
+    if not 0.0 <= holes < 1.0:
+        raise InvalidInput(f"--holes must be in [0, 1), not {holes}", field="holes")
+    rows = _synthetic_rows(random.Random(seed), models, job_types)
+    if holes <= 0.0:
+        return rows
+    drop = random.Random(seed * 7919 + 5)
+    out: list[dict[str, object]] = []
+    for k in range(job_types):
+        mine = [r for r in rows if r["job_type"] == f"job{k}"]
+        kept = [r for r in mine if drop.random() >= holes]
+        out += kept or [max(mine, key=lambda r: float(str(r["throughput"])))]
+    return out
+
+
+def _synthetic_rows(rng: random.Random, models: Sequence[str], job_types: int) -> list[dict[str, object]]:
+    """Every (job, model) row of the synthetic table."""
     base = {m: math.exp(rng.gauss(0.0, 0.5)) for m in models}
     rows: list[dict[str, object]] = []
     for k in range(job_types):
@@ -246,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--models", default="P100,T4,V100M16,V100M32,A10,G2,G3")
     s.add_argument("--job-types", type=int, default=8)
     s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--holes", type=float, default=0.0,
+                   help="share of (job type, GPU model) pairs left out: the job type cannot run there (default 0)")
     s = sub.add_parser("roofline-table")
     s.add_argument("--out", required=True, type=Path)
     s.add_argument("--models", default=",".join(ROOFLINE_GPUS))
@@ -275,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "sia-table":
             write_csv(args.out, sia_table(data_dir(args.data)))
         elif args.cmd == "synthetic-table":
-            write_csv(args.out, synthetic_table(args.seed, args.models.split(","), args.job_types))
+            write_csv(args.out, synthetic_table(args.seed, args.models.split(","), args.job_types, args.holes))
         elif args.cmd == "roofline-table":
             write_csv(args.out, roofline_table(args.models.split(",")))
         elif args.cmd == "host":

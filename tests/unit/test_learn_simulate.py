@@ -324,3 +324,19 @@ def test_a_job_that_cannot_run_on_the_free_gpu_does_not_hold_up_one_behind_it_th
         fig = run_policy(policy, table, HOST, jobs, seed=0, warmup_jobs=0, retrain_every=100, min_records=50)
         assert fig.wait[0] == 0.0 and fig.wait[2] == 0.0, policy
         assert fig.jct[2] == pytest.approx(10.0) and fig.wait[1] == pytest.approx(99.0), policy
+
+
+def test_the_synthetic_table_may_leave_pairs_out(tmp_path: Path) -> None:
+    models = ["T4", "V100", "A100", "P100", "A10", "L4"]
+    full = datasets.synthetic_table(3, models, 12)
+    holed = datasets.synthetic_table(3, models, 12, holes=0.3)
+    assert len(full) == 72 and 30 < len(holed) < 72
+    assert all(r in full for r in holed)  # the rows kept are the full table's, to the digit
+    assert {r["job_type"] for r in holed} == {f"job{k}" for k in range(12)}  # every job type keeps a model
+    assert datasets.synthetic_table(3, models, 12, holes=0.0) == full
+    with pytest.raises(InvalidInput, match="--holes must be in"):
+        datasets.synthetic_table(3, models, 12, holes=1.0)
+    assert datasets.main(["synthetic-table", "--out", str(tmp_path / "t.csv"), "--models", ",".join(models),
+                          "--job-types", "12", "--seed", "3", "--holes", "0.3"]) == 0
+    table = simulate.load_table(tmp_path / "t.csv")
+    assert len(table.thr) == len(holed) and table.holed
