@@ -16,7 +16,9 @@ told when each of them frees, and which they are (jobs waiting for the same GPUs
 `domain.assignment`). Each job's efficiency carries the deviation of its two predictions (the scorer's
 `uncertainty`, as the agent's placer passes it; 0 for a scorer that knows the table), so jobs the model cannot tell
 apart keep serve order, and a job that would wait for a better GPU weighs the wait against a draw of its rate now
-within that deviation (`QueueState.doubt`, the learned policy's: `domain.assignment`, Thompson sampling).
+within that deviation (`QueueState.doubt`, the learned policy's: `domain.assignment`, Thompson sampling). Where a
+job that could start now, of the highest priority among those, is of a task type the model does not cover yet (too
+few records), the first that could start goes, in serve order, as in the agent's queue.
 """
 
 from __future__ import annotations
@@ -118,23 +120,32 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
     that can start now are candidates, as in the agent's queue. `room_of`: where the head (the first) cannot start,
     the GPUs each job behind it may take without delaying it (EASY backfilling, `simulate._head_room`)."""
     cands: list[Candidate] = []
-    if waiting and not all(scorer.covers(req) for _, req in waiting[:WINDOW]):
-        # as the agent's queue: where the model does not cover every request, strict serve order (the first)
-        return waiting[0][0], Pick(str(waiting[0][0]), "first in serve order (the model does not cover them all)")
     running: dict[str, list[float]] = {}  # task type -> what each of its running jobs has run so far, at rate 1
     for job in {id(j): j for j in running_on.values()}.values():  # (a job on several GPUs: once)
         if job.rate > 0:
             running.setdefault(job.task_type, []).append((now - job.start) * job.rate)
+    ready = []  # the jobs that can start now, in serve order: only they are compared, as in the agent's queue
     for order, (jidx, req) in enumerate(waiting[:WINDOW]):
-        sc = state.scores(scorer, req, views_free)
         usable = [i for i in range(len(views_free)) if fits(req, i)]
         if len(usable) < req.count:
             continue
-        ranked = sorted(usable, key=lambda i: -sc[i])
         may = free if room_of is None or order == 0 else room_of(req)  # the free GPUs it may take now
-        open_ = [i for i in ranked if may[i]]
-        if len(open_) < req.count:
+        if sum(1 for i in usable if may[i]) < req.count:
             continue  # it cannot start now: not a candidate (the head is kept its GPUs by `room_of`)
+        ready.append((order, jidx, req, usable, may))
+    top = max((req.priority for _, _, req, _, _ in ready), default=0)
+    for order, jidx, req, usable, may in ready:
+        if not scorer.covers(req):
+            # as the agent's queue (lease_queue._by_advantage): a request of the highest priority that could start
+            # and that the model does not cover (too few records of its task type) keeps strict serve order, the
+            # first that could start; an uncovered one of a lower priority waits its turn
+            if req.priority == top:
+                first = ready[0][1]
+                return first, Pick(str(first), "first in serve order (the model does not cover them all)")
+            continue
+        sc = state.scores(scorer, req, views_free)
+        ranked = sorted(usable, key=lambda i: -sc[i])
+        open_ = [i for i in ranked if may[i]]
         at_best, at_now = ranked[req.count - 1], open_[req.count - 1]
         best, now_rate = sc[at_best], sc[at_now]
         sd = 0.0

@@ -546,3 +546,44 @@ def test_the_simulator_draws_the_models_doubt_where_a_job_weighs_a_wait() -> Non
         else:
             assert got == 1 and "1" in pick.drawn and "42 s here against 82 s there" in pick.drawn["1"], pick
             assert asked == [request]
+
+
+def test_the_simulator_keeps_strict_order_for_an_uncovered_request_only_where_the_agent_does() -> None:
+    # the agent's queue (lease_queue._by_advantage) compares the requests that could start now; one of the highest
+    # priority among them that the model does not cover keeps strict serve order (the first that could start), one
+    # that cannot start, or of a lower priority, holds nobody to it. X is busy, Y free: "a" runs there at a tenth
+    # of its rate on X, "c" at its best; "b" is not covered
+    from hostagent.domain.placement import PlacementRequest
+    from hostagent.learn import sim_queue
+
+    views, oracle = sim_host(Table({("a", "X"): 10.0, ("a", "Y"): 1.0, ("b", "X"): 1.0, ("b", "Y"): 1.0,
+                                    ("c", "X"): 1.0, ("c", "Y"): 1.0}, {}), [("gx", "X"), ("gy", "Y")])
+
+    class Partial:  # the table's rates, for every task type but "b"
+        def covers(self, request: PlacementRequest) -> bool:
+            return request.task_type != "b"
+
+        def score(self, request: PlacementRequest, devices: Sequence[Any]) -> list[float]:
+            return oracle.score(request, devices)
+
+    a, b, c = (PlacementRequest(count=1, task_type=t) for t in "abc")
+    big_b = PlacementRequest(count=3, task_type="b")  # three GPUs: it cannot start on this host of two
+
+    def pick(waiting: list[tuple[int, PlacementRequest]]) -> tuple[int | None, str]:
+        got, p = sim_queue.pick(sim_queue.QueueState(F), waiting, views, [False, True], lambda r, i: True, Partial(),
+                                {}, 0.0)
+        return got, p.reason
+
+    # comparative advantage: "c" (100 % of its best on Y) passes "a" (10 %)
+    got, why = pick([(2, a), (1, c)])
+    assert got == 1 and why.startswith("comparative advantage")
+    # a "b" that could start, at the same priority: strict serve order, the first that could start
+    assert pick([(0, b), (2, a), (1, c)]) == (0, "first in serve order (the model does not cover them all)")
+    assert pick([(2, a), (0, b), (1, c)]) == (2, "first in serve order (the model does not cover them all)")
+    # a "b" that cannot start (until 2026-12-01 it put the whole decision in strict order) holds nobody to it
+    got, why = pick([(0, big_b), (2, a), (1, c)])
+    assert got == 1 and why.startswith("comparative advantage")
+    # nor does one of a lower priority: the highest priority is compared
+    high_a, high_c = (PlacementRequest(count=1, task_type=t, priority=1) for t in "ac")
+    got, why = pick([(0, b), (2, high_a), (1, high_c)])
+    assert got == 1 and why.startswith("comparative advantage")

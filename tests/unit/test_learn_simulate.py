@@ -334,6 +334,12 @@ def test_the_synthetic_table_may_leave_pairs_out(tmp_path: Path) -> None:
     assert all(r in full for r in holed)  # the rows kept are the full table's, to the digit
     assert {r["job_type"] for r in holed} == {f"job{k}" for k in range(12)}  # every job type keeps a model
     assert datasets.synthetic_table(3, models, 12, holes=0.0) == full
+    # nearly every pair drawn out: a job type that would lose them all keeps its fastest model
+    pair = datasets.synthetic_table(1, ["T4", "V100"], 12)
+    sparse = datasets.synthetic_table(1, ["T4", "V100"], 12, holes=0.99)
+    assert sorted(r["job_type"] for r in sparse) == sorted(f"job{k}" for k in range(12))
+    assert sparse == [max((r for r in pair if r["job_type"] == f"job{k}"), key=lambda r: float(str(r["throughput"])))
+                      for k in range(12)]
     with pytest.raises(InvalidInput, match="--holes must be in"):
         datasets.synthetic_table(3, models, 12, holes=1.0)
     assert datasets.main(["synthetic-table", "--out", str(tmp_path / "t.csv"), "--models", ",".join(models),
