@@ -189,9 +189,8 @@ def test_a_table_s_holes_are_gpu_models_the_job_type_cannot_run_on(tmp_path: Pat
     (tmp_path / "neg.csv").write_text("job_type,gpu_model,throughput\na,X,-1\n")
     with pytest.raises(InvalidInput, match="must be >= 0"):
         simulate.load_table(tmp_path / "neg.csv")
-    # "b" is 10x faster on X than "a" on Y would suggest, and cannot run on Y at all: under every policy, the
-    # learned one included, every "b" job runs on x0 (at 1/s: 100 s; jobs far apart, so none waits), though first-fit
-    # takes y0 for every "a" job
+    # "b" cannot run on Y at all: under every policy, the learned one included, every "b" job runs on x0 (at 1/s:
+    # 100 s; jobs far apart, so none waits), though first-fit takes y0 (its first GPU) for every "a" job
     jobs = _sparse_jobs(120)
     for policy in simulate.DEFAULT_POLICIES:
         fig = run_policy(policy, table, HOST, jobs, seed=3, warmup_jobs=40, retrain_every=1000, min_records=30)
