@@ -127,8 +127,7 @@ def capacity_headroom(table: Table, host: Sequence[SimGpu]) -> tuple[float, floa
     except ImportError:  # pragma: no cover - scipy comes with scikit-learn
         return None
     types = table.job_types
-    rates = [[table.thr.get((j, g.model), 0.0) * g.health if g.memory_gib + 1e-9 >= table.need_gib.get(j, 0.0) else 0.0
-              for g in host] for j in types]
+    rates = [[table.thr[(j, g.model)] * g.health if table.fits(j, g) else 0.0 for g in host] for j in types]
     norm: list[list[float]] = []
     for row in rates:
         fit = [r for r in row if r > 0]
@@ -186,8 +185,7 @@ def offered_load(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job]) -> f
     host offers during the arrival span: the generator's definition, measured back from a trace."""
     busy = 0.0
     for j in jobs:
-        fits = [g for g in host if g.memory_gib + 1e-9 >= table.need_gib.get(j.job_type, 0.0)
-                and table.runs(j.job_type, g.model)]
+        fits = [g for g in host if table.fits(j.job_type, g)]
         rate = len(fits) / sum(1.0 / (table.thr[(j.job_type, g.model)] * g.health) for g in fits) if fits else 1.0
         busy += j.work / rate * j.num_gpus
     span = (jobs[-1].arrival_s - jobs[0].arrival_s) if jobs else 0.0

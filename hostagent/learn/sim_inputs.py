@@ -32,6 +32,11 @@ class Table:
         """Whether the job type can run on the GPU model (the table has its throughput)."""
         return (job_type, model) in self.thr
 
+    def fits(self, job_type: str, gpu: SimGpu) -> bool:
+        """Whether a job of the type can run on the device: it has the memory the type needs, and the table the
+        type's throughput on its model."""
+        return gpu.memory_gib + 1e-9 >= self.need_gib.get(job_type, 0.0) and self.runs(job_type, gpu.model)
+
     @property
     def job_types(self) -> list[str]:
         """Job types, sorted."""
@@ -164,8 +169,7 @@ def check_inputs(table: Table, host: Sequence[SimGpu], jobs: Sequence[Job]) -> t
                            "trace's job type(s) unknown)", field="throughputs")
     kept, notes = [], []
     for j in jobs:
-        fits = sum(1 for g in host if g.memory_gib + 1e-9 >= table.need_gib.get(j.job_type, 0.0)
-                   and table.runs(j.job_type, g.model))
+        fits = sum(1 for g in host if table.fits(j.job_type, g))
         if fits >= j.num_gpus:
             kept.append(j)
     if len(kept) < len(jobs):

@@ -330,7 +330,7 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
     started = [0.0] * len(host)  # device index -> when the job on it started (the first day's backfilling)
 
     def fits(request: PlacementRequest, i: int) -> bool:
-        return host[i].memory_gib + 1e-9 >= request.min_memory_gib and table.runs(request.task_type, host[i].model)
+        return table.fits(request.task_type, host[i])  # (the request's memory need is its type's: _request)
     seq = 0
     try:
         while arrivals or queue or running:
@@ -413,7 +413,7 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
                 fig.memory_violations += sum(1 for g in chosen if g.memory_gib + 1e-9 < need)
                 # regret against the best set among the devices that were free and eligible at this instant
                 rate = _set_rate(table, job, chosen)
-                best = _best_rate(table, job, host, free, index, decision.chosen, need)
+                best = _best_rate(table, job, host, free, index, decision.chosen)
                 fig.regret[job.index] = max(0.0, 1.0 - rate / best) if best > 0 else 0.0
                 end = now + job.work / rate
                 fig.jct[job.index] = end - job.arrival_s
@@ -464,11 +464,10 @@ def _head_room(head: PlacementRequest, free: Sequence[bool], started: Sequence[f
 
 
 def _best_rate(table: Table, job: Job, host: Sequence[SimGpu], free: Sequence[bool], index: dict[str, int],
-               chosen: Sequence[str], need: float) -> float:
+               chosen: Sequence[str]) -> float:
     """Rate of the fastest set of ``num_gpus`` devices that were free and fitted the job at decision time."""
     rates = sorted((table.thr[(job.job_type, g.model)] * g.health for g in host
-                    if (free[index[g.gpu_id]] or g.gpu_id in chosen) and g.memory_gib + 1e-9 >= need
-                    and table.runs(job.job_type, g.model)),
+                    if (free[index[g.gpu_id]] or g.gpu_id in chosen) and table.fits(job.job_type, g)),
                    reverse=True)
     if len(rates) < job.num_gpus:
         return 0.0
