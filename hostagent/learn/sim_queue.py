@@ -133,16 +133,10 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
         if sum(1 for i in usable if may[i]) < req.count:
             continue  # it cannot start now: not a candidate (the head is kept its GPUs by `room_of`)
         ready.append((order, jidx, req, usable, may))
-    top = max((req.priority for _, _, req, _, _ in ready), default=0)
     for order, jidx, req, usable, may in ready:
-        if not scorer.covers(req):
-            # as the agent's queue (lease_queue._by_advantage): a request of the highest priority that could start
-            # and that the model does not cover (too few records of its task type) keeps strict serve order, the
-            # first that could start; an uncovered one of a lower priority waits its turn
-            if req.priority == top:
-                first = ready[0][1]
-                return first, Pick(str(first), "first in serve order (the model does not cover them all)")
-            continue
+        # a request of a task type the model does not cover yet (too few records: placement picks its GPU by the
+        # cold-start rule) is compared by the model's predictions too, with their deviations (an unseen pair's is
+        # large: it ties), as the agent's queue does (services.placement.Placer.relative_rates)
         sc = state.scores(scorer, req, views_free)
         ranked = sorted(usable, key=lambda i: -sc[i])
         open_ = [i for i in ranked if may[i]]

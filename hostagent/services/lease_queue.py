@@ -132,7 +132,7 @@ def expected_free_at(m: LeaseCore, gpu_id: str, now: float, usable: _Usable) -> 
 
 def running_rate(lease: Lease, usable: _Usable) -> float:
     """The relative rate a granted lease runs at as the active model predicts it: its slowest GPU's (a set runs at
-    the pace of its slowest); 1.0 where no model covers its request. The model's run times are at rate 1 (the task
+    the pace of its slowest); 1.0 without an active model. The model's run times are at rate 1 (the task
     type's typical rate), so a lease that has run `t` seconds has done `t * rate` of it and takes `left / rate`
     seconds for what is left (as the simulator counts a running job). Asked of the decision's memo: one prediction
     per request shape, as for the queued."""
@@ -283,7 +283,7 @@ class _Usable:
         return list(got)
 
     def ranked(self, request: LeaseRequest) -> Ranked | None:
-        """The request shape's predicted relative rate on each usable GPU, best first (None: no model covers it)."""
+        """The request shape's predicted relative rate on each usable GPU, best first (None: no active model)."""
         key = _shape(request)
         if key in self._rates:
             return self._rates[key]
@@ -313,7 +313,7 @@ class _Usable:
 
     def sds(self, request: LeaseRequest) -> dict[str, float]:
         """Each usable GPU's log-space standard deviation of its predicted rate for the request ({}: none given, or
-        no model covers the request); asked of the placer once per shape while its token is unchanged."""
+        no active model); asked of the placer once per shape while its token is unchanged."""
         key = _shape(request)
         if key in self._sds:
             return self._sds[key]
@@ -353,13 +353,13 @@ class _Usable:
 
     def kth_of(self, request: LeaseRequest, gpus: Iterable[Gpu], count: int) -> str | None:
         """Of these GPUs (a backfill's room), the one whose predicted rate for the request is the `count`-th best:
-        a set of `count` of them runs at its rate (None: fewer, or no model covers the request)."""
+        a set of `count` of them runs at its rate (None: fewer, or no active model)."""
         got = self.ranked(request)
         return None if got is None else _kth_free(got.order, {g.id for g in gpus}, count)
 
     def terms(self, request: LeaseRequest, count: int, room: list[Gpu] | None,
               now: float) -> tuple[float, float | None, float, Line | None] | None:
-        """What comparative advantage weighs for `count` GPUs of the request (None: no model covers it): its best
+        """What comparative advantage weighs for `count` GPUs of the request (None: no active model): its best
         predicted rate on the host, the rate of the best set it could take now (of `room` for a backfill, else of
         the GPUs free; None: too few), the standard deviation of their ratio, and when the GPUs of its best rate
         are expected to free (None: none busy, or nothing slower to start on).
@@ -391,7 +391,7 @@ class _Usable:
     def figures(self, request: LeaseRequest, count: int) -> tuple[str, str | None, dict[str, float]] | None:
         """For `count` GPUs of the request: the GPU whose rate is its best on the host (the count-th best of every
         GPU it may use), the one whose rate is that of the best set free now (None: too few free) and the rates by
-        GPU; None without a model that covers it. Asked only of a request that could start now: it has a usable GPU,
+        GPU; None without an active model. Asked only of a request that could start now: it has a usable GPU,
         and `count` is at least one."""
         key = (_shape(request), count)
         if key not in self._figures:
@@ -469,7 +469,8 @@ def _running_by_task(m: LeaseCore, now: float, usable: _Usable) -> dict[str, lis
 
 def _strict(m: LeaseCore, first: Lease) -> bool:
     """Whether the queue keeps strict serve order for this decision: the operator turned comparative advantage
-    off, or the active model does not cover the first lease that could start (nothing to compare by)."""
+    off, or no model is active (nothing to compare by). A request of a task type the model does not cover yet is
+    compared by the model's predictions too, with their deviations (Placer.relative_rates)."""
     return not m.policy.fairness.enabled or m.relative_rates(first.request, []) is None
 
 
@@ -477,8 +478,7 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
                   now: float, usable: _Usable) -> tuple[Lease, list[Gpu], int, str | None] | None:
     """Of the queued leases that could start now, the one `domain.assignment.choose` picks: the highest
     priority among them, then the one closest to its best predicted rate on this host (comparative advantage),
-    within the operator's fairness bound; strict serve order where the active model does not cover every one of
-    the highest priority. None: every one would rather wait for a better GPU (and a lower priority may not take
+    within the operator's fairness bound; strict serve order without an active model. None: every one would rather wait for a better GPU (and a lower priority may not take
     the free GPUs either). Leases passed over are counted (and told), a lease that chooses to wait for a better GPU
     is told why."""
     top = max(x.request.priority for x, *_ in ready)

@@ -147,8 +147,8 @@ class LeaseCore(Protocol):
     scaling: Callable[[str], Scaling | None]  # task type -> what the active model's records say of its scaling
     # each GPU's predicted work rate for a request's task type, and the model's version (None: no model covers it)
     predict_rates: Callable[[LeaseRequest, Sequence[Gpu]], tuple[list[float], str] | None]
-    # each GPU's relative work rate for a request as the active model predicts it, free or not (None: no model covers
-    # the request): the queue's comparative advantage (services.lease_queue)
+    # each GPU's relative work rate for a request as the active model predicts it, free or not, a task type it does
+    # not cover yet too (None: no active model): the queue's comparative advantage (services.lease_queue)
     relative_rates: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None]
     # each GPU's log-space standard deviation of relative_rates' prediction (None: none): efficiencies within it tie
     rate_uncertainty: Callable[[LeaseRequest, Sequence[Gpu]], Sequence[float] | None]

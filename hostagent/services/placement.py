@@ -78,11 +78,14 @@ class Placer:
 
     def relative_rates(self, request: LeaseRequest, gpus: Sequence[Gpu]) -> tuple[float, ...] | None:
         """Each GPU's relative work rate for the request as the active model predicts it, busy or not (one batched
-        prediction; the queue compares them: services.lease_queue); None where no model covers the request. Asked
-        again with the same GPUs and probes, it returns the very tuple it returned before (the queue keeps what it
-        derived from it while it does)."""
+        prediction; the queue compares them: services.lease_queue); None without an active model. A request the
+        model does not cover yet (too few records of its task type: placement chooses its GPU by the cold-start
+        rule) is predicted too: the model's throughput matrix shares what it knows of the GPU models, and
+        rate_uncertainty gives a pair it has not seen the deviation of one, so the queue compares it without
+        trusting more than that (2026-12-01). Asked again with the same GPUs and probes, it returns the very tuple
+        it returned before (the queue keeps what it derived from it while it does)."""
         preq = PlacementRequest.from_lease(request, count=1)
-        if self.scorer is None or not self.scorer.covers(preq):
+        if self.scorer is None:
             return None
         # the queue asks again at every decision for every request shape that could start: a prediction depends
         # only on the request, the GPU (an object per scan) and its probes' figures (an object per probe), so each
@@ -118,12 +121,12 @@ class Placer:
 
     def rate_uncertainty(self, request: LeaseRequest, gpus: Sequence[Gpu]) -> tuple[float, ...] | None:
         """Each GPU's log-space standard deviation of relative_rates' prediction for the request (the active model's
-        throughput matrix: LearnedScorer.uncertainty); None where no model covers the request or gives none. The
-        queue treats efficiencies it cannot tell apart as equal (domain.assignment). Asked again with the same GPUs,
-        it returns the very tuple it returned before."""
+        throughput matrix: LearnedScorer.uncertainty); None without an active model or where it gives none (a
+        request it does not cover yet too: relative_rates). The queue treats efficiencies it cannot tell apart as
+        equal (domain.assignment). Asked again with the same GPUs, it returns the very tuple it returned before."""
         fn = getattr(self.scorer, "uncertainty", None)
         preq = PlacementRequest.from_lease(request, count=1)
-        if fn is None or self.scorer is None or not self.scorer.covers(preq):
+        if fn is None or self.scorer is None:
             return None
         key = tuple(gpus)
         last = self._last_sds.get(preq)

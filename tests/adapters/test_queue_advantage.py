@@ -266,7 +266,7 @@ def test_the_queue_ranks_a_request_shape_again_only_when_the_placer_answers_anew
     usable = lease_queue._Usable(m)  # within one decision the placer is asked once per shape
     usable.ranked(bert), usable.ranked(longer), usable.figures(bert, 1), usable.figures(bert, 2)
     assert len(asked) == 5
-    answer["now"] = None  # type: ignore[assignment]  # no model covers it any more: strict order for it
+    answer["now"] = None  # type: ignore[assignment]  # no model any more: strict order
     assert lease_queue._Usable(m).ranked(bert) is None
 
 
@@ -324,7 +324,7 @@ def test_each_request_shape_has_its_own_uncertainty_asked_once_per_token(tmp_pat
     placer.use(Unsure(0.2), "v-unsure-2")  # a model switch: asked again, the new model's figures
     n = len(asked)
     assert set(lease_queue._Usable(m).sds(bert).values()) == {0.2} and len(asked) == n + 1
-    m.relative_rates = lambda request, gpus: None  # no model covers it: no deviations
+    m.relative_rates = lambda request, gpus: None  # no model: no deviations
     assert lease_queue._Usable(m).sds(bert) == {}
 
 
@@ -373,7 +373,7 @@ def test_the_wait_for_a_better_gpu_and_a_backfills_rate_are_worked_out_per_reque
     # for a set of k, the best it could ever have runs at the k-th best GPU's rate (4 A100s, 4 V100s, 4 RTX 6000s)
     ranks = [usable.figures(bert, k) for k in (1, 4, 5, 9)]
     assert [m.gpus[f[0]].model.split()[1] for f in ranks if f] == ["[A100", "[A100", "[Tesla", "[Quadro"]
-    m.relative_rates = lambda request, gpus: None  # no model covers it: no figure
+    m.relative_rates = lambda request, gpus: None  # no model: no figure
     assert lease_queue._Usable(m).kth_of(bert, room, 1) is None and lease_queue._Usable(m).figures(bert, 1) is None
 
 
@@ -621,30 +621,53 @@ async def test_a_lower_priority_takes_a_gpu_every_request_above_it_would_rather_
     assert bert["id"] not in m.queue_passes
 
 
-class NotUnknown(TableModel):
-    """The table model, with no records of the task type `unknown`."""
+class NotCovered(TableModel):
+    """The table model with too few records of the task type `rare` to be trusted with its placement (placement
+    chooses its GPU by the cold-start rule); its throughput matrix still predicts it as it does bert, unsure of it by
+    `sd` (log-space standard deviation per prediction)."""
+
+    def __init__(self, sd: float) -> None:
+        super().__init__()
+        self.sd = sd
 
     def covers(self, request: PlacementRequest) -> bool:
-        return request.task_type != "unknown"
+        return request.task_type != "rare"
+
+    def score(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
+        as_ = dataclasses.replace(request, task_type="bert") if request.task_type == "rare" else request
+        return super().score(as_, devices)
+
+    def uncertainty(self, request: PlacementRequest, devices: Sequence[DeviceView]) -> list[float]:
+        return [self.sd if request.task_type == "rare" else 0.01 for _ in devices]
 
 
-async def test_a_lower_priority_the_model_cannot_rate_does_not_stop_the_others(tmp_path: Path,
-                                                                              aiohttp_client: Any) -> None:
-    # as above, with a priority-0 request of a task type the model has no records of queued between bert and ncf: it
-    # keeps its turn but does not compete for the T4 bert declines (nothing says how fast it would run there), and
-    # ncf, behind it, still takes it
-    rig = make_rig(tmp_path, scenario="demo16", clock=Clock(), leases={"guest_max_priority": 1})
-    rig.runtime.placer.use(NotUnknown(), "v-not-unknown")
+@pytest.mark.parametrize("sd", [0.01, 2.0])
+async def test_a_request_the_model_does_not_cover_yet_is_compared_by_its_predictions(tmp_path: Path,
+                                                                                     aiohttp_client: Any,
+                                                                                     sd: float) -> None:
+    # until 2026-12-01 a request of a task type the model does not cover kept the whole decision in strict serve
+    # order. Now the queue compares it by the model's predictions with their deviations: "rare", first in line, is
+    # predicted at 10 % of its best on the freed T4, ncf at 100 %. Where the model is sure of that (sd 0.01) ncf
+    # passes it; where it is not (sd 2.0, as for a pair it has never seen: combined 2.83 > ln 10) the two count as
+    # equal and "rare" keeps its turn, on a GPU placement chose by the cold-start rule. No draws of the doubt
+    rig = make_rig(tmp_path, scenario="demo16", placement={"explore_epsilon": 0.0})
+    rig.runtime.placer.use(NotCovered(sd), "v-not-covered")
     rig = await start_rig(rig, aiohttp_client)
     m = rig.runtime.manager
-    fillers = await fill(rig, short_a100=True)
-    bert = await post(rig, "vm-a", 202, gpus=1, task_type="bert", priority=1, accept_deferred=True)
-    unknown = await post(rig, "vm-c", 202, gpus=1, task_type="unknown", accept_deferred=True)
+    fillers = await fill(rig)
+    rare = await post(rig, "vm-a", 202, gpus=1, task_type="rare", accept_deferred=True)
     ncf = await post(rig, "vm-b", 202, gpus=1, task_type="ncf", accept_deferred=True)
-    assert [x["queue"]["position"] for x in (bert, unknown, ncf)] == [1, 2, 3]
     t4 = await free_a_t4(rig, fillers)
-    assert m.leases[ncf["id"]].state is S.ACTIVE and m.leases[ncf["id"]].gpu_ids == (t4,)
-    assert m.leases[bert["id"]].state is S.QUEUED and m.leases[unknown["id"]].state is S.QUEUED
+    first, second = (ncf, rare) if sd < 1 else (rare, ncf)
+    assert m.leases[first["id"]].state is S.ACTIVE and m.leases[first["id"]].gpu_ids == (t4,)
+    assert m.leases[second["id"]].state is S.QUEUED
+    said = " ".join(m.leases[first["id"]].reasons)
+    if first is ncf:
+        assert "comparative advantage: 100% of its best rate on the GPUs free now, against 10% for the request " \
+               f"ahead of it ({rare['id']})" in said, said
+        assert m.queue_notes[rare["id"]].startswith("passed over 1 time(s)")
+    else:
+        assert "cold-start" in said and f"{ncf['id']}'s 100% is within the model's uncertainty of it" in said, said
 
 
 async def test_a_backfill_is_rated_on_the_gpus_it_may_take(tmp_path: Path, aiohttp_client: Any) -> None:
@@ -719,7 +742,7 @@ def test_a_request_shapes_terms_are_its_rates_their_deviation_and_its_wait(tmp_p
     assert usable.terms(ncf, 1, None, now) == (9.0, 9.0, 0.0, None)  # its best rate now (the second T4): exact
     rig.runtime.placer.use(TableModel(), "v-table")  # a model that gives no deviations: ratios count as exact
     assert lease_queue._Usable(m).terms(bert, 1, None, now) == (10.0, 8.0, 0.0, line)
-    m.relative_rates = lambda request, gpus: None  # no model covers it
+    m.relative_rates = lambda request, gpus: None  # no model
     assert lease_queue._Usable(m).terms(bert, 1, None, now) is None
 
 
@@ -897,15 +920,21 @@ class OnlyBert(TableModel):
         return request.task_type == "bert"
 
 
-def test_where_the_model_does_not_cover_every_request_that_could_start_serve_order_decides(tmp_path: Path) -> None:
+def test_without_an_active_model_serve_order_decides(tmp_path: Path) -> None:
+    # nothing to compare by: the first that could start goes, nobody is passed over. Once a model is active, a task
+    # type it does not cover yet (ncf, for a model trained on bert alone) is ranked by its predictions all the same
     rig = make_rig(tmp_path, scenario="demo16")
     m = rig.runtime.manager
-    rig.runtime.placer.use(OnlyBert(), "v-bert")
     now = m.clock()
     for k, (vm, task) in enumerate((("vm-a", "bert"), ("vm-b", "ncf"), ("vm-c", "bert"))):
         lease = new_lease(f"l-q{k}", f"uuid-{vm}", vm, LeaseRequest(task_type=task, accept_deferred=True), now - 60 + k)
         m.leases[lease.id] = lease.transition(S.QUEUED, queued_at=now - 60 + k)
     m.queue_passes["l-q0"] = (2, now - 30)
-    pick = lease_queue._next_grant(m)  # the head is covered, the one behind it not: nothing to compare them by
+    ncf = LeaseRequest(task_type="ncf")
+    assert lease_queue._Usable(m).ranked(ncf) is None
+    pick = lease_queue._next_grant(m)
     assert pick is not None and pick[0].id == "l-q0" and pick[3] is None
     assert m.queue_passes["l-q0"] == (2, now - 30)  # strict order: nobody passed, no count moved
+    rig.runtime.placer.use(OnlyBert(), "v-bert")
+    ranked = lease_queue._Usable(m).ranked(ncf)
+    assert ranked is not None and "T4" in m.gpus[ranked.order[0]].model and ranked.by_id[ranked.order[0]] == 9.0

@@ -548,42 +548,41 @@ def test_the_simulator_draws_the_models_doubt_where_a_job_weighs_a_wait() -> Non
             assert asked == [request]
 
 
-def test_the_simulator_keeps_strict_order_for_an_uncovered_request_only_where_the_agent_does() -> None:
-    # the agent's queue (lease_queue._by_advantage) compares the requests that could start now; one of the highest
-    # priority among them that the model does not cover keeps strict serve order (the first that could start), one
-    # that cannot start, or of a lower priority, holds nobody to it. X is busy, Y free: "a" runs there at a tenth
-    # of its rate on X, "c" at its best; "b" is not covered
+def test_the_simulator_compares_a_request_the_model_does_not_cover_by_its_predictions() -> None:
+    # as the agent's queue (services.placement.Placer.relative_rates): a request of a task type the model does not
+    # cover yet is compared by the model's predictions with their deviations (until 2026-12-01 it kept strict serve
+    # order). X is busy, Y free: "a" and "b" run there at a tenth of their rate on X, "c" at its best; "b" is not
+    # covered, and the model is as sure of it as `sd` says
     from hostagent.domain.placement import PlacementRequest
     from hostagent.learn import sim_queue
 
-    views, oracle = sim_host(Table({("a", "X"): 10.0, ("a", "Y"): 1.0, ("b", "X"): 1.0, ("b", "Y"): 1.0,
+    views, oracle = sim_host(Table({("a", "X"): 10.0, ("a", "Y"): 1.0, ("b", "X"): 10.0, ("b", "Y"): 1.0,
                                     ("c", "X"): 1.0, ("c", "Y"): 1.0}, {}), [("gx", "X"), ("gy", "Y")])
 
-    class Partial:  # the table's rates, for every task type but "b"
+    class Partial:  # the table's rates, trusted for placement for every task type but "b"
+        def __init__(self, sd: float) -> None:
+            self.sd = sd
+
         def covers(self, request: PlacementRequest) -> bool:
             return request.task_type != "b"
 
         def score(self, request: PlacementRequest, devices: Sequence[Any]) -> list[float]:
             return oracle.score(request, devices)
 
-    a, b, c = (PlacementRequest(count=1, task_type=t) for t in "abc")
-    big_b = PlacementRequest(count=3, task_type="b")  # three GPUs: it cannot start on this host of two
+        def uncertainty(self, request: PlacementRequest, devices: Sequence[Any]) -> list[float]:
+            return [self.sd if request.task_type == "b" else 0.01 for _ in devices]
 
-    def pick(waiting: list[tuple[int, PlacementRequest]]) -> tuple[int | None, str]:
-        got, p = sim_queue.pick(sim_queue.QueueState(F), waiting, views, [False, True], lambda r, i: True, Partial(),
-                                {}, 0.0)
+    a, b, c = (PlacementRequest(count=1, task_type=t) for t in "abc")
+
+    def pick(waiting: list[tuple[int, PlacementRequest]], sd: float = 0.01) -> tuple[int | None, str]:
+        got, p = sim_queue.pick(sim_queue.QueueState(F), waiting, views, [False, True], lambda r, i: True,
+                                Partial(sd), {}, 0.0)
         return got, p.reason
 
-    # comparative advantage: "c" (100 % of its best on Y) passes "a" (10 %)
-    got, why = pick([(2, a), (1, c)])
-    assert got == 1 and why.startswith("comparative advantage")
-    # a "b" that could start, at the same priority: strict serve order, the first that could start
-    assert pick([(0, b), (2, a), (1, c)]) == (0, "first in serve order (the model does not cover them all)")
-    assert pick([(2, a), (0, b), (1, c)]) == (2, "first in serve order (the model does not cover them all)")
-    # a "b" that cannot start (until 2026-12-01 it put the whole decision in strict order) holds nobody to it
-    got, why = pick([(0, big_b), (2, a), (1, c)])
-    assert got == 1 and why.startswith("comparative advantage")
-    # nor does one of a lower priority: the highest priority is compared
-    high_a, high_c = (PlacementRequest(count=1, task_type=t, priority=1) for t in "ac")
-    got, why = pick([(0, b), (2, high_a), (1, high_c)])
-    assert got == 1 and why.startswith("comparative advantage")
+    # comparative advantage: "c" (100 % of its best on Y) passes "a" (10 %), and "b" (10 %) where the model is sure
+    for waiting in ([(2, a), (1, c)], [(0, b), (2, a), (1, c)], [(2, a), (0, b), (1, c)]):
+        got, why = pick(waiting)
+        assert got == 1 and why.startswith("comparative advantage"), (waiting, why)
+    # unsure of "b" (2.0 per prediction, 2.83 for the ratio, above ln 10): "b" and "c" count as equal, "b" first
+    got, why = pick([(0, b), (2, a), (1, c)], sd=2.0)
+    assert got == 0 and why.startswith("first in serve order") and "within the model's uncertainty" in why, why
