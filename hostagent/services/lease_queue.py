@@ -478,9 +478,9 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
                   now: float, usable: _Usable) -> tuple[Lease, list[Gpu], int, str | None] | None:
     """Of the queued leases that could start now, the one `domain.assignment.choose` picks: the highest
     priority among them, then the one closest to its best predicted rate on this host (comparative advantage),
-    within the operator's fairness bound; strict serve order without an active model. None: every one would rather wait for a better GPU (and a lower priority may not take
-    the free GPUs either). Leases passed over are counted (and told), a lease that chooses to wait for a better GPU
-    is told why."""
+    within the operator's fairness bound; strict serve order without an active model. None: every one would rather
+    wait for a better GPU (and a lower priority may not take the free GPUs either). Leases passed over are counted
+    (and told), a lease that chooses to wait for a better GPU is told why."""
     top = max(x.request.priority for x, *_ in ready)
     rank = {x.id: i for i, x in enumerate(order)}
     live = {x.id for x in order}

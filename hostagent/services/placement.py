@@ -80,9 +80,9 @@ class Placer:
         """Each GPU's relative work rate for the request as the active model predicts it, busy or not (one batched
         prediction; the queue compares them: services.lease_queue); None without an active model. A request the
         model does not cover yet (too few records of its task type: placement chooses its GPU by the cold-start
-        rule) is predicted too: the model's throughput matrix shares what it knows of the GPU models, and
-        rate_uncertainty gives a pair it has not seen the deviation of one, so the queue compares it without
-        trusting more than that (2026-12-01). Asked again with the same GPUs and probes, it returns the very tuple
+        rule) is predicted too: the model's throughput matrix shares what it knows of the GPU models and task
+        types, and rate_uncertainty gives a pair without records a wide deviation, so the queue compares it without
+        trusting it more than that (2026-12-01). Asked again with the same GPUs and probes, it returns the very tuple
         it returned before (the queue keeps what it derived from it while it does)."""
         preq = PlacementRequest.from_lease(request, count=1)
         if self.scorer is None:
