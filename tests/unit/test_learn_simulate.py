@@ -207,6 +207,28 @@ def test_a_table_s_holes_are_gpu_models_the_job_type_cannot_run_on(tmp_path: Pat
     assert simulate._request(table, jobs[0]).requires == ()  # "a" runs everywhere: no requirement
 
 
+def test_names_as_published_tables_write_them_are_read_and_honoured(tmp_path: Path) -> None:
+    # published tables name workloads and cards with spaces, commas, parentheses and slashes ("BERT-large, fp16" in
+    # quotes, "A100 80GB PCIe"), and leave pairs out: the three CSVs read them as written, and the hole holds under
+    # every policy (a BERT job runs on the A100 alone: 100 units at 10/s)
+    bert, resnet = "BERT-large, fp16", "ResNet-50 (bs 64)/v1.5"
+    (tmp_path / "t.csv").write_text(f'job_type,gpu_model,throughput,memory_gib\n"{bert}",A100 80GB PCIe,10,8\n'
+                                    f'"{resnet}",A100 80GB PCIe,1,8\n"{resnet}",V100-SXM2 16GB,10,8\n')
+    (tmp_path / "h.csv").write_text("gpu_id,gpu_model,memory_gib,numa_node,health_factor\n"
+                                    "v0,V100-SXM2 16GB,16,0,1\na0,A100 80GB PCIe,80,0,1\n")
+    (tmp_path / "r.csv").write_text("arrival_s,job_type,work,num_gpus,priority\n" + "".join(
+        f'{1000 * i},"{bert if i % 2 else resnet}",100,1,0\n' for i in range(120)))
+    table, host = simulate.load_table(tmp_path / "t.csv"), simulate.load_host(tmp_path / "h.csv")
+    jobs, _ = check_inputs(table, host, simulate.load_trace(tmp_path / "r.csv"))
+    assert table.holed == {bert} and {j.job_type for j in jobs} == {bert, resnet} and len(jobs) == 120
+    assert [g.model for g in host] == ["V100-SXM2 16GB", "A100 80GB PCIe"]
+    for policy in simulate.DEFAULT_POLICIES:
+        fig = run_policy(policy, table, host, jobs, seed=3, warmup_jobs=40, retrain_every=1000, min_records=30)
+        assert all(fig.jct[j.index] == pytest.approx(10.0) for j in jobs if j.job_type == bert), policy
+    model = run_policy("model", table, host, jobs, seed=3, warmup_jobs=40, retrain_every=1000, min_records=30)
+    assert any(t["decision"] == "promoted" for t in model.trainings)  # it learnt from these names too
+
+
 def test_cli_reads_the_three_csvs_and_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "t.csv").write_text("job_type,gpu_model,throughput,memory_gib\n"
                                     + "".join(f"{j},{m},{t},{TABLE.need_gib[j]}\n" for (j, m), t in TABLE.thr.items()))
