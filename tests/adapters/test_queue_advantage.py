@@ -126,6 +126,8 @@ async def test_a_freed_t4_goes_to_the_request_that_gains_most_from_it(tmp_path: 
     # the rule in force, in words: waiting in line for a better GPU, and who of several served in turn goes first
     assert "waits (when every request that could start would rather wait, the free GPUs stay free)" in placement
     assert "is served in turn (of several, the one that gains most from the GPUs free first)" in placement
+    assert "a task type the model has too few records of is compared by its predictions, and counts as equal where " \
+           "the model is unsure of them" in placement
     assert "its wait is weighed against a draw within the model's doubt, afresh at each decision (priority 5 and " \
            "under; placement.explore_epsilon 0.05)" in placement  # exploration on, as by default
     assert "comparative advantage: 100% of its best rate" in placement[placement.index("Recent placement decisions"):]
