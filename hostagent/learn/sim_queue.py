@@ -16,9 +16,10 @@ told when each of them frees, and which they are (jobs waiting for the same GPUs
 `domain.assignment`). Each job's efficiency carries the deviation of its two predictions (the scorer's
 `uncertainty`, as the agent's placer passes it; 0 for a scorer that knows the table), so jobs the model cannot tell
 apart keep serve order, and a job that would wait for a better GPU weighs the wait against a draw of its rate now
-within that deviation (`QueueState.doubt`, the learned policy's: `domain.assignment`, Thompson sampling). Where a
-job that could start now, of the highest priority among those, is of a task type the model does not cover yet (too
-few records), the first that could start goes, in serve order, as in the agent's queue.
+within that deviation (`QueueState.doubt`, the learned policy's: `domain.assignment`, Thompson sampling). A job of
+a task type the model does not cover yet (too few records: placement picks its GPU by the cold-start rule) is
+compared by the model's predictions too, with their deviations (a pair without records has a wide one: it ties), as
+in the agent's queue (services.placement.Placer.relative_rates).
 """
 
 from __future__ import annotations
@@ -124,7 +125,6 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
     for job in {id(j): j for j in running_on.values()}.values():  # (a job on several GPUs: once)
         if job.rate > 0:
             running.setdefault(job.task_type, []).append((now - job.start) * job.rate)
-    ready = []  # the jobs that can start now, in serve order: only they are compared, as in the agent's queue
     for order, (jidx, req) in enumerate(waiting[:WINDOW]):
         usable = [i for i in range(len(views_free)) if fits(req, i)]
         if len(usable) < req.count:
@@ -132,11 +132,6 @@ def pick(state: QueueState, waiting: Sequence[tuple[int, PlacementRequest]], vie
         may = free if room_of is None or order == 0 else room_of(req)  # the free GPUs it may take now
         if sum(1 for i in usable if may[i]) < req.count:
             continue  # it cannot start now: not a candidate (the head is kept its GPUs by `room_of`)
-        ready.append((order, jidx, req, usable, may))
-    for order, jidx, req, usable, may in ready:
-        # a request of a task type the model does not cover yet (too few records: placement picks its GPU by the
-        # cold-start rule) is compared by the model's predictions too, with their deviations (an unseen pair's is
-        # large: it ties), as the agent's queue does (services.placement.Placer.relative_rates)
         sc = state.scores(scorer, req, views_free)
         ranked = sorted(usable, key=lambda i: -sc[i])
         open_ = [i for i in ranked if may[i]]

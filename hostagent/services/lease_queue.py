@@ -481,7 +481,6 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
     within the operator's fairness bound; strict serve order without an active model. None: every one would rather
     wait for a better GPU (and a lower priority may not take the free GPUs either). Leases passed over are counted
     (and told), a lease that chooses to wait for a better GPU is told why."""
-    top = max(x.request.priority for x, *_ in ready)
     rank = {x.id: i for i, x in enumerate(order)}
     live = {x.id for x in order}
     for kept in (m.queue_passes, m.queue_notes, m.queue_waits):  # what the queue remembers of leases gone from it
@@ -495,10 +494,8 @@ def _by_advantage(m: LeaseCore, ready: list[tuple[Lease, list[Gpu], int, str | N
         # (every priority: a lower one starts only on GPUs every request above it would rather leave for better)
         # a backfill may take only its room, not every free GPU: its terms are rated on that room
         got = usable.terms(request, count, free if backfill is not None else None, now)
-        if got is None:
-            if request.priority == top:
-                return ready[0]  # no model says how fast it runs where: strict order
-            continue  # (a lower priority the model cannot rate waits its turn)
+        if got is None:  # no active model (the placer then answers no request): strict order
+            return ready[0]
         best, now_rate, sd, better = got
         # its expected run time on a typical GPU: what it states, else what the records show of its task type
         if request.duration_s:
