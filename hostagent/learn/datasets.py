@@ -34,6 +34,7 @@ from datetime import datetime
 from pathlib import Path
 
 from hostagent.domain.errors import InvalidInput
+from hostagent.domain.inventory import memory_from_name
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DATA = REPO.parent / "shared" / "data"
@@ -149,17 +150,45 @@ def roofline_table(models: Sequence[str] | None = None) -> list[dict[str, object
 
 
 def host_from_mix(mix: str, *, numa_nodes: int = 2, degrade: Sequence[tuple[int, float]] = ()) -> list[dict[str, object]]:
-    """Host rows from 'MODEL:COUNT,...'; devices split evenly over NUMA nodes in order."""
-    models: list[str] = []
+    """Host rows from 'MODEL:COUNT[:MEMORY_GIB],...'; devices split evenly over NUMA nodes in order. A model's
+    memory is the one given, else the data sets' figure (`MEMORY_GIB`), else the size its name carries or the agent
+    knows it by ('A100 80GB', 'Tesla P40': `domain.inventory.memory_from_name`); a model with none of these must
+    give it."""
+    models: list[tuple[str, float]] = []
     for part in mix.split(","):
-        name, _, count = part.strip().partition(":")
-        if name not in MEMORY_GIB:
-            raise InvalidInput(f"unknown GPU model {name!r}; known: {', '.join(sorted(MEMORY_GIB))}", field="mix")
-        models += [name] * int(count or 1)
+        fields = [f.strip() for f in part.split(":")]
+        name, count, memory = fields[0], (fields[1] if len(fields) > 1 else "") or "1", fields[2] if len(fields) > 2 else ""
+        if not name or len(fields) > 3:
+            raise InvalidInput(f"bad host mix entry {part.strip()!r}: give MODEL:COUNT or MODEL:COUNT:MEMORY_GIB",
+                               field="mix")
+        try:
+            n = int(count)
+            gib = float(memory) if memory else _memory_gib(name)
+        except ValueError:
+            raise InvalidInput(f"bad host mix entry {part.strip()!r}: COUNT is a whole number and MEMORY_GIB a "
+                               f"number", field="mix") from None
+        if gib is None:
+            raise InvalidInput(f"no memory figure for GPU model {name!r}: give it as {name}:{count}:MEMORY_GIB "
+                               f"(known without it: {', '.join(sorted(MEMORY_GIB))}, and names that carry their "
+                               f"size, e.g. 'A100 80GB')", field="mix")
+        if n < 1 or not gib > 0 or not math.isfinite(gib):
+            raise InvalidInput(f"bad host mix entry {part.strip()!r}: COUNT and MEMORY_GIB must be above 0",
+                               field="mix")
+        models += [(name, gib)] * n
     health = dict(degrade)
-    n = len(models)
-    return [{"gpu_id": f"gpu{i}", "gpu_model": m, "memory_gib": MEMORY_GIB[m],
-             "numa_node": i * numa_nodes // n, "health_factor": health.get(i, 1.0)} for i, m in enumerate(models)]
+    total = len(models)
+    return [{"gpu_id": f"gpu{i}", "gpu_model": m, "memory_gib": int(gib) if gib == int(gib) else gib,
+             "numa_node": i * numa_nodes // total, "health_factor": health.get(i, 1.0)}
+            for i, (m, gib) in enumerate(models)]
+
+
+def _memory_gib(model: str) -> float | None:
+    """A GPU model's memory in GiB without a figure given: the data sets' (`MEMORY_GIB`), else the agent's own
+    (`domain.inventory.memory_from_name`: a size in the name, or a model it knows); None when neither has one."""
+    if model in MEMORY_GIB:
+        return float(MEMORY_GIB[model])
+    got = memory_from_name(model)
+    return None if got is None else got / 1024**3
 
 
 def alibaba_mix(data: Path, n: int, seed: int) -> str:
@@ -272,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--models", default=",".join(ROOFLINE_GPUS))
     s = sub.add_parser("host")
     s.add_argument("--out", required=True, type=Path)
-    s.add_argument("--mix", help=f"MODEL:COUNT,... (e.g. {SIA_HOST_MIX}; roofline: {ROOFLINE_HOST_MIX})")
+    s.add_argument("--mix", help=f"MODEL:COUNT[:MEMORY_GIB],... (e.g. {SIA_HOST_MIX}; roofline: {ROOFLINE_HOST_MIX}; "
+                                 f"K80:4:12 for a model with no memory figure here)")
     s.add_argument("--alibaba", type=int, metavar="N", help="draw N GPUs from the Alibaba v2023 fleet mix")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--numa-nodes", type=int, default=2)

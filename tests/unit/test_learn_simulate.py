@@ -367,3 +367,31 @@ def test_the_synthetic_table_may_leave_pairs_out(tmp_path: Path) -> None:
                           "--job-types", "12", "--seed", "3", "--holes", "0.3"]) == 0
     table = simulate.load_table(tmp_path / "t.csv")
     assert len(table.thr) == len(holed) and table.holed
+
+
+def test_a_host_mix_takes_any_gpu_model_with_its_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a model the data sets have no figure for is given with its memory; a name that carries its size, or one the
+    # agent knows, needs none; the data sets' own models as before
+    host = datasets.host_from_mix("K80:2:12,A100 80GB:1,Tesla P40,V100:1")
+    assert [(h["gpu_model"], h["memory_gib"]) for h in host] == [("K80", 12), ("K80", 12), ("A100 80GB", 80),
+                                                                 ("Tesla P40", 24), ("V100", 32)]
+    assert datasets.host_from_mix("T4:1:15.5")[0]["memory_gib"] == 15.5  # the figure given wins
+    for bad, says in (("K80:2", "give it as K80:2:MEMORY_GIB"), ("T4:x", "COUNT is a whole number"),
+                      ("T4:1:big", "MEMORY_GIB a number"), ("T4:0", "above 0"), ("T4:1:0", "above 0"),
+                      ("T4:1:16:2", "MODEL:COUNT or MODEL:COUNT:MEMORY_GIB"), (":2", "MODEL:COUNT")):
+        with pytest.raises(InvalidInput, match=says):
+            datasets.host_from_mix(bad)
+    # through the command line: a clear error, exit 2 and no file; the file it writes is one the harness runs
+    out = tmp_path / "host.csv"
+    assert datasets.main(["host", "--out", str(out), "--mix", "K80:2"]) == 2 and not out.exists()
+    assert "give it as K80:2:MEMORY_GIB" in capsys.readouterr().err
+    assert datasets.main(["host", "--out", str(out), "--mix", "K80:2:12,V100:2"]) == 0
+    table = tmp_path / "table.csv"
+    table.write_text("job_type,gpu_model,throughput,memory_gib\nresnet,K80,10,8\nresnet,V100,80,8\n"
+                     "lm,K80,5,16\nlm,V100,40,16\n")
+    host_rows = simulate.load_host(out)
+    assert [(g.model, g.memory_gib) for g in host_rows] == [("K80", 12.0)] * 2 + [("V100", 32.0)] * 2
+    jobs = [Job(i, float(i), "lm" if i % 2 else "resnet", 100.0, 1) for i in range(8)]
+    fig = run_policy("first-fit", simulate.load_table(table), host_rows, jobs, seed=0, warmup_jobs=0,
+                     retrain_every=500, min_records=100)
+    assert len(fig.jct) == 8 and fig.memory_violations == 0  # lm (16 GiB) never on a 12 GiB K80
