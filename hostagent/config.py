@@ -149,6 +149,9 @@ class PlacementSettings:
     outcome: str = "work_rate"  # work_rate | utilization | completion
     min_records: int = 30
     explore_epsilon: float = 0.05
+    # before the first model (the cold-start rule, which predicts nothing): a random GPU this often, so the first
+    # model learns more than the pairs the rule favours (the simulator's `model` evaluates the same, learn.simulate)
+    cold_explore_epsilon: float = 0.3
     explore_max_priority: int = 5  # no exploration for requests above this priority
     retrain_interval_s: float = 6 * 3600.0
     model_check_interval_s: float = 30.0  # the running agent follows the store's active model version this often
@@ -386,6 +389,8 @@ def _check_cross(s: Settings) -> None:
         raise ConfigError("reclaim.idle_util_pct: must be 0..100", field="reclaim.idle_util_pct")
     if not 0 <= s.placement.explore_epsilon <= 0.5:
         raise ConfigError("placement.explore_epsilon: must be 0..0.5", field="placement.explore_epsilon")
+    if not 0 <= s.placement.cold_explore_epsilon <= 1:
+        raise ConfigError("placement.cold_explore_epsilon: must be 0..1", field="placement.cold_explore_epsilon")
     if not 0 <= s.placement.train_threads <= 1024:
         raise ConfigError(f"placement.train_threads: must be 0 (a thread per CPU) or 1..1024, got "
                           f"{s.placement.train_threads}", field="placement.train_threads")

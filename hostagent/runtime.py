@@ -623,6 +623,7 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
     pl = settings.placement
     placer = Placer(lambda: list(holder["m"].gpus.values()), quarantined=lambda: holder["m"].quarantined,
                     exploration=Exploration(epsilon=pl.explore_epsilon, max_priority=pl.explore_max_priority),
+                    cold_exploration=Exploration(epsilon=pl.cold_explore_epsilon, max_priority=pl.explore_max_priority),
                     default_numa_policy=settings.leases.numa_policy, measured=lambda g: holder["m"].measured.get(g))
     manager = LeaseManager(gpus=inventory.gpus, host=host, hypervisor=hypervisor, journal=journal,
                            policy=lease_policy(settings), clock=clock, place=placer)

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from hostagent.config import PlacementSettings
 from hostagent.domain.admission import backfill_share, shadow
 from hostagent.domain.capabilities import Capabilities
 from hostagent.domain.errors import InvalidInput
@@ -257,7 +258,7 @@ def _set_rate(table: Table, job: Job, gpus: Sequence[SimGpu]) -> float:
 
 def run_policy(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job], *, seed: int,
                warmup_jobs: int, retrain_every: int, min_records: int, workdir: Path | None = None,
-               exploration: Exploration = Exploration(), warmup_epsilon: float = 0.3,
+               exploration: Exploration = Exploration(), warmup_epsilon: float = PlacementSettings.cold_explore_epsilon,
                fairness: Fairness = Fairness(), history: Sequence[Job] = ()) -> RunFigures:
     """Simulate one policy over the trace and return its figures.
 

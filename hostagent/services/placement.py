@@ -40,7 +40,8 @@ class Placer:
 
     def __init__(self, gpus: Callable[[], Sequence[Gpu]], *, quarantined: Callable[[], dict[str, str]],
                  probe_scores: Callable[[], dict[str, float]] | None = None,
-                 exploration: Exploration | None = None, seed: int | None = None,
+                 exploration: Exploration | None = None, cold_exploration: Exploration | None = None,
+                 seed: int | None = None,
                  distance: Callable[[DeviceView, DeviceView], float] | None = None,
                  default_numa_policy: str = "preferred",
                  measured: Callable[[str], Measured | None] = lambda gpu_id: None) -> None:
@@ -49,6 +50,8 @@ class Placer:
         self._quarantined = quarantined
         self._probe_scores = probe_scores or (lambda: {})
         self.exploration = exploration
+        # before the first model (`placement.cold_explore_epsilon`); None: as `exploration`
+        self.cold_exploration = cold_exploration
         self.rng = random.Random(seed)
         self.distance = distance
         self.scorer: Scorer | None = None
@@ -236,7 +239,9 @@ class Placer:
             raise
         if not remember:
             return placement
-        alt = explore(preq, scored, placement.gpu_ids[0], self.exploration, self.rng) if count == 1 else None
+        # before any model the cold-start rule predicts nothing: a random GPU, at the first day's own rate
+        ex = self.exploration if self.scorer is not None or self.cold_exploration is None else self.cold_exploration
+        alt = explore(preq, scored, placement.gpu_ids[0], ex, self.rng) if count == 1 else None
         if alt is not None:
             placement = Placement(gpu_ids=(alt[0],), reasons=(scored.reason, alt[1]), candidates=placement.candidates,
                                   dropped=dropped, distance=None, rule=RULE_EXPLORE)

@@ -916,7 +916,8 @@ async def five_gpu_request(v: Variant) -> int:
     return status
 
 
-NO_EXPLORING = {"placement": {"explore_epsilon": 0.0}}  # exploration would try a random GPU now and then
+# exploration would try a random GPU now and then (these agents have no model: the first day's rate)
+NO_EXPLORING = {"placement": {"explore_epsilon": 0.0, "cold_explore_epsilon": 0.0}}
 
 
 def second_gpu_distance(task_type: str = "training") -> Callable[[Variant], Awaitable[int]]:
@@ -1417,12 +1418,15 @@ TABLE: dict[str, Effect | Proven] = {
         "tests/adapters/test_train_threads.py::test_the_scheduled_retraining_fits_on_placement_train_threads",
         "the scheduled retraining fits with its OpenMP pool at this many threads (left out: one; 0: a worker thread's "
         "default, a thread per CPU)"),
-    "placement.explore_epsilon": Effect(
-        0.5, "placement explores on this share of one-GPU requests", explored_of(8),
-        default=lambda n: n <= 1, changed=lambda n: n >= 3),
+    "placement.explore_epsilon": Proven(
+        "tests/adapters/test_placer.py::test_before_its_first_model_placement_explores_at_its_own_rate",
+        "once a model is in use, placement explores on this share of one-GPU requests (0.5: 5 to 15 of 20; 0: none)"),
+    "placement.cold_explore_epsilon": Effect(
+        0.0, "before the first model, placement explores on this share of one-GPU requests (by default 0.3)",
+        explored_of(8), default=lambda n: 1 <= n <= 5, changed=0),
     "placement.explore_max_priority": Effect(
         10, "requests of priority 6 explore too (by default none above 5 does)",
-        explored_of(8, domain="vm-a", priority=6), base={"placement": {"explore_epsilon": 0.5}},
+        explored_of(8, domain="vm-a", priority=6), base={"placement": {"cold_explore_epsilon": 0.5}},
         default=0, changed=lambda n: n >= 3),
     "placement.retrain_interval_s": Effect(
         0.3, "the agent retrains this often (its log's \"retraining:\" lines)", retrainings_within,

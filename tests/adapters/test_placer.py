@@ -44,7 +44,7 @@ def wired(tmp_path: Path) -> tuple[AgentRig, Placer, TopologyParts]:
     app = make_app(rig.runtime)  # wires the topology placer into the runtime's placer
     placer = rig.runtime.placer
     assert placer.topology_place is app[TOPOLOGY].placer
-    placer.exploration = None  # deterministic unless a test explores on purpose
+    placer.exploration = placer.cold_exploration = None  # deterministic unless a test explores on purpose
     return rig, placer, app[TOPOLOGY]
 
 
@@ -107,6 +107,27 @@ def test_exploration_swaps_a_single_gpu_for_a_near_best_one(wired: tuple[AgentRi
     # multi-GPU sets and requests above the priority bound never explore
     assert placer(LeaseRequest(gpus=2), free_gpus(rig), 2, rig.uuids["vm-a"]).rule == "model"
     assert placer(LeaseRequest(gpus=1, priority=5), free_gpus(rig), 1, rig.uuids["vm-a"]).rule == "model"
+
+
+@pytest.mark.parametrize(("cold", "warm"), [(1.0, 0.0), (0.0, 0.5)])
+def test_before_its_first_model_placement_explores_at_its_own_rate(tmp_path: Path, cold: float, warm: float) -> None:
+    # `placement.cold_explore_epsilon` until a model is in use (the cold-start rule predicts nothing: a random GPU
+    # this often, so the first model learns more than the pairs the rule favours), `placement.explore_epsilon` after
+    rig = make_rig(tmp_path, placement={"cold_explore_epsilon": cold, "explore_epsilon": warm})
+    make_app(rig.runtime)
+    placer = rig.runtime.placer
+    placer.rng.seed(7)
+
+    def explored(n: int) -> int:
+        return sum(placer(LeaseRequest(gpus=1), free_gpus(rig), 1, rig.uuids["vm-a"]).rule == "explore"
+                   for _ in range(n))
+    before = explored(20)
+    placer.use(CountingScorer({g: 1.0 for g in ALL}), "v-test")  # every GPU alike: each within max_loss
+    after = explored(20)
+    if cold:
+        assert (before, after) == (20, 0)
+    else:
+        assert before == 0 and 5 <= after <= 15, after
 
 
 def test_a_refusal_is_remembered_and_explained(wired: tuple[AgentRig, Placer, TopologyParts]) -> None:

@@ -32,7 +32,7 @@ print(json.dumps({"work_rate": rates[os.environ["HOSTAGENT_PROBE_GPU"]],
 def rig_with_probes(tmp: Path, *, fail: bool = False) -> AgentRig:
     script, table = tmp / "probe.py", tmp / "rates.json"
     script.write_text(PROBE)
-    rig = make_rig(tmp, scenario="demo16",
+    rig = make_rig(tmp, scenario="demo16", placement={"cold_explore_epsilon": 0.0},  # the figure alone places
                    probes={"task_probes": {"resnet": f"{sys.executable} {script} {table}"}})
     table.write_text(json.dumps({"fail": fail} | {str(g.address): RATES[g.model[:5]]
                                                   for g in rig.runtime.manager.gpus.values()}))

@@ -27,7 +27,7 @@ from tests.support.topology import NODE0, NODE1, SWITCH_A, SWITCH_B, SWITCH_C
 ADDR = {g: f"0000:{g[9:11]}:00.0" for g in NODE0 + NODE1}
 
 
-NO_EXPLORATION = {"explore_epsilon": 0.0}
+NO_EXPLORATION = {"explore_epsilon": 0.0, "cold_explore_epsilon": 0.0}
 
 
 async def production_rig(tmp_path: Path, aiohttp_client: Any, **kw: Any) -> AgentRig:
