@@ -157,7 +157,8 @@ def host_from_mix(mix: str, *, numa_nodes: int = 2, degrade: Sequence[tuple[int,
     models: list[tuple[str, float]] = []
     for part in mix.split(","):
         fields = [f.strip() for f in part.split(":")]
-        name, count, memory = fields[0], (fields[1] if len(fields) > 1 else "") or "1", fields[2] if len(fields) > 2 else ""
+        name, count, memory = (fields + ["", ""])[:3]
+        count = count or "1"
         if not name or len(fields) > 3:
             raise InvalidInput(f"bad host mix entry {part.strip()!r}: give MODEL:COUNT or MODEL:COUNT:MEMORY_GIB",
                                field="mix")
