@@ -154,6 +154,9 @@ class PlacementSettings:
     cold_explore_epsilon: float = 0.3
     explore_max_priority: int = 5  # no exploration for requests above this priority
     retrain_interval_s: float = 6 * 3600.0
+    # and as the records grow: the first model once min_records leases have finished, then each time the finished
+    # leases reach this multiple of those the model in use was trained at (0: the interval alone; services.retraining)
+    retrain_growth: float = 2.0
     model_check_interval_s: float = 30.0  # the running agent follows the store's active model version this often
     objective: str = "pack"  # among equally good sets: pack (keep whole free blocks) | spread (share links least)
     objective_per_task: dict[str, str] = field(default_factory=dict)  # task_type -> pack | spread
@@ -391,6 +394,8 @@ def _check_cross(s: Settings) -> None:
         raise ConfigError("placement.explore_epsilon: must be 0..0.5", field="placement.explore_epsilon")
     if not 0 <= s.placement.cold_explore_epsilon <= 1:
         raise ConfigError("placement.cold_explore_epsilon: must be 0..1", field="placement.cold_explore_epsilon")
+    if s.placement.retrain_growth != 0 and not s.placement.retrain_growth > 1:
+        raise ConfigError("placement.retrain_growth: must be 0 (off) or above 1", field="placement.retrain_growth")
     if not 0 <= s.placement.train_threads <= 1024:
         raise ConfigError(f"placement.train_threads: must be 0 (a thread per CPU) or 1..1024, got "
                           f"{s.placement.train_threads}", field="placement.train_threads")

@@ -32,8 +32,9 @@ from hostagent.services.fleet import publisher_for
 from hostagent.services.lease_types import all_drivers
 from hostagent.services.leases import LeaseManager, lease_view
 from hostagent.services.out_of_band import OutOfBandWatcher
-from hostagent.services.model_follow import RETRAIN, START, ModelFollower
+from hostagent.services.model_follow import START, ModelFollower
 from hostagent.services.placement import Placer
+from hostagent.services.retraining import Retrainer
 from hostagent.services.reaper import Reaper, host_signal_untrusted, reaper_settings
 from hostagent.services.reconcile import (  # noqa: F401 (MISSED_WHILE_AWAY: re-exported)
     MISSED_WHILE_AWAY,
@@ -101,6 +102,7 @@ class Runtime:
     use_store: bool = True
     placer: Any = None
     models: Any = None  # the ModelFollower: the placer follows the store's active model version
+    retrainer: Any = None  # the Retrainer: every placement.retrain_interval_s and as the records grow
     fleet: Any = None  # the FleetPublisher: this host's live state to the shared store (services.fleet)
     watcher: Any = None  # the OutOfBandWatcher: the kernel's uevents for changes the agent did not make
     reread_retry_s: float = REREAD_RETRY_S
@@ -335,9 +337,11 @@ class Runtime:
             loop_tasks.append(self._periodic(3600.0, self.prune_journal))
         if self.store is not None:
             # scikit-learn is a heavy import: load the model after readiness, the cold-start rule decides until then
+            pl = self.settings.placement
             loop_tasks += [self._load_model(), self._mirror_loop(), self._periodic(3600.0, self._prune),
-                           self._periodic(self.settings.placement.retrain_interval_s, self._retrain),
-                           self._periodic(self.settings.placement.model_check_interval_s, self.models.check),
+                           self._periodic(pl.retrain_interval_s, self.retrainer.scheduled),
+                           self._periodic(pl.model_check_interval_s, self.models.check),
+                           self._periodic(pl.model_check_interval_s, self.retrainer.if_grown),
                            self.fleet.run()]
         self.tasks.extend(asyncio.create_task(c) for c in loop_tasks)  # beside a re-read a reconnect may have begun
         self.manager._wake_queue.set()
@@ -456,20 +460,12 @@ class Runtime:
 
     async def _load_model(self, how: str = START) -> None:
         """Use the store's active placement model, if any (else the cold-start rule decides): services.model_follow,
-        which also follows it every placement.model_check_interval_s (scikit-learn is imported only for a model)."""
+        which also follows it every placement.model_check_interval_s (scikit-learn is imported only for a model).
+        At the start, the retraining then counts the records it grows from (services.retraining)."""
         if not await self.models.check(how) and self.settings.agent.gc_freeze:
             settle_heap()  # the follower settles it after a switch
-
-    async def _retrain(self) -> None:
-        """Scheduled retraining: a new model replaces the current one unless it does worse beyond the records'
-        noise. Its fit runs on placement.train_threads threads: a host's CPUs are its guests' vCPUs."""
-        from hostagent.learn.lifecycle import train
-
-        pl = self.settings.placement
-        result = await self.run(limit_threads(train, pl.train_threads), self.store.store, target=pl.outcome,
-                                min_records=pl.min_records)
-        log.info("retraining: %s", result.to_dict().get("decision"))
-        await self._load_model(RETRAIN)
+        if how == START:
+            await self.retrainer.start()
 
     async def _prune(self) -> None:
         st = self.settings.store
@@ -590,25 +586,6 @@ def _model_switched(manager: LeaseManager, gc_freeze: bool) -> None:
         settle_heap()
 
 
-def limit_threads(fn: Callable[..., Any], threads: int) -> Callable[..., Any]:
-    """`fn`, its native thread pools (scikit-learn's OpenMP, BLAS) limited to `threads` threads while it runs; 0: `fn`
-    as it is (a thread per CPU, or OMP_NUM_THREADS). The limit is set in the thread that calls `fn` (Runtime.run's
-    worker): an OpenMP limit, the trees', holds only in the thread that sets it."""
-    if threads <= 0:
-        return fn
-
-    def limited(*args: Any, **kwargs: Any) -> Any:
-        import sklearn.ensemble  # noqa: F401 - a limit reaches only the libraries loaded already: its OpenMP runtime
-        from threadpoolctl import threadpool_limits
-
-        # threadpool_limits is process-wide while active for a pool the process shares (OpenBLAS's own threads):
-        # whatever else runs meanwhile gets the limit too. Retrainings never overlap (_periodic awaits each), so no
-        # two limits restore each other's values.
-        with threadpool_limits(limits=threads):
-            return fn(*args, **kwargs)
-    return limited
-
-
 def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable[[], float] = time.time) -> Runtime:
     """Construct (but do not start) everything from settings; tests may inject the hypervisor and a clock."""
     settings.state_dir.mkdir(parents=True, exist_ok=True)
@@ -638,6 +615,7 @@ def build_runtime(settings: Settings, *, hypervisor: Any = None, clock: Callable
                  manager=manager, tokens=tokens, clock=clock, placer=placer)
     rt.models = ModelFollower(placer, lambda: rt.store.store, journal=journal, clock=clock,
                               after_switch=functools.partial(_model_switched, manager, settings.agent.gc_freeze))
+    rt.retrainer = Retrainer(pl, lambda: rt.store, load=rt._load_model, in_use=lambda: placer.model_version is not None)
     untrusted = host_signal_untrusted(settings.reclaim, lambda: irq_bypass(settings.host.sysfs_root))
     if untrusted:
         log.info("idle reclaim: vfio interrupt counters are not trusted to show a busy GPU (%s); with no guest "

@@ -50,6 +50,7 @@ from hostagent.domain.admission import backfill_share, shadow
 from hostagent.domain.capabilities import Capabilities
 from hostagent.domain.errors import InvalidInput
 from hostagent.domain.lease import DEFAULT_DURATION_S
+from hostagent.domain.retraining import GrowthSchedule
 from hostagent.domain.assignment import Fairness
 from hostagent.learn import sim_queue
 from hostagent.learn.sim_inputs import Job, SimGpu, Table, check_inputs, load_host, load_table, load_trace
@@ -313,13 +314,14 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
     cold = policy == COLD_ORACLE  # the learned policy's cold start until first_training completions, then the table
     scorer: Scorer | None = (None if policy in LEARNED or (cold and first_training > 0)
                              else rules["matching-oracle" if cold else policy])
-    # the learned policy trains as soon as it has first_training finished jobs (short of the lifecycle's labelled
-    # records then, at each end until it has them), then each time its records double, at most every retrain_every
-    # completions: a young model improves fast
-    completed, next_train = done_before, first_training
+    # the learned policy trains as the agent does (domain.retraining): as soon as it has first_training finished jobs
+    # (short of the lifecycle's labelled records then, at each end until it has them), then each time its records
+    # double, at most every retrain_every completions: a young model improves fast
+    completed = done_before
+    schedule = GrowthSchedule(first=first_training, growth=PlacementSettings.retrain_growth, most=retrain_every)
     if recorder is not None and done_before > 0:
         scorer = recorder.retrain()
-        next_train = done_before + min(retrain_every, done_before)
+        schedule.trained(done_before, in_use=scorer is not None)
     # (end, seq, job index, gpu ids, start, request, reasons)
     running: list[tuple[float, int, int, tuple[str, ...], float, PlacementRequest, tuple[str, ...]]] = []
     queue: deque[Job] = deque()
@@ -356,10 +358,10 @@ def _run(policy: str, table: Table, host: Sequence[SimGpu], jobs: Sequence[Job],
                     job = jobs[jidx]
                     recorder.finished(job, start, end, gpu_ids,
                                       _set_rate(table, job, [by_id[g] for g in gpu_ids]) / len(gpu_ids), req, why)
-                    if completed >= next_train:
+                    if schedule.due(completed):
                         scorer = recorder.retrain() or scorer
                         # too few labelled records yet (a lease on a mixed set labels none): again at the next end
-                        next_train = completed + (min(retrain_every, completed) if scorer is not None else 1)
+                        schedule.trained(completed, in_use=scorer is not None)
             while arrivals and arrivals[0].arrival_s <= now:
                 queue.append(arrivals.popleft())
             if policy in QUEUE_AWARE:  # the agent's serve order: priority, then age

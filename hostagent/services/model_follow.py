@@ -34,10 +34,12 @@ HISTORY_MAX = 50  # switches kept for the dashboard
 COLD_START = "none (cold-start rule)"
 
 # How a switch came about (ModelChange.how), and the words the journal and the placement page use for it.
-START, RETRAIN, TRAINED, ROLLED_BACK, DEACTIVATED = "start", "retrain", "trained", "rolled back", "deactivated"
+START, RETRAIN, GROWN, TRAINED, ROLLED_BACK, DEACTIVATED = (
+    "start", "retrain", "grown", "trained", "rolled back", "deactivated")
 WHY = {
     START: "the store's active model when the agent started",
     RETRAIN: "this agent's scheduled retraining promoted it",
+    GROWN: "this agent's retraining promoted it as its records grew (placement.retrain_growth)",
     TRAINED: "followed the store: a newer model was trained and activated (hostagent model train, or another "
              "agent's retraining)",
     ROLLED_BACK: "followed the store: an older version was activated again (hostagent model rollback)",
@@ -53,7 +55,7 @@ class ModelChange:
     at: float
     before: str | None  # the version in use before (None: the cold-start rule)
     after: str | None  # the version in use after
-    how: str  # START | RETRAIN | TRAINED | ROLLED_BACK | DEACTIVATED
+    how: str  # START | RETRAIN | GROWN | TRAINED | ROLLED_BACK | DEACTIVATED
 
     @property
     def why(self) -> str:
@@ -99,7 +101,8 @@ class ModelFollower:
 
     async def check(self, how: str | None = None) -> bool:
         """Read the store's active version (metadata only); when it is not the one followed, load it and switch
-        the placer (`how`: START or RETRAIN when the caller knows why, else worked out). True when it switched."""
+        the placer (`how`: START, RETRAIN or GROWN when the caller knows why, else worked out). True when it
+        switched."""
         async with self._lock:
             self.checks += 1
             try:

@@ -195,6 +195,10 @@ class AsyncUsageStore:
         """See UsageStore.get_model_version."""
         return await self.run(self.store.get_model_version, version, **kw)
 
+    async def finished_leases(self, **kw: Any) -> int:
+        """See UsageStore.finished_leases."""
+        return int(await self.run(self.store.finished_leases, **kw))
+
     async def training_records(self, **kw: Any) -> list[dict[str, Any]]:
         """See UsageStore.training_records."""
         return await self.run(self.store.training_records, **kw)

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, delete, insert, or_, select, update
+from sqlalchemy import Connection, delete, func, insert, or_, select, update
 
 from hostagent.domain.errors import InvalidInput, NotFound
 from hostagent.store import schema as t
@@ -268,6 +268,14 @@ class LeaseRepo(EventRepo):
                 x["devices"] = devs.get((x["host_id"], x["id"]), [])
             return out
         return self._read(run)
+
+    def finished_leases(self, *, all_hosts: bool = True) -> int:
+        """How many leases have ended (every host's by default, as training reads them): what the agent's retraining
+        counts as its records grow (services.retraining)."""
+        q = select(func.count()).select_from(t.leases).where(t.leases.c.ended_at.is_not(None))
+        if not all_hosts:
+            q = q.where(t.leases.c.host_id == self.host_id)
+        return int(self._read(lambda c: c.execute(q).scalar_one()))
 
     def _devices(self, c: Connection, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
         """Devices of the (host_id, lease_id) pairs, in chunks so IN lists stay short."""

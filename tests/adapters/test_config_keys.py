@@ -1100,7 +1100,7 @@ async def retrainings_within(v: Variant) -> int:
 
     # scikit-learn imported first (the job imports it): the window then measures the job, not a cold import
     await asyncio.to_thread(importlib.import_module, "hostagent.learn.lifecycle")
-    handler, logger = Catch(), logging.getLogger("hostagent.runtime")
+    handler, logger = Catch(), logging.getLogger("hostagent.placement")  # services.retraining's
     logger.addHandler(handler)
     old = logger.level
     logger.setLevel(logging.INFO)
@@ -1431,6 +1431,12 @@ TABLE: dict[str, Effect | Proven] = {
     "placement.retrain_interval_s": Effect(
         0.3, "the agent retrains this often (its log's \"retraining:\" lines)", retrainings_within,
         default=0, changed=lambda n: n >= 1),
+    "placement.retrain_growth": Proven(
+        "tests/adapters/test_retraining.py::test_a_fresh_agent_trains_its_first_model_once_it_has_min_records_then_as_"
+        "they_grow",
+        "a fresh agent trains its first model once placement.min_records leases have finished (not at the first "
+        "interval), then when they reach this multiple of those (1.5: at 60 after 40, not at 55); 0: the interval "
+        "alone (test_placement_retrain_growth_0_leaves_the_interval_alone)"),
     "placement.model_check_interval_s": Proven(
         "tests/adapters/test_model_follow.py::test_the_check_interval_is_placement_model_check_interval_s",
         "the running agent reads the store's active model this often: at 0.1 s it follows a model trained beside it, "

@@ -33,9 +33,10 @@ T0 = 1_700_000_000.0
 
 async def agent(tmp: Path, aiohttp_client: Any, check_s: float = CHECK_S, **sections: Any) -> AgentRig:
     """An agent with a SQLite usage store and no model yet, logged in to the dashboard as the operator; its start
-    check done."""
+    check done. It never retrains as its records grow (placement.retrain_growth 0: test_retraining's): only the
+    trainings made elsewhere change its model."""
     rig = make_rig(tmp, placement={"model_check_interval_s": check_s, "explore_epsilon": 0.0,
-                                   "cold_explore_epsilon": 0.0}, **sections)
+                                   "cold_explore_epsilon": 0.0, "retrain_growth": 0}, **sections)
     rig = await start_rig(rig, aiohttp_client)
     await until(lambda: rig.runtime.models.checks >= 1, FOLLOW_WAIT_S, "the start check")
     await operator_login(rig)

@@ -24,7 +24,7 @@ def openmp_threads() -> list[int]:
 
 async def fit_threads(tmp: Path, aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch,
                       **placement: Any) -> list[list[int]]:
-    """An agent with these [placement] keys runs its scheduled retraining (Runtime._retrain, as its timer would); the
+    """An agent with these [placement] keys runs its scheduled retraining (Retrainer.scheduled, as its timer would); the
     OpenMP threads its training saw while it ran, once per call."""
     seen: list[list[int]] = []
 
@@ -35,7 +35,7 @@ async def fit_threads(tmp: Path, aiohttp_client: Any, monkeypatch: pytest.Monkey
     monkeypatch.setattr(lifecycle, "train", train)
     rig = await start_rig(make_rig(tmp, placement=placement), aiohttp_client)
     assert rig.runtime.settings.placement.train_threads == placement.get("train_threads", 1)
-    await rig.runtime._retrain()
+    await rig.runtime.retrainer.scheduled()
     return seen
 
 
